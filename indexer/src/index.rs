@@ -1,0 +1,188 @@
+//! The concurrent store: block key -> the pods holding it, per tier.
+//!
+//! Sharded (`DashMap`), so pods applying events and requests scoring prompts
+//! only contend when they touch the same shard at the same instant; there is
+//! no global lock. The per-pod bookkeeping that makes removals and clears
+//! cheap lives in `pod`; this module only knows keys and holders.
+
+use std::hash::{BuildHasherDefault, Hasher};
+
+use dashmap::DashMap;
+use smallvec::SmallVec;
+
+use crate::event::{Tier, TIERS};
+use crate::keys::BlockKey;
+
+/// Interned pod identity: an index into the indexer's pod table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PodId(pub u32);
+
+/// Bit set of tiers (`1 << Tier as usize`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierMask(pub u8);
+
+impl TierMask {
+    pub fn contains(self, tier: Tier) -> bool {
+        self.0 & (1 << tier.index()) != 0
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    pub fn tiers(self) -> impl Iterator<Item = Tier> {
+        Tier::ALL.into_iter().filter(move |t| self.contains(*t))
+    }
+}
+
+/// One pod holding one key. `refs[tier]` counts the pod's distinct engine
+/// hashes that resolve to this key on that tier (normally 0 or 1; more only
+/// when an engine distinguishes blocks our keys cannot, e.g. old wire forms
+/// without extra keys).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holder {
+    pub pod: PodId,
+    refs: [u16; TIERS],
+}
+
+impl Holder {
+    pub fn tiers(&self) -> TierMask {
+        let mut mask = 0u8;
+        for (i, r) in self.refs.iter().enumerate() {
+            if *r > 0 {
+                mask |= 1 << i;
+            }
+        }
+        TierMask(mask)
+    }
+}
+
+/// Holders of a key, sorted by pod id so scoring can intersect in one pass.
+pub type Holders = SmallVec<[Holder; 2]>;
+
+/// Keys are already uniformly distributed xxh3 values: hash them as is.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 << 8 | self.0 >> 56) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+pub type KeyBuildHasher = BuildHasherDefault<KeyHasher>;
+
+#[derive(Default)]
+pub struct BlockIndex {
+    map: DashMap<BlockKey, Holders, KeyBuildHasher>,
+}
+
+impl BlockIndex {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records one more reference of `pod` holding `key` on `tier`.
+    pub fn acquire(&self, key: BlockKey, pod: PodId, tier: Tier) {
+        let mut holders = self.map.entry(key).or_default();
+        match holders.binary_search_by_key(&pod, |h| h.pod) {
+            Ok(i) => {
+                let r = &mut holders[i].refs[tier.index()];
+                *r = r.saturating_add(1);
+            }
+            Err(i) => {
+                let mut refs = [0; TIERS];
+                refs[tier.index()] = 1;
+                holders.insert(i, Holder { pod, refs });
+            }
+        }
+    }
+
+    /// Drops one reference; forgets the holder, and the key, once unreferenced.
+    pub fn release(&self, key: BlockKey, pod: PodId, tier: Tier) {
+        let mut emptied = false;
+        if let Some(mut holders) = self.map.get_mut(&key) {
+            if let Ok(i) = holders.binary_search_by_key(&pod, |h| h.pod) {
+                let r = &mut holders[i].refs[tier.index()];
+                *r = r.saturating_sub(1);
+                if holders[i].tiers().is_empty() {
+                    holders.remove(i);
+                }
+            }
+            emptied = holders.is_empty();
+        }
+        if emptied {
+            self.map.remove_if(&key, |_, h| h.is_empty());
+        }
+    }
+
+    /// Runs `f` on the holders of `key` (`None` if nobody holds it).
+    pub fn with_holders<R>(&self, key: BlockKey, f: impl FnOnce(Option<&[Holder]>) -> R) -> R {
+        match self.map.get(&key) {
+            Some(holders) => f(Some(&holders)),
+            None => f(None),
+        }
+    }
+
+    /// Number of distinct keys held by at least one pod.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiers_of(index: &BlockIndex, key: BlockKey) -> Vec<(u32, u8)> {
+        index.with_holders(key, |h| {
+            h.unwrap_or(&[])
+                .iter()
+                .map(|h| (h.pod.0, h.tiers().0))
+                .collect()
+        })
+    }
+
+    #[test]
+    fn acquire_and_release_are_counted_per_pod_and_tier() {
+        let index = BlockIndex::new();
+        let k = BlockKey(1);
+        index.acquire(k, PodId(2), Tier::Gpu);
+        index.acquire(k, PodId(1), Tier::Gpu);
+        index.acquire(k, PodId(2), Tier::Gpu);
+        index.acquire(k, PodId(2), Tier::Cpu);
+        assert_eq!(tiers_of(&index, k), vec![(1, 0b001), (2, 0b011)]);
+
+        index.release(k, PodId(2), Tier::Gpu);
+        assert_eq!(tiers_of(&index, k), vec![(1, 0b001), (2, 0b011)]);
+        index.release(k, PodId(2), Tier::Gpu);
+        assert_eq!(tiers_of(&index, k), vec![(1, 0b001), (2, 0b010)]);
+        index.release(k, PodId(2), Tier::Cpu);
+        index.release(k, PodId(1), Tier::Gpu);
+        assert!(index.is_empty());
+    }
+
+    #[test]
+    fn releasing_what_was_never_held_is_harmless() {
+        let index = BlockIndex::new();
+        index.release(BlockKey(9), PodId(0), Tier::Gpu);
+        index.acquire(BlockKey(9), PodId(0), Tier::Cpu);
+        index.release(BlockKey(9), PodId(0), Tier::Gpu);
+        index.release(BlockKey(9), PodId(1), Tier::Cpu);
+        assert_eq!(tiers_of(&index, BlockKey(9)), vec![(0, 0b010)]);
+    }
+}

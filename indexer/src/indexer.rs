@@ -1,0 +1,531 @@
+//! The indexer: the pod table, the block index, and the queries on them.
+//!
+//! Writers are per pod: `apply` locks only that pod's state (its events must
+//! be applied in order anyway) and touches the shared `BlockIndex`, which is
+//! sharded. Readers (`score`, `lookup`) never take a pod lock.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use parking_lot::{Mutex, RwLock};
+
+use crate::event::{DecodeSkips, EventBatch, KvEvent, TIERS};
+use crate::index::{BlockIndex, PodId, TierMask};
+use crate::keys::{prompt_keys, request_root_seed, BlockKey};
+use crate::pod::{ApplyStats, PodState};
+use crate::score::{walk, PrefixMatch, TierWeights};
+
+#[derive(Clone, Debug)]
+pub struct IndexerConfig {
+    /// Block size assumed for a model until its pods' events say otherwise.
+    pub default_block_size: u32,
+    pub tier_weights: TierWeights,
+}
+
+impl Default for IndexerConfig {
+    fn default() -> Self {
+        IndexerConfig {
+            default_block_size: 16,
+            tier_weights: TierWeights::default(),
+        }
+    }
+}
+
+/// The id a cache domain is known by. A vLLM data-parallel rank is its own
+/// cache: rank 0 (or no rank) is the pod name itself, rank `r > 0` is
+/// `<pod>#dp<r>`.
+pub fn pod_id(pod: &str, dp_rank: Option<u32>) -> String {
+    match dp_rank {
+        None | Some(0) => pod.to_owned(),
+        Some(r) => format!("{pod}#dp{r}"),
+    }
+}
+
+/// One cache domain (a pod, or one DP rank of it) of one model.
+pub struct Pod {
+    pub id: PodId,
+    /// `pod_id(pod, dp_rank)`.
+    pub name: String,
+    pub model: String,
+    pub dp_rank: Option<u32>,
+    /// Learned block size; 0 until the first store.
+    block_size: AtomicU32,
+    inner: Mutex<PodInner>,
+}
+
+struct PodInner {
+    state: PodState,
+    progress: Progress,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Progress {
+    last_seq: Option<u64>,
+    batches: u64,
+    events: u64,
+    seq_gaps: u64,
+    last_event: Option<Instant>,
+    applied: ApplyStats,
+    skipped: DecodeSkips,
+}
+
+/// What `ListPods` shows about a pod.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PodSummary {
+    pub pod: String,
+    pub model: String,
+    pub dp_rank: Option<u32>,
+    pub block_size: u32,
+    pub blocks_per_tier: [u64; TIERS],
+    pub last_seq: Option<u64>,
+    pub batches: u64,
+    pub events: u64,
+    pub seq_gaps: u64,
+    pub last_event_age: Option<Duration>,
+    pub applied: ApplyStats,
+    pub skipped: DecodeSkips,
+}
+
+/// A prompt to score.
+#[derive(Clone, Copy, Debug)]
+pub struct ScoreQuery<'a> {
+    pub model: &'a str,
+    pub tokens: &'a [u32],
+    pub lora_name: Option<&'a str>,
+    pub cache_salt: Option<&'a str>,
+    /// Candidate pod ids; empty = every pod seen for the model.
+    pub pods: &'a [String],
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct PodScore {
+    pub pod: String,
+    pub matched: PrefixMatch,
+    /// `weighted_blocks / total_blocks`, in [0, 1].
+    pub score: f64,
+    pub block_size: u32,
+    pub total_blocks: u32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScoreOutcome {
+    pub block_size: u32,
+    pub total_blocks: u32,
+    /// Every candidate, best first.
+    pub pods: Vec<PodScore>,
+}
+
+/// Who holds one key.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeyHolders {
+    pub key: BlockKey,
+    pub pods: Vec<(String, TierMask)>,
+}
+
+#[derive(Default)]
+struct ModelEntry {
+    /// Pods of this model, sorted by id.
+    pods: Vec<PodId>,
+    /// Last block size a pod of this model reported (0 = none yet).
+    block_size: u32,
+}
+
+pub struct Indexer {
+    config: IndexerConfig,
+    blocks: BlockIndex,
+    pods: RwLock<Vec<Arc<Pod>>>,
+    by_name: DashMap<(String, String), PodId>,
+    models: RwLock<BTreeMap<String, ModelEntry>>,
+}
+
+impl Indexer {
+    pub fn new(config: IndexerConfig) -> Self {
+        Indexer {
+            config,
+            blocks: BlockIndex::new(),
+            pods: RwLock::new(Vec::new()),
+            by_name: DashMap::new(),
+            models: RwLock::new(BTreeMap::new()),
+        }
+    }
+
+    pub fn config(&self) -> &IndexerConfig {
+        &self.config
+    }
+
+    /// The pod for a topic's pod name, model and DP rank, created on first use.
+    /// Callers on the hot path keep the returned handle.
+    pub fn pod(&self, model: &str, pod: &str, dp_rank: Option<u32>) -> Arc<Pod> {
+        let name = pod_id(pod, dp_rank);
+        let key = (model.to_owned(), name);
+        if let Some(id) = self.by_name.get(&key) {
+            return self.pods.read()[id.0 as usize].clone();
+        }
+        let mut pods = self.pods.write();
+        // Re-check under the table lock: another thread may have won.
+        if let Some(id) = self.by_name.get(&key) {
+            return pods[id.0 as usize].clone();
+        }
+        let id = PodId(pods.len() as u32);
+        let slot = Arc::new(Pod {
+            id,
+            name: key.1.clone(),
+            model: model.to_owned(),
+            dp_rank,
+            block_size: AtomicU32::new(0),
+            inner: Mutex::new(PodInner {
+                state: PodState::new(id, model),
+                progress: Progress::default(),
+            }),
+        });
+        pods.push(slot.clone());
+        let mut models = self.models.write();
+        let entry = models.entry(model.to_owned()).or_default();
+        entry.pods.push(id);
+        self.by_name.insert(key, id);
+        slot
+    }
+
+    /// Applies one decoded batch of `pod`'s events, published with `seq`.
+    pub fn apply(&self, pod: &Pod, seq: u64, batch: &EventBatch) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        let mut inner = self.lock(pod);
+        let PodInner { state, progress } = &mut *inner;
+        if let Some(last) = progress.last_seq {
+            if seq != last.wrapping_add(1) {
+                progress.seq_gaps += 1;
+            }
+        }
+        progress.last_seq = Some(seq);
+        progress.batches += 1;
+        progress.events += batch.events.len() as u64;
+        progress.last_event = Some(Instant::now());
+        progress.skipped.unknown_event_types += batch.skipped.unknown_event_types;
+        progress.skipped.malformed_events += batch.skipped.malformed_events;
+        progress.skipped.unknown_fields += batch.skipped.unknown_fields;
+        for event in &batch.events {
+            match event {
+                KvEvent::Stored(ev) => state.store(&self.blocks, ev, &mut stats),
+                KvEvent::Removed(ev) => state.remove(&self.blocks, ev, &mut stats),
+                KvEvent::AllCleared => state.clear(&self.blocks, &mut stats),
+            }
+        }
+        progress.applied.add(&stats);
+        if let Some(bs) = state.block_size() {
+            if pod.block_size.swap(bs, Ordering::Relaxed) != bs {
+                if let Some(m) = self.models.write().get_mut(&pod.model) {
+                    m.block_size = bs;
+                }
+            }
+        }
+        stats
+    }
+
+    fn lock<'a>(&self, pod: &'a Pod) -> parking_lot::MutexGuard<'a, PodInner> {
+        pod.inner.lock()
+    }
+
+    /// Block size prompts of `model` are chunked with, for the response header.
+    pub fn model_block_size(&self, model: &str) -> u32 {
+        match self.models.read().get(model) {
+            Some(m) if m.block_size > 0 => m.block_size,
+            _ => self.config.default_block_size,
+        }
+    }
+
+    fn pod_block_size(&self, pod: Option<&Pod>, model: &str) -> u32 {
+        match pod.map(|p| p.block_size.load(Ordering::Relaxed)) {
+            Some(bs) if bs > 0 => bs,
+            _ => self.model_block_size(model),
+        }
+    }
+
+    /// Our keys for a prompt's full blocks.
+    pub fn request_keys(
+        &self,
+        model: &str,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+        tokens: &[u32],
+        block_size: u32,
+    ) -> Vec<BlockKey> {
+        let seed = request_root_seed(model, lora_name, cache_salt);
+        prompt_keys(seed, tokens, block_size as usize)
+    }
+
+    pub fn score(&self, q: &ScoreQuery<'_>) -> ScoreOutcome {
+        // (candidate name, pod if known)
+        let candidates: Vec<(String, Option<Arc<Pod>>)> = if q.pods.is_empty() {
+            let ids = self
+                .models
+                .read()
+                .get(q.model)
+                .map(|m| m.pods.clone())
+                .unwrap_or_default();
+            let pods = self.pods.read();
+            ids.iter()
+                .map(|id| {
+                    let p = pods[id.0 as usize].clone();
+                    (p.name.clone(), Some(p))
+                })
+                .collect()
+        } else {
+            let mut seen = std::collections::HashSet::new();
+            q.pods
+                .iter()
+                .filter(|name| seen.insert(name.as_str()))
+                .map(|name| {
+                    let pod = self
+                        .by_name
+                        .get(&(q.model.to_owned(), name.clone()))
+                        .map(|id| self.pods.read()[id.0 as usize].clone());
+                    (name.clone(), pod)
+                })
+                .collect()
+        };
+
+        // Pods of one model may run different block sizes: chunk per size.
+        let mut by_size: BTreeMap<u32, Vec<(PodId, usize)>> = BTreeMap::new();
+        let mut scores: Vec<PodScore> = Vec::with_capacity(candidates.len());
+        for (pos, (name, pod)) in candidates.iter().enumerate() {
+            let bs = self.pod_block_size(pod.as_deref(), q.model);
+            let total = (q.tokens.len() / bs as usize) as u32;
+            scores.push(PodScore {
+                pod: name.clone(),
+                matched: PrefixMatch::default(),
+                score: 0.0,
+                block_size: bs,
+                total_blocks: total,
+            });
+            if let Some(pod) = pod {
+                by_size.entry(bs).or_default().push((pod.id, pos));
+            }
+        }
+        for (bs, mut group) in by_size {
+            group.sort_unstable();
+            let keys = self.request_keys(q.model, q.lora_name, q.cache_salt, q.tokens, bs);
+            let ids: Vec<PodId> = group.iter().map(|(id, _)| *id).collect();
+            let matches = walk(&self.blocks, &keys, &ids, &self.config.tier_weights);
+            for ((_, pos), m) in group.iter().zip(matches) {
+                let s = &mut scores[*pos];
+                s.matched = m;
+                if s.total_blocks > 0 {
+                    s.score = m.weighted_blocks / f64::from(s.total_blocks);
+                }
+            }
+        }
+        scores.sort_by(|a, b| {
+            b.score
+                .total_cmp(&a.score)
+                .then(b.matched.matched_blocks.cmp(&a.matched.matched_blocks))
+                .then_with(|| a.pod.cmp(&b.pod))
+        });
+        let block_size = self.model_block_size(q.model);
+        ScoreOutcome {
+            block_size,
+            total_blocks: (q.tokens.len() / block_size as usize) as u32,
+            pods: scores,
+        }
+    }
+
+    /// Who holds each key (debugging).
+    pub fn lookup(&self, keys: &[BlockKey]) -> Vec<KeyHolders> {
+        let pods = self.pods.read();
+        keys.iter()
+            .map(|key| KeyHolders {
+                key: *key,
+                pods: self.blocks.with_holders(*key, |h| {
+                    h.unwrap_or(&[])
+                        .iter()
+                        .map(|h| (pods[h.pod.0 as usize].name.clone(), h.tiers()))
+                        .collect()
+                }),
+            })
+            .collect()
+    }
+
+    /// Every pod (of `model`, if given), sorted by model then pod.
+    pub fn list_pods(&self, model: Option<&str>) -> Vec<PodSummary> {
+        let pods: Vec<Arc<Pod>> = self.pods.read().clone();
+        let now = Instant::now();
+        let mut out: Vec<PodSummary> = pods
+            .iter()
+            .filter(|p| model.is_none_or(|m| p.model == m))
+            .map(|p| {
+                let inner = self.lock(p);
+                PodSummary {
+                    pod: p.name.clone(),
+                    model: p.model.clone(),
+                    dp_rank: p.dp_rank,
+                    block_size: self.pod_block_size(Some(p), &p.model),
+                    blocks_per_tier: inner.state.held_per_tier(),
+                    last_seq: inner.progress.last_seq,
+                    batches: inner.progress.batches,
+                    events: inner.progress.events,
+                    seq_gaps: inner.progress.seq_gaps,
+                    last_event_age: inner.progress.last_event.map(|t| now - t),
+                    applied: inner.progress.applied,
+                    skipped: inner.progress.skipped,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.model, &a.pod).cmp(&(&b.model, &b.pod)));
+        out
+    }
+
+    /// Distinct keys held by any pod.
+    pub fn indexed_keys(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{BlockStored, EngineHash, KvEvent};
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u32) -> KvEvent {
+        KvEvent::Stored(BlockStored {
+            block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+            parent_block_hash: parent.map(EngineHash),
+            token_ids: tokens.to_vec(),
+            block_size: Some(bs),
+            ..Default::default()
+        })
+    }
+
+    fn batch(events: Vec<KvEvent>) -> EventBatch {
+        EventBatch {
+            events,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn scores_every_candidate_best_first() {
+        let ix = Indexer::new(IndexerConfig::default());
+        let tokens: Vec<u32> = (0..40).collect();
+        let a = ix.pod("m", "a", None);
+        let b = ix.pod("m", "b", Some(0));
+        ix.apply(
+            &a,
+            0,
+            &batch(vec![stored(&[1, 2], None, &tokens[..32], 16)]),
+        );
+        ix.apply(&b, 0, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+        let out = ix.score(&ScoreQuery {
+            model: "m",
+            tokens: &tokens,
+            lora_name: None,
+            cache_salt: None,
+            pods: &[],
+        });
+        assert_eq!(out.block_size, 16);
+        assert_eq!(out.total_blocks, 2);
+        let got: Vec<(&str, u32, f64)> = out
+            .pods
+            .iter()
+            .map(|p| (p.pod.as_str(), p.matched.matched_blocks, p.score))
+            .collect();
+        assert_eq!(got, vec![("a", 2, 1.0), ("b", 1, 0.5)]);
+
+        // Named candidates, one unknown, one duplicated.
+        let names = ["zz".to_string(), "b".to_string(), "b".to_string()];
+        let out = ix.score(&ScoreQuery {
+            pods: &names,
+            ..ScoreQuery {
+                model: "m",
+                tokens: &tokens,
+                lora_name: None,
+                cache_salt: None,
+                pods: &[],
+            }
+        });
+        let got: Vec<(&str, u32)> = out
+            .pods
+            .iter()
+            .map(|p| (p.pod.as_str(), p.matched.matched_blocks))
+            .collect();
+        assert_eq!(got, vec![("b", 1), ("zz", 0)]);
+    }
+
+    #[test]
+    fn pods_with_different_block_sizes_are_each_scored_in_their_own_blocks() {
+        let ix = Indexer::new(IndexerConfig::default());
+        let tokens: Vec<u32> = (0..64).collect();
+        let small = ix.pod("m", "small", None);
+        let large = ix.pod("m", "large", None);
+        ix.apply(
+            &small,
+            0,
+            &batch(vec![stored(&[1, 2, 3], None, &tokens[..48], 16)]),
+        );
+        ix.apply(
+            &large,
+            0,
+            &batch(vec![stored(&[7], None, &tokens[..32], 32)]),
+        );
+        let out = ix.score(&ScoreQuery {
+            model: "m",
+            tokens: &tokens,
+            lora_name: None,
+            cache_salt: None,
+            pods: &[],
+        });
+        let get = |n: &str| out.pods.iter().find(|p| p.pod == n).unwrap().clone();
+        assert_eq!(get("small").matched.matched_blocks, 3);
+        assert_eq!(get("small").total_blocks, 4);
+        assert_eq!(get("large").matched.matched_blocks, 1);
+        assert_eq!(get("large").block_size, 32);
+        assert_eq!(get("large").total_blocks, 2);
+    }
+
+    #[test]
+    fn dp_ranks_are_separate_pods_and_models_do_not_mix() {
+        let ix = Indexer::new(IndexerConfig::default());
+        let tokens: Vec<u32> = (0..16).collect();
+        let r1 = ix.pod("m", "p", Some(1));
+        let other = ix.pod("other", "p", None);
+        assert_eq!(r1.name, "p#dp1");
+        ix.apply(&r1, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
+        ix.apply(&other, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
+        let q = |model| {
+            ix.score(&ScoreQuery {
+                model,
+                tokens: &tokens,
+                lora_name: None,
+                cache_salt: None,
+                pods: &[],
+            })
+        };
+        let m = q("m");
+        assert_eq!(m.pods.len(), 1);
+        assert_eq!(
+            (m.pods[0].pod.as_str(), m.pods[0].matched.matched_blocks),
+            ("p#dp1", 1)
+        );
+        assert_eq!(q("other").pods[0].matched.matched_blocks, 1);
+        assert!(q("nobody").pods.is_empty());
+    }
+
+    #[test]
+    fn list_pods_reports_progress_and_gaps() {
+        let ix = Indexer::new(IndexerConfig::default());
+        let p = ix.pod("m", "p", None);
+        let tokens: Vec<u32> = (0..16).collect();
+        ix.apply(&p, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
+        ix.apply(&p, 2, &batch(vec![KvEvent::AllCleared]));
+        let s = &ix.list_pods(Some("m"))[0];
+        assert_eq!(s.last_seq, Some(2));
+        assert_eq!(s.seq_gaps, 1);
+        assert_eq!(s.batches, 2);
+        assert_eq!(s.applied.clears, 1);
+        assert_eq!(s.blocks_per_tier, [0, 0, 0]);
+        assert!(ix.list_pods(Some("x")).is_empty());
+        let keys = ix.request_keys("m", None, None, &tokens, 16);
+        assert!(ix.lookup(&keys)[0].pods.is_empty());
+    }
+}

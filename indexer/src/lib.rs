@@ -1,0 +1,18 @@
+//! KV-cache index core: no sockets, no threads, no clocks beyond `Instant`.
+//!
+//! Data flows one way: payload bytes -> [`wire`] -> [`event`]s -> [`pod`]
+//! rules -> the shared [`index`]; a prompt's tokens -> [`keys`] -> [`score`]
+//! walk. [`Indexer`] ties them together for the service.
+
+pub mod event;
+pub mod index;
+mod indexer;
+pub mod keys;
+pub mod pod;
+pub mod score;
+pub mod topic;
+pub mod wire;
+
+pub use crate::indexer::{
+    pod_id, Indexer, IndexerConfig, KeyHolders, Pod, PodScore, PodSummary, ScoreOutcome, ScoreQuery,
+};

@@ -1,0 +1,513 @@
+//! One pod's (one cache domain's) view: engine hash -> our key and per-tier
+//! counts, and the rules that turn its events into index updates.
+//!
+//! Invariants:
+//! - a pod's events are applied in order, by one applier at a time (the
+//!   caller holds the pod's lock), so this state needs no inner locking;
+//! - `(pod, key, tier)` is in the `BlockIndex` exactly while some engine hash
+//!   of this pod maps to `key` with a non-zero count on `tier`. vLLM can store
+//!   the same hash twice and remove it twice, so counts, not flags;
+//! - a block whose parent is unknown cannot be keyed. It is counted and
+//!   skipped; nothing else is touched.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasherDefault;
+
+use crate::event::{
+    is_full_attention_kind, BlockRemoved, BlockStored, EngineHash, ExtraKey, Tier, TIERS,
+};
+use crate::index::{BlockIndex, KeyHasher, PodId};
+use crate::keys::{chain, fold_extras, BlockKey, KeyScope};
+
+#[derive(Clone, Copy, Debug)]
+struct HeldBlock {
+    key: BlockKey,
+    counts: [u32; TIERS],
+}
+
+/// What applying events did, for metrics and `ListPods`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyStats {
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    pub clears: u64,
+    /// Blocks of stores whose parent hash this pod never stored.
+    pub parent_unknown_blocks: u64,
+    /// Tier-only stores (no tokens) for hashes we do not know.
+    pub unkeyable_blocks: u64,
+    /// Removals of hashes (or tiers) this pod does not hold.
+    pub unknown_removals: u64,
+    /// Events for KV groups that are not full attention.
+    pub non_full_attention_events: u64,
+    /// Stores whose token count does not fit their block count and size.
+    pub malformed_stores: u64,
+}
+
+impl ApplyStats {
+    pub fn add(&mut self, o: &ApplyStats) {
+        self.stored_blocks += o.stored_blocks;
+        self.removed_blocks += o.removed_blocks;
+        self.clears += o.clears;
+        self.parent_unknown_blocks += o.parent_unknown_blocks;
+        self.unkeyable_blocks += o.unkeyable_blocks;
+        self.unknown_removals += o.unknown_removals;
+        self.non_full_attention_events += o.non_full_attention_events;
+        self.malformed_stores += o.malformed_stores;
+    }
+}
+
+pub struct PodState {
+    id: PodId,
+    model: String,
+    by_hash: HashMap<EngineHash, HeldBlock, BuildHasherDefault<KeyHasher>>,
+    /// `group_idx` values a store declared to be sliding-window, mamba...:
+    /// removals for them (which carry no kind) are ignored too.
+    non_full_groups: HashSet<u32>,
+    block_size: Option<u32>,
+    held_per_tier: [u64; TIERS],
+}
+
+impl PodState {
+    pub fn new(id: PodId, model: impl Into<String>) -> Self {
+        PodState {
+            id,
+            model: model.into(),
+            by_hash: HashMap::default(),
+            non_full_groups: HashSet::new(),
+            block_size: None,
+            held_per_tier: [0; TIERS],
+        }
+    }
+
+    /// Block size learned from this pod's stores.
+    pub fn block_size(&self) -> Option<u32> {
+        self.block_size
+    }
+
+    /// Distinct engine hashes held, per tier.
+    pub fn held_per_tier(&self) -> [u64; TIERS] {
+        self.held_per_tier
+    }
+
+    pub fn store(&mut self, index: &BlockIndex, ev: &BlockStored, stats: &mut ApplyStats) {
+        if self.skip_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref()) {
+            stats.non_full_attention_events += 1;
+            return;
+        }
+        let tier = ev.tier();
+        let n = ev.block_hashes.len();
+        if n == 0 {
+            return;
+        }
+        if ev.token_ids.is_empty() {
+            // Offload to another tier: the blocks are known by hash already.
+            for hash in &ev.block_hashes {
+                match self.by_hash.get_mut(hash) {
+                    Some(held) => {
+                        Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
+                        stats.stored_blocks += 1;
+                    }
+                    None => stats.unkeyable_blocks += 1,
+                }
+            }
+            return;
+        }
+        let block_size = match ev.block_size {
+            Some(bs) if bs > 0 && ev.token_ids.len() == n * bs as usize => bs as usize,
+            None if ev.token_ids.len() % n == 0 => ev.token_ids.len() / n,
+            _ => {
+                stats.malformed_stores += 1;
+                return;
+            }
+        };
+        self.block_size = Some(block_size as u32);
+
+        let lora = event_lora_name(ev);
+        let extras_of = |i: usize| -> Vec<ExtraKey> {
+            let block = ev
+                .extra_keys
+                .as_ref()
+                .and_then(|v| v.get(i))
+                .and_then(|e| e.as_deref())
+                .unwrap_or(&[]);
+            non_lora_extras(block, lora.as_deref(), ev.lora_id)
+        };
+
+        let mut prev = match ev.parent_block_hash {
+            None => KeyScope {
+                model: &self.model,
+                lora_name: lora.as_deref(),
+                first_block_extras: &extras_of(0),
+            }
+            .root_seed(),
+            Some(parent) => match self.by_hash.get(&parent) {
+                Some(held) => held.key.0,
+                None => {
+                    stats.parent_unknown_blocks += n as u64;
+                    return;
+                }
+            },
+        };
+        for (i, (hash, tokens)) in ev
+            .block_hashes
+            .iter()
+            .zip(ev.token_ids.chunks_exact(block_size))
+            .enumerate()
+        {
+            let mut key = chain(prev, tokens);
+            // Block 0 of a prompt had its extras folded into the root seed.
+            if i > 0 || ev.parent_block_hash.is_some() {
+                key = fold_extras(key, &extras_of(i));
+            }
+            prev = key.0;
+            let held = self.by_hash.entry(*hash).or_insert(HeldBlock {
+                key,
+                counts: [0; TIERS],
+            });
+            Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
+            stats.stored_blocks += 1;
+        }
+    }
+
+    pub fn remove(&mut self, index: &BlockIndex, ev: &BlockRemoved, stats: &mut ApplyStats) {
+        if ev
+            .group_idx
+            .is_some_and(|g| self.non_full_groups.contains(&g))
+        {
+            stats.non_full_attention_events += 1;
+            return;
+        }
+        let tier = ev.tier();
+        for hash in &ev.block_hashes {
+            let Some(held) = self.by_hash.get_mut(hash) else {
+                stats.unknown_removals += 1;
+                continue;
+            };
+            let count = &mut held.counts[tier.index()];
+            if *count == 0 {
+                stats.unknown_removals += 1;
+                continue;
+            }
+            *count -= 1;
+            if *count == 0 {
+                index.release(held.key, self.id, tier);
+                self.held_per_tier[tier.index()] -= 1;
+                if held.counts.iter().all(|c| *c == 0) {
+                    self.by_hash.remove(hash);
+                }
+            }
+            stats.removed_blocks += 1;
+        }
+    }
+
+    /// Drops every block of this pod: O(blocks of this pod).
+    pub fn clear(&mut self, index: &BlockIndex, stats: &mut ApplyStats) {
+        for (_, held) in self.by_hash.drain() {
+            for tier in Tier::ALL {
+                if held.counts[tier.index()] > 0 {
+                    index.release(held.key, self.id, tier);
+                }
+            }
+        }
+        self.held_per_tier = [0; TIERS];
+        stats.clears += 1;
+    }
+
+    fn count_up(
+        pod: PodId,
+        index: &BlockIndex,
+        held_per_tier: &mut [u64; TIERS],
+        held: &mut HeldBlock,
+        tier: Tier,
+    ) {
+        let count = &mut held.counts[tier.index()];
+        if *count == 0 {
+            index.acquire(held.key, pod, tier);
+            held_per_tier[tier.index()] += 1;
+        }
+        *count = count.saturating_add(1);
+    }
+
+    fn skip_group(&mut self, group: Option<u32>, kind: Option<&str>) -> bool {
+        match (group, kind) {
+            (Some(g), Some(k)) if !is_full_attention_kind(k) => {
+                self.non_full_groups.insert(g);
+                true
+            }
+            (None, Some(k)) => !is_full_attention_kind(k),
+            (Some(g), None) => self.non_full_groups.contains(&g),
+            _ => false,
+        }
+    }
+}
+
+/// The LoRA a store belongs to: `lora_name`, else a tagged `("lora", name,
+/// ...)` extra key, else (old wire forms) an id-only marker that can never
+/// equal a requested adapter name, so such blocks never match a plain prompt.
+fn event_lora_name(ev: &BlockStored) -> Option<String> {
+    if let Some(name) = &ev.lora_name {
+        return Some(name.clone());
+    }
+    let first = ev
+        .extra_keys
+        .as_ref()
+        .and_then(|v| v.first())
+        .and_then(|e| e.as_deref())
+        .unwrap_or(&[]);
+    for extra in first {
+        if let ExtraKey::List(items) = extra {
+            if let [ExtraKey::Str(tag), ExtraKey::Str(name), ..] = items.as_slice() {
+                if tag == "lora" {
+                    return Some(name.clone());
+                }
+            }
+        }
+    }
+    ev.lora_id.map(|id| format!("\0lora-id:{id}"))
+}
+
+/// A block's extra keys minus the LoRA markers (the LoRA is in the root seed),
+/// with tagged cache salts `("cache_salt", s)` reduced to the bare salt, the
+/// form a request's salt takes.
+fn non_lora_extras(extras: &[ExtraKey], lora: Option<&str>, lora_id: Option<i64>) -> Vec<ExtraKey> {
+    extras
+        .iter()
+        .filter(|e| match e {
+            ExtraKey::Str(s) => Some(s.as_str()) != lora,
+            ExtraKey::Int(i) => Some(*i) != lora_id,
+            ExtraKey::List(items) => {
+                !matches!(items.first(), Some(ExtraKey::Str(t)) if t == "lora")
+            }
+            _ => true,
+        })
+        .map(|e| match e {
+            ExtraKey::List(items) => match items.as_slice() {
+                [ExtraKey::Str(tag), salt @ ExtraKey::Str(_)] if tag == "cache_salt" => {
+                    salt.clone()
+                }
+                _ => e.clone(),
+            },
+            _ => e.clone(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::{prompt_keys, request_root_seed};
+
+    const BS: usize = 4;
+
+    fn tokens(n: usize, base: u32) -> Vec<u32> {
+        (0..n as u32).map(|i| base + i).collect()
+    }
+
+    fn store(hashes: &[u64], parent: Option<u64>, toks: &[u32]) -> BlockStored {
+        BlockStored {
+            block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+            parent_block_hash: parent.map(EngineHash),
+            token_ids: toks.to_vec(),
+            block_size: Some(BS as u32),
+            ..Default::default()
+        }
+    }
+
+    fn removed(hashes: &[u64]) -> BlockRemoved {
+        BlockRemoved {
+            block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn held_keys(index: &BlockIndex, keys: &[BlockKey], pod: PodId) -> usize {
+        keys.iter()
+            .take_while(|k| {
+                index.with_holders(**k, |h| h.is_some_and(|h| h.iter().any(|x| x.pod == pod)))
+            })
+            .count()
+    }
+
+    #[test]
+    fn stored_blocks_match_request_keys_across_batches() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        let t = tokens(12, 100);
+        pod.store(&index, &store(&[1, 2], None, &t[..8]), &mut stats);
+        pod.store(&index, &store(&[3], Some(2), &t[8..]), &mut stats);
+        let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
+        assert_eq!(held_keys(&index, &keys, PodId(0)), 3);
+        assert_eq!(stats.stored_blocks, 3);
+        assert_eq!(pod.block_size(), Some(BS as u32));
+    }
+
+    #[test]
+    fn double_store_needs_double_remove() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        let t = tokens(4, 0);
+        let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
+        pod.store(&index, &store(&[1], None, &t), &mut stats);
+        pod.store(&index, &store(&[1], None, &t), &mut stats);
+        pod.remove(&index, &removed(&[1]), &mut stats);
+        assert_eq!(held_keys(&index, &keys, PodId(0)), 1);
+        pod.remove(&index, &removed(&[1]), &mut stats);
+        assert_eq!(held_keys(&index, &keys, PodId(0)), 0);
+        pod.remove(&index, &removed(&[1]), &mut stats);
+        assert_eq!(stats.unknown_removals, 1);
+        assert!(index.is_empty());
+    }
+
+    #[test]
+    fn unknown_parent_is_counted_and_touches_nothing() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        pod.store(&index, &store(&[5, 6], Some(99), &tokens(8, 0)), &mut stats);
+        assert_eq!(stats.parent_unknown_blocks, 2);
+        assert!(index.is_empty());
+        pod.remove(&index, &removed(&[5]), &mut stats);
+        assert_eq!(stats.unknown_removals, 1);
+    }
+
+    #[test]
+    fn tier_only_store_adds_a_tier_to_known_hashes() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        let t = tokens(4, 0);
+        let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
+        pod.store(&index, &store(&[1], None, &t), &mut stats);
+        let mut offload = store(&[1, 2], None, &[]);
+        offload.medium = Some("CPU".into());
+        pod.store(&index, &offload, &mut stats);
+        assert_eq!(stats.unkeyable_blocks, 1);
+        assert_eq!(pod.held_per_tier(), [1, 1, 0]);
+        pod.remove(&index, &removed(&[1]), &mut stats);
+        // Still on CPU.
+        assert_eq!(held_keys(&index, &keys, PodId(0)), 1);
+        index.with_holders(keys[0], |h| {
+            assert_eq!(
+                h.unwrap()[0].tiers().tiers().collect::<Vec<_>>(),
+                vec![Tier::Cpu]
+            )
+        });
+    }
+
+    #[test]
+    fn clear_drops_only_this_pod() {
+        let index = BlockIndex::new();
+        let mut a = PodState::new(PodId(0), "m");
+        let mut b = PodState::new(PodId(1), "m");
+        let mut stats = ApplyStats::default();
+        let t = tokens(8, 0);
+        let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
+        a.store(&index, &store(&[1, 2], None, &t), &mut stats);
+        b.store(&index, &store(&[1, 2], None, &t), &mut stats);
+        a.clear(&index, &mut stats);
+        assert_eq!(held_keys(&index, &keys, PodId(0)), 0);
+        assert_eq!(held_keys(&index, &keys, PodId(1)), 2);
+        assert_eq!(a.held_per_tier(), [0; TIERS]);
+        // Stores after a clear start from scratch again.
+        a.store(&index, &store(&[3], Some(1), &t[4..]), &mut stats);
+        assert_eq!(stats.parent_unknown_blocks, 1);
+    }
+
+    #[test]
+    fn non_full_attention_groups_are_ignored_including_their_removals() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        let t = tokens(4, 0);
+        let mut full = store(&[1], None, &t);
+        full.group_idx = Some(0);
+        full.kv_cache_spec_kind = Some("full_attention".into());
+        let mut swa = full.clone();
+        swa.group_idx = Some(1);
+        swa.kv_cache_spec_kind = Some("sliding_window".into());
+        pod.store(&index, &full, &mut stats);
+        pod.store(&index, &swa, &mut stats);
+        let mut rm = removed(&[1]);
+        rm.group_idx = Some(1);
+        pod.remove(&index, &rm, &mut stats);
+        assert_eq!(stats.non_full_attention_events, 2);
+        assert_eq!(pod.held_per_tier(), [1, 0, 0]);
+    }
+
+    #[test]
+    fn lora_and_salt_extra_keys_make_request_compatible_keys() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        let t = tokens(8, 0);
+        // Bare form (as vLLM 0.33 events carry it): salt on block 0, LoRA on all.
+        let mut ev = store(&[1, 2], None, &t);
+        ev.lora_name = Some("sql".into());
+        ev.extra_keys = Some(vec![
+            Some(vec![
+                ExtraKey::Str("sql".into()),
+                ExtraKey::Str("tenant".into()),
+            ]),
+            Some(vec![ExtraKey::Str("sql".into())]),
+        ]);
+        pod.store(&index, &ev, &mut stats);
+        // Tagged form (0.31+ hashing tuples), no lora_name field.
+        let mut tagged = store(&[3, 4], None, &t);
+        let lora = ExtraKey::List(vec![
+            ExtraKey::Str("lora".into()),
+            ExtraKey::Str("chat".into()),
+            ExtraKey::Str("/p".into()),
+        ]);
+        tagged.extra_keys = Some(vec![
+            Some(vec![
+                lora.clone(),
+                ExtraKey::List(vec![
+                    ExtraKey::Str("cache_salt".into()),
+                    ExtraKey::Str("t2".into()),
+                ]),
+            ]),
+            Some(vec![lora]),
+        ]);
+        pod.store(&index, &tagged, &mut stats);
+        let want = |lora, salt| prompt_keys(request_root_seed("m", lora, salt), &t, BS);
+        assert_eq!(
+            held_keys(&index, &want(Some("sql"), Some("tenant")), PodId(0)),
+            2
+        );
+        assert_eq!(
+            held_keys(&index, &want(Some("chat"), Some("t2")), PodId(0)),
+            2
+        );
+        assert_eq!(held_keys(&index, &want(Some("sql"), None), PodId(0)), 0);
+        assert_eq!(held_keys(&index, &want(None, Some("tenant")), PodId(0)), 0);
+        assert_eq!(held_keys(&index, &want(None, None), PodId(0)), 0);
+    }
+
+    #[test]
+    fn id_only_lora_never_matches_a_plain_prompt() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        let t = tokens(4, 0);
+        let mut ev = store(&[1], None, &t);
+        ev.lora_id = Some(3);
+        pod.store(&index, &ev, &mut stats);
+        let plain = prompt_keys(request_root_seed("m", None, None), &t, BS);
+        assert_eq!(held_keys(&index, &plain, PodId(0)), 0);
+    }
+
+    #[test]
+    fn malformed_token_counts_are_rejected() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        pod.store(&index, &store(&[1, 2], None, &tokens(7, 0)), &mut stats);
+        let mut zero = store(&[1], None, &tokens(4, 0));
+        zero.block_size = Some(0);
+        pod.store(&index, &zero, &mut stats);
+        assert_eq!(stats.malformed_stores, 2);
+        assert!(index.is_empty());
+    }
+}
