@@ -76,11 +76,14 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, WireError> {
 
 fn decode_event(span: &[u8], batch: &mut EventBatch) {
     match rmp_serde::from_slice::<WireEvent>(span) {
-        Ok(WireEvent::Known(event, unknown_fields)) => {
+        Ok(WireEvent {
+            event: Some(event),
+            unknown_fields,
+        }) => {
             batch.skipped.unknown_fields += unknown_fields;
             batch.events.push(event);
         }
-        Ok(WireEvent::UnknownType) => batch.skipped.unknown_event_types += 1,
+        Ok(WireEvent { event: None, .. }) => batch.skipped.unknown_event_types += 1,
         Err(_) => batch.skipped.malformed_events += 1,
     }
 }
@@ -218,10 +221,10 @@ impl Cursor<'_> {
 }
 
 /// One event as decoded from its own span.
-enum WireEvent {
-    /// The event and how many unknown map keys it carried.
-    Known(KvEvent, u32),
-    UnknownType,
+struct WireEvent {
+    /// `None`: a type this release does not know.
+    event: Option<KvEvent>,
+    unknown_fields: u32,
 }
 
 const STORED: &str = "BlockStored";
@@ -357,9 +360,17 @@ impl Fields {
                 group_idx: self.group_idx,
             }),
             CLEARED => KvEvent::AllCleared,
-            _ => return Ok(WireEvent::UnknownType),
+            _ => {
+                return Ok(WireEvent {
+                    event: None,
+                    unknown_fields: unknown,
+                })
+            }
         };
-        Ok(WireEvent::Known(event, unknown))
+        Ok(WireEvent {
+            event: Some(event),
+            unknown_fields: unknown,
+        })
     }
 }
 
