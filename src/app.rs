@@ -1,0 +1,80 @@
+//! Wiring: the index, ingestion and the gRPC server, up and down.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use indexer::Indexer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::Server;
+
+use crate::config::Config;
+use crate::grpc::KvIndexerService;
+use crate::ingest::Ingest;
+use crate::proto::kvindexer::v1::kv_indexer_server::KvIndexerServer;
+use crate::proto::FILE_DESCRIPTOR_SET;
+
+/// Runs the service until `shutdown` resolves, then stops gracefully:
+/// ingestion first, then in-flight RPCs finish.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+    let indexer = Arc::new(Indexer::new(config.indexer.clone()));
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_not_serving::<KvIndexerServer<KvIndexerService>>()
+        .await;
+
+    let listener = TcpListener::bind(config.grpc_addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen for gRPC on {}: {e}", config.grpc_addr))?;
+    let ingest = Ingest::start(&config, indexer.clone()).await?;
+
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+
+    tracing::info!(addr = %listener.local_addr()?, "gRPC listening");
+    // Sockets are up: ready for queries.
+    health
+        .set_serving::<KvIndexerServer<KvIndexerService>>()
+        .await;
+
+    let (stop_rpc, rpc_stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(
+        Server::builder()
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
+            .add_service(KvIndexerServer::new(KvIndexerService::new(indexer)))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = rpc_stopped.await;
+            }),
+    );
+    tokio::select! {
+        res = &mut server => return Ok(res??),
+        () = shutdown => {}
+    }
+    tracing::info!("shutting down: stopping ingestion, then draining RPCs");
+    health
+        .set_not_serving::<KvIndexerServer<KvIndexerService>>()
+        .await;
+    tokio::task::spawn_blocking(move || ingest.shutdown()).await?;
+    let _ = stop_rpc.send(());
+    // Clients such as an EPP keep HTTP/2 connections open; do not wait on
+    // them forever once in-flight calls had their chance.
+    match tokio::time::timeout(DRAIN_TIMEOUT, server).await {
+        Ok(res) => res??,
+        Err(_) => {
+            tracing::warn!(timeout = ?DRAIN_TIMEOUT, "connections still open after drain timeout; exiting")
+        }
+    }
+    Ok(())
+}
+
+/// How long in-flight RPCs get to finish after a shutdown signal.
+const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);

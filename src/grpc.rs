@@ -1,0 +1,184 @@
+//! The `kvindexer.v1.KvIndexer` gRPC service over the core `Indexer`.
+
+use std::sync::Arc;
+
+use indexer::event::Tier;
+use indexer::keys::BlockKey;
+use indexer::{Indexer, ScoreQuery};
+use tonic::{Request, Response, Status};
+
+use crate::error::ApiError;
+use crate::proto::kvindexer::v1 as pb;
+use pb::kv_indexer_server::KvIndexer;
+
+pub struct KvIndexerService {
+    indexer: Arc<Indexer>,
+}
+
+impl KvIndexerService {
+    pub fn new(indexer: Arc<Indexer>) -> Self {
+        KvIndexerService { indexer }
+    }
+}
+
+/// Proto3 strings are never absent: empty means "not set".
+fn non_empty(s: &str) -> Option<&str> {
+    (!s.is_empty()).then_some(s)
+}
+
+fn require_model(model: &str) -> Result<(), ApiError> {
+    if model.is_empty() {
+        return Err(ApiError::MissingModel);
+    }
+    Ok(())
+}
+
+const TEXT_INPUT_PENDING: &str =
+    "text and chat inputs need the model's tokenizer, which this build does not load yet; send `token_ids`";
+
+fn tier_to_pb(t: Tier) -> pb::Tier {
+    match t {
+        Tier::Gpu => pb::Tier::Gpu,
+        Tier::Cpu => pb::Tier::Cpu,
+        Tier::Storage => pb::Tier::Storage,
+    }
+}
+
+#[tonic::async_trait]
+impl KvIndexer for KvIndexerService {
+    async fn score(
+        &self,
+        request: Request<pb::ScoreRequest>,
+    ) -> Result<Response<pb::ScoreResponse>, Status> {
+        let req = request.into_inner();
+        require_model(&req.model)?;
+        let tokens = match req.input {
+            Some(pb::score_request::Input::TokenIds(t)) => t.ids,
+            Some(pb::score_request::Input::Prompt(_))
+            | Some(pb::score_request::Input::ChatCompletionJson(_)) => {
+                return Err(ApiError::Unimplemented(TEXT_INPUT_PENDING).into())
+            }
+            None => {
+                return Err(ApiError::MissingInput(
+                    "`prompt`, `token_ids` or `chat_completion_json`",
+                )
+                .into())
+            }
+        };
+        let out = self.indexer.score(&ScoreQuery {
+            model: &req.model,
+            tokens: &tokens,
+            lora_name: non_empty(&req.lora_name),
+            cache_salt: non_empty(&req.cache_salt),
+            pods: &req.pods,
+        });
+        tracing::debug!(
+            model = %req.model,
+            tokens = tokens.len(),
+            blocks = out.total_blocks,
+            best = out.pods.first().map_or(0, |p| p.matched.matched_blocks),
+            "score"
+        );
+        Ok(Response::new(pb::ScoreResponse {
+            block_size: out.block_size,
+            total_blocks: out.total_blocks,
+            prompt_tokens: tokens.len() as u32,
+            pods: out
+                .pods
+                .into_iter()
+                .map(|p| pb::PodScore {
+                    pod: p.pod,
+                    matched_blocks: p.matched.matched_blocks,
+                    score: p.score,
+                    gpu_blocks: p.matched.blocks_per_tier[Tier::Gpu.index()],
+                    cpu_blocks: p.matched.blocks_per_tier[Tier::Cpu.index()],
+                    storage_blocks: p.matched.blocks_per_tier[Tier::Storage.index()],
+                    block_size: p.block_size,
+                    total_blocks: p.total_blocks,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn list_pods(
+        &self,
+        request: Request<pb::ListPodsRequest>,
+    ) -> Result<Response<pb::ListPodsResponse>, Status> {
+        let req = request.into_inner();
+        let pods = self
+            .indexer
+            .list_pods(non_empty(&req.model))
+            .into_iter()
+            .map(|p| pb::PodInfo {
+                pod: p.pod,
+                model: p.model,
+                dp_rank: p.dp_rank,
+                block_size: p.block_size,
+                gpu_blocks: p.blocks_per_tier[Tier::Gpu.index()],
+                cpu_blocks: p.blocks_per_tier[Tier::Cpu.index()],
+                storage_blocks: p.blocks_per_tier[Tier::Storage.index()],
+                last_seq: p.last_seq,
+                batches: p.batches,
+                events: p.events,
+                seq_gaps: p.seq_gaps,
+                last_event_age_seconds: p.last_event_age.map(|d| d.as_secs_f64()),
+                stored_blocks: p.applied.stored_blocks,
+                removed_blocks: p.applied.removed_blocks,
+                clears: p.applied.clears,
+                parent_unknown_blocks: p.applied.parent_unknown_blocks,
+                unknown_removals: p.applied.unknown_removals,
+                unkeyable_blocks: p.applied.unkeyable_blocks,
+                non_full_attention_events: p.applied.non_full_attention_events,
+                malformed_events: u64::from(p.skipped.malformed_events)
+                    + p.applied.malformed_stores,
+                unknown_event_types: u64::from(p.skipped.unknown_event_types),
+                unknown_fields: u64::from(p.skipped.unknown_fields),
+            })
+            .collect();
+        Ok(Response::new(pb::ListPodsResponse { pods }))
+    }
+
+    async fn lookup_blocks(
+        &self,
+        request: Request<pb::LookupBlocksRequest>,
+    ) -> Result<Response<pb::LookupBlocksResponse>, Status> {
+        let req = request.into_inner();
+        let keys: Vec<BlockKey> = match req.input {
+            Some(pb::lookup_blocks_request::Input::BlockKeys(k)) => {
+                k.keys.into_iter().map(BlockKey).collect()
+            }
+            Some(pb::lookup_blocks_request::Input::TokenIds(t)) => {
+                require_model(&req.model)?;
+                let block_size = match req.block_size {
+                    0 => self.indexer.model_block_size(&req.model),
+                    bs => bs,
+                };
+                self.indexer.request_keys(
+                    &req.model,
+                    non_empty(&req.lora_name),
+                    non_empty(&req.cache_salt),
+                    &t.ids,
+                    block_size,
+                )
+            }
+            None => return Err(ApiError::MissingInput("`block_keys` or `token_ids`").into()),
+        };
+        let blocks = self
+            .indexer
+            .lookup(&keys)
+            .into_iter()
+            .map(|b| pb::BlockLocation {
+                key: b.key.0,
+                holders: b
+                    .pods
+                    .into_iter()
+                    .map(|(pod, tiers)| pb::BlockHolder {
+                        pod,
+                        tiers: tiers.tiers().map(|t| tier_to_pb(t) as i32).collect(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(Response::new(pb::LookupBlocksResponse { blocks }))
+    }
+}

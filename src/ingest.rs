@@ -1,0 +1,336 @@
+//! ZeroMQ ingestion: SUB sockets in, decoded batches applied to the index.
+//!
+//! ```text
+//! SUB socket (bind and/or one per dialed pod)        worker threads (N)
+//!   recv -> check frames/topic/seq -> hash(topic) ---> decode -> Indexer::apply
+//! ```
+//! The receive loops only check the frame shape and hand the message to the
+//! worker that owns its topic over an unbounded channel: they never wait on
+//! index work, and one pod's batches are applied in order by one worker.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use indexer::topic::parse_topic;
+use indexer::wire::decode_batch;
+use indexer::{Indexer, Pod};
+use tokio::task::JoinHandle;
+use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
+
+use crate::config::{Config, DialTarget};
+use crate::ratelimit::RateLimited;
+
+/// Why a ZeroMQ message was not used. Counted, logged (rate-limited), skipped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrameProblem {
+    FrameCount,
+    Topic,
+    Seq,
+    Decode,
+}
+
+/// Ingestion counters, shared with the API and metrics.
+#[derive(Debug, Default)]
+pub struct IngestCounters {
+    pub messages_received: AtomicU64,
+    pub bad_frame_count: AtomicU64,
+    pub bad_topic: AtomicU64,
+    pub bad_seq: AtomicU64,
+    pub decode_errors: AtomicU64,
+    pub batches_applied: AtomicU64,
+    pub events_applied: AtomicU64,
+    pub events_skipped: AtomicU64,
+    pub receive_errors: AtomicU64,
+}
+
+impl IngestCounters {
+    fn problem(&self, p: FrameProblem) {
+        let c = match p {
+            FrameProblem::FrameCount => &self.bad_frame_count,
+            FrameProblem::Topic => &self.bad_topic,
+            FrameProblem::Seq => &self.bad_seq,
+            FrameProblem::Decode => &self.decode_errors,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A message that passed the shape checks, on its way to a worker.
+struct Frame {
+    topic: Bytes,
+    seq: u64,
+    payload: Bytes,
+}
+
+/// Checks `[topic, seq (8-byte big-endian), payload]`.
+fn check_frames(msg: ZmqMessage) -> Result<Frame, FrameProblem> {
+    let mut frames = msg.into_vec();
+    if frames.len() != 3 {
+        return Err(FrameProblem::FrameCount);
+    }
+    let payload = frames.pop().unwrap_or_default();
+    let seq = frames.pop().unwrap_or_default();
+    let topic = frames.pop().unwrap_or_default();
+    let seq: [u8; 8] = seq.as_ref().try_into().map_err(|_| FrameProblem::Seq)?;
+    parse_topic(&topic).map_err(|_| FrameProblem::Topic)?;
+    Ok(Frame {
+        topic,
+        seq: u64::from_be_bytes(seq),
+        payload,
+    })
+}
+
+/// Routes frames to workers by topic, so a pod always lands on the same one.
+#[derive(Clone)]
+struct Dispatcher {
+    workers: Arc<Vec<flume::Sender<Frame>>>,
+    counters: Arc<IngestCounters>,
+    warn: Arc<RateLimited>,
+}
+
+impl Dispatcher {
+    fn dispatch(&self, msg: ZmqMessage, source: &str) {
+        self.counters
+            .messages_received
+            .fetch_add(1, Ordering::Relaxed);
+        match check_frames(msg) {
+            Ok(frame) => {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                frame.topic.hash(&mut h);
+                let worker = (h.finish() % self.workers.len() as u64) as usize;
+                // Unbounded: the socket loop must never wait on index work.
+                // Fails only when shutting down.
+                let _ = self.workers[worker].send(frame);
+            }
+            Err(problem) => {
+                self.counters.problem(problem);
+                self.warn.warn(|suppressed| {
+                    tracing::warn!(%source, ?problem, suppressed, "skipping malformed ZeroMQ message")
+                });
+            }
+        }
+    }
+}
+
+/// Running ingestion; dropping it stops the sockets and workers.
+pub struct Ingest {
+    tasks: Vec<JoinHandle<()>>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+    pub counters: Arc<IngestCounters>,
+    /// The endpoint the SUB socket actually bound (port 0 resolved).
+    pub bound: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error("cannot bind ZeroMQ SUB socket on {endpoint}: {source}")]
+    Bind {
+        endpoint: String,
+        source: zeromq::ZmqError,
+    },
+    #[error("cannot subscribe: {0}")]
+    Subscribe(zeromq::ZmqError),
+    #[error("cannot start ingest worker thread: {0}")]
+    Thread(std::io::Error),
+}
+
+impl Ingest {
+    /// Binds (if configured; failure is fatal) and starts dialing pods (in
+    /// the background, retrying until they are up).
+    pub async fn start(config: &Config, indexer: Arc<Indexer>) -> Result<Ingest, IngestError> {
+        let counters = Arc::new(IngestCounters::default());
+        let mut senders = Vec::with_capacity(config.ingest_workers);
+        let mut workers = Vec::with_capacity(config.ingest_workers);
+        for i in 0..config.ingest_workers {
+            let (tx, rx) = flume::unbounded();
+            senders.push(tx);
+            let indexer = indexer.clone();
+            let counters = counters.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("ingest-{i}"))
+                .spawn(move || apply_loop(rx, &indexer, &counters))
+                .map_err(IngestError::Thread)?;
+            workers.push(handle);
+        }
+        let dispatcher = Dispatcher {
+            workers: Arc::new(senders),
+            counters: counters.clone(),
+            warn: Arc::new(RateLimited::new(Duration::from_secs(10))),
+        };
+
+        let mut tasks = Vec::new();
+        let mut bound = None;
+        if let Some(endpoint) = &config.zmq_bind {
+            let mut socket = SubSocket::new();
+            socket
+                .subscribe(&config.topic_filter)
+                .await
+                .map_err(IngestError::Subscribe)?;
+            let actual = socket
+                .bind(endpoint)
+                .await
+                .map_err(|source| IngestError::Bind {
+                    endpoint: endpoint.clone(),
+                    source,
+                })?;
+            tracing::info!(endpoint = %actual, topic_filter = %config.topic_filter, "ZeroMQ SUB socket bound; pods can connect");
+            bound = Some(actual.to_string());
+            let d = dispatcher.clone();
+            let source = actual.to_string();
+            tasks.push(tokio::spawn(recv_loop(socket, source, d)));
+        }
+        for target in &config.zmq_connect {
+            tasks.push(tokio::spawn(dial(
+                target.clone(),
+                config.topic_filter.clone(),
+                dispatcher.clone(),
+            )));
+        }
+        Ok(Ingest {
+            tasks,
+            workers,
+            counters,
+            bound,
+        })
+    }
+
+    /// Stops receiving, lets the workers drain what they already have.
+    pub fn shutdown(self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        drop(self.tasks);
+        // Workers exit once every sender (held by the aborted tasks) is gone.
+        for worker in self.workers {
+            let _ = worker.join();
+        }
+    }
+}
+
+/// Connects to one pod's PUB socket, retrying until it answers; the socket
+/// then reconnects by itself if the pod goes away and comes back.
+async fn dial(target: DialTarget, topic_filter: String, dispatcher: Dispatcher) {
+    let mut socket = SubSocket::new();
+    if let Err(e) = socket.subscribe(&topic_filter).await {
+        tracing::error!(endpoint = %target.endpoint, error = %e, "cannot subscribe");
+        return;
+    }
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match socket.connect(&target.endpoint).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(endpoint = %target.endpoint, error = %e, retry_in = ?delay, "cannot connect to pod yet");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
+    tracing::info!(endpoint = %target.endpoint, replay = ?target.replay, "connected to pod");
+    recv_loop(socket, target.endpoint, dispatcher).await;
+}
+
+async fn recv_loop(mut socket: SubSocket, source: String, dispatcher: Dispatcher) {
+    let warn = RateLimited::new(Duration::from_secs(10));
+    loop {
+        match socket.recv().await {
+            Ok(msg) => dispatcher.dispatch(msg, &source),
+            Err(e) => {
+                // A peer's broken stream; the socket drops that peer and goes on.
+                dispatcher
+                    .counters
+                    .receive_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                warn.warn(|suppressed| {
+                    tracing::warn!(%source, error = %e, suppressed, "ZeroMQ receive error")
+                });
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+}
+
+/// One worker: decodes and applies the batches of the pods hashed to it.
+fn apply_loop(rx: flume::Receiver<Frame>, indexer: &Indexer, counters: &IngestCounters) {
+    let warn = RateLimited::new(Duration::from_secs(10));
+    // Pod handles by (topic, DP rank): no table lookup per batch.
+    let mut pods: HashMap<(Bytes, Option<u32>), Arc<Pod>> = HashMap::new();
+    while let Ok(frame) = rx.recv() {
+        let batch = match decode_batch(&frame.payload) {
+            Ok(batch) => batch,
+            Err(e) => {
+                counters.problem(FrameProblem::Decode);
+                let topic = String::from_utf8_lossy(&frame.topic).into_owned();
+                warn.warn(|suppressed| {
+                    tracing::warn!(%topic, seq = frame.seq, error = %e, suppressed, "skipping undecodable event batch")
+                });
+                continue;
+            }
+        };
+        let pod = pods
+            .entry((frame.topic.clone(), batch.data_parallel_rank))
+            .or_insert_with(|| {
+                // Checked by the receive loop.
+                let topic = parse_topic(&frame.topic).unwrap_or(indexer::topic::Topic {
+                    pod: "?",
+                    model: "?",
+                });
+                let pod = indexer.pod(topic.model, topic.pod, batch.data_parallel_rank);
+                tracing::info!(pod = %pod.name, model = %pod.model, "new pod");
+                pod
+            });
+        indexer.apply(pod, frame.seq, &batch);
+        let skipped = batch.skipped;
+        counters.batches_applied.fetch_add(1, Ordering::Relaxed);
+        counters
+            .events_applied
+            .fetch_add(batch.events.len() as u64, Ordering::Relaxed);
+        let n_skipped = u64::from(skipped.unknown_event_types + skipped.malformed_events);
+        if n_skipped > 0 {
+            counters
+                .events_skipped
+                .fetch_add(n_skipped, Ordering::Relaxed);
+            warn.warn(|suppressed| {
+                tracing::warn!(pod = %pod.name, ?skipped, suppressed, "skipped events in a batch")
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(frames: Vec<&[u8]>) -> ZmqMessage {
+        ZmqMessage::try_from(
+            frames
+                .into_iter()
+                .map(Bytes::copy_from_slice)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn frame_shape_is_checked() {
+        let seq = 7u64.to_be_bytes();
+        let ok = check_frames(msg(vec![b"kv@p@m", &seq, b"x"])).unwrap();
+        assert_eq!(ok.seq, 7);
+        assert_eq!(
+            check_frames(msg(vec![b"kv@p@m", &seq])).err(),
+            Some(FrameProblem::FrameCount)
+        );
+        assert_eq!(
+            check_frames(msg(vec![b"kv@p@m", b"1234", b"x"])).err(),
+            Some(FrameProblem::Seq)
+        );
+        assert_eq!(
+            check_frames(msg(vec![b"kv-pod-model", &seq, b"x"])).err(),
+            Some(FrameProblem::Topic)
+        );
+    }
+}

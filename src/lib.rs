@@ -1,0 +1,20 @@
+//! The kv-indexer service: configuration, ZeroMQ ingestion and the gRPC API
+//! around the `indexer` core. All I/O of the project lives in this crate.
+
+pub mod proto {
+    pub mod kvindexer {
+        pub mod v1 {
+            tonic::include_proto!("kvindexer.v1");
+        }
+    }
+
+    /// Encoded `FileDescriptorSet` of every service, for gRPC reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("descriptor");
+}
+
+pub mod app;
+pub mod config;
+pub mod error;
+pub mod grpc;
+pub mod ingest;
+mod ratelimit;

@@ -1,0 +1,413 @@
+//! Shared helpers for the service tests: start the real `kv-indexer` binary on
+//! free ports, publish recorded vLLM streams over a real ZeroMQ PUB socket,
+//! query over real gRPC.
+#![allow(dead_code)] // Each test binary uses a different subset.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use bytes::Bytes;
+use kv_indexer::proto::kvindexer::v1 as pb;
+use pb::kv_indexer_client::KvIndexerClient;
+use serde_json::Value;
+use tonic::transport::Channel;
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+pub fn fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port")
+}
+
+/// A running `kv-indexer` process, killed on drop.
+pub struct Service {
+    child: Child,
+    pub grpc_port: u16,
+    /// `tcp://127.0.0.1:PORT` the SUB socket is bound on, if bind mode is on.
+    pub zmq_bind: Option<String>,
+    log: PathBuf,
+}
+
+impl Service {
+    /// Starts the service with its SUB socket bound on a free port.
+    pub async fn start(extra: &[&str]) -> Service {
+        let zmq = format!("tcp://127.0.0.1:{}", free_port());
+        let mut args = vec!["--zmq-bind", &zmq];
+        args.extend_from_slice(extra);
+        Service::start_raw(&args, Some(zmq.clone())).await
+    }
+
+    /// Starts the service in dial mode only, connecting to `endpoints`.
+    pub async fn start_dialing(endpoints: &[String], extra: &[&str]) -> Service {
+        let mut args: Vec<&str> = vec!["--zmq-bind", "none"];
+        for e in endpoints {
+            args.push("--zmq-connect");
+            args.push(e);
+        }
+        args.extend_from_slice(extra);
+        Service::start_raw(&args, None).await
+    }
+
+    pub async fn start_raw(args: &[&str], zmq_bind: Option<String>) -> Service {
+        let grpc_port = free_port();
+        let log = std::env::temp_dir().join(format!(
+            "kv-indexer-test-{}-{grpc_port}.log",
+            std::process::id()
+        ));
+        let child = Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+            .arg("--grpc-addr")
+            .arg(format!("127.0.0.1:{grpc_port}"))
+            .args(args)
+            .env("KV_INDEXER_LOG_LEVEL", "info")
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("start kv-indexer");
+        let service = Service {
+            child,
+            grpc_port,
+            zmq_bind,
+            log,
+        };
+        service.wait_serving().await;
+        service
+    }
+
+    pub fn grpc_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.grpc_port)
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub async fn client(&self) -> KvIndexerClient<Channel> {
+        KvIndexerClient::connect(format!("http://{}", self.grpc_addr()))
+            .await
+            .expect("connect gRPC")
+    }
+
+    async fn wait_serving(&self) {
+        use tonic_health::pb::health_client::HealthClient;
+        use tonic_health::pb::HealthCheckRequest;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let channel = Channel::from_shared(format!("http://{}", self.grpc_addr()))
+                .expect("uri")
+                .connect()
+                .await;
+            if let Ok(mut c) = channel.map(HealthClient::new) {
+                if let Ok(r) = c
+                    .check(HealthCheckRequest {
+                        service: "kvindexer.v1.KvIndexer".into(),
+                    })
+                    .await
+                {
+                    if r.into_inner().status == 1 {
+                        return;
+                    }
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "service did not become ready; logs:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn list_pods(&self, model: &str) -> Vec<pb::PodInfo> {
+        self.client()
+            .await
+            .list_pods(pb::ListPodsRequest {
+                model: model.into(),
+            })
+            .await
+            .expect("ListPods")
+            .into_inner()
+            .pods
+    }
+
+    /// Waits until every pod of `model` applied `batches[pod]` batches.
+    pub async fn wait_applied(&self, model: &str, batches: &BTreeMap<String, u64>) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let pods = self.list_pods(model).await;
+            let got: BTreeMap<String, u64> =
+                pods.iter().map(|p| (p.pod.clone(), p.batches)).collect();
+            if &got == batches {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not all batches applied: got {got:?}, want {batches:?}; logs:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Exit status after SIGTERM.
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "service ignored SIGTERM");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        } else {
+            eprintln!("--- kv-indexer log ---\n{}", self.logs());
+        }
+    }
+}
+
+/// One recorded ZeroMQ message.
+#[derive(Clone, Debug)]
+pub struct RecordedFrame {
+    pub topic: String,
+    pub seq: u64,
+    pub payload: Vec<u8>,
+}
+
+impl RecordedFrame {
+    pub fn message(&self) -> ZmqMessage {
+        zmq_message(vec![
+            Bytes::from(self.topic.clone()),
+            Bytes::copy_from_slice(&self.seq.to_be_bytes()),
+            Bytes::from(self.payload.clone()),
+        ])
+    }
+
+    pub fn pod(&self) -> &str {
+        self.topic.split('@').nth(1).unwrap_or_default()
+    }
+}
+
+pub fn zmq_message(frames: Vec<Bytes>) -> ZmqMessage {
+    ZmqMessage::try_from(frames).expect("non-empty message")
+}
+
+/// `vllm-events/NAME.frames.jsonl`, in arrival order.
+pub fn load_frames(name: &str) -> Vec<RecordedFrame> {
+    let path = fixtures_dir().join(format!("vllm-events/{name}.frames.jsonl"));
+    read(&path)
+        .lines()
+        .map(|line| {
+            let v: Value = serde_json::from_str(line).expect("frame json");
+            RecordedFrame {
+                topic: v["topic"].as_str().expect("topic").to_owned(),
+                seq: v["seq"].as_u64().expect("seq"),
+                payload: base64::engine::general_purpose::STANDARD
+                    .decode(v["payload_b64"].as_str().expect("payload"))
+                    .expect("base64"),
+            }
+        })
+        .collect()
+}
+
+/// Batches per pod in a frame list.
+pub fn batches_per_pod(frames: &[RecordedFrame]) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for f in frames {
+        *out.entry(f.pod().to_owned()).or_default() += 1;
+    }
+    out
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A probe from `NAME.expected.json`.
+#[derive(Clone, Debug)]
+pub struct Probe {
+    pub id: String,
+    pub token_ids: Vec<u32>,
+    pub text: Option<String>,
+    pub messages: Option<Value>,
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+    pub text_roundtrips: bool,
+    pub chat_roundtrips: bool,
+    pub expected: BTreeMap<String, u32>,
+}
+
+pub struct Expected {
+    pub model: String,
+    pub block_size: u32,
+    pub pods: Vec<String>,
+    pub probes: Vec<Probe>,
+}
+
+pub fn load_expected(stream: &str) -> Expected {
+    let base = stream.split('.').next().unwrap_or(stream);
+    let path = fixtures_dir().join(format!("vllm-events/{base}.expected.json"));
+    let v: Value = serde_json::from_str(&read(&path)).expect("expected json");
+    let meta = &v["meta"];
+    Expected {
+        model: meta["model"].as_str().expect("model").to_owned(),
+        block_size: meta["block_size"].as_u64().expect("block_size") as u32,
+        pods: meta["pods"]
+            .as_array()
+            .expect("pods")
+            .iter()
+            .map(|p| p["name"].as_str().expect("pod name").to_owned())
+            .collect(),
+        probes: v["probes"]
+            .as_array()
+            .expect("probes")
+            .iter()
+            .map(|p| Probe {
+                id: p["id"].as_str().unwrap_or_default().to_owned(),
+                token_ids: p["token_ids"]
+                    .as_array()
+                    .expect("token_ids")
+                    .iter()
+                    .map(|t| t.as_u64().expect("token") as u32)
+                    .collect(),
+                text: p["text"].as_str().map(str::to_owned),
+                messages: p.get("messages").filter(|m| !m.is_null()).cloned(),
+                lora_name: p["lora_name"].as_str().map(str::to_owned),
+                cache_salt: p["cache_salt"].as_str().map(str::to_owned),
+                text_roundtrips: p["text_roundtrips"].as_bool().unwrap_or(false),
+                chat_roundtrips: p["chat_roundtrips"].as_bool().unwrap_or(false),
+                expected: p["expected_cached_blocks"]
+                    .as_object()
+                    .expect("expected_cached_blocks")
+                    .iter()
+                    .map(|(k, n)| (k.clone(), n.as_u64().expect("count") as u32))
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+/// Score request for a probe's token ids.
+pub fn token_request(model: &str, probe: &Probe) -> pb::ScoreRequest {
+    pb::ScoreRequest {
+        model: model.into(),
+        input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+            ids: probe.token_ids.clone(),
+        })),
+        lora_name: probe.lora_name.clone().unwrap_or_default(),
+        cache_salt: probe.cache_salt.clone().unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+/// Scores every probe by token ids and checks every pod's matched blocks.
+pub async fn check_probes(service: &Service, expected: &Expected) {
+    let mut client = service.client().await;
+    for probe in &expected.probes {
+        let resp = client
+            .score(token_request(&expected.model, probe))
+            .await
+            .expect("Score")
+            .into_inner();
+        assert_matches(&resp, probe);
+    }
+}
+
+pub fn assert_matches(resp: &pb::ScoreResponse, probe: &Probe) {
+    let got: HashMap<&str, u32> = resp
+        .pods
+        .iter()
+        .map(|p| (p.pod.as_str(), p.matched_blocks))
+        .collect();
+    for (pod, want) in &probe.expected {
+        assert_eq!(
+            got.get(pod.as_str()).copied().unwrap_or(0),
+            *want,
+            "probe {} pod {pod}: response {resp:?}",
+            probe.id
+        );
+    }
+}
+
+/// A ZeroMQ PUB socket standing in for vLLM's publisher.
+pub struct Publisher {
+    pub socket: zeromq::PubSocket,
+}
+
+pub const WARMUP_MODEL: &str = "warmup-model";
+
+impl Publisher {
+    /// Connects to the indexer's bound SUB socket (vLLM's default mode).
+    pub async fn connect(endpoint: &str) -> Publisher {
+        let mut socket = zeromq::PubSocket::new();
+        socket.connect(endpoint).await.expect("PUB connect");
+        Publisher { socket }
+    }
+
+    /// Binds for the indexer to dial; returns the endpoint.
+    pub async fn bind() -> (Publisher, String) {
+        let mut socket = zeromq::PubSocket::new();
+        let endpoint = socket
+            .bind("tcp://127.0.0.1:0")
+            .await
+            .expect("PUB bind")
+            .to_string();
+        (Publisher { socket }, endpoint)
+    }
+
+    pub async fn send(&mut self, msg: ZmqMessage) {
+        self.socket.send(msg).await.expect("PUB send");
+    }
+
+    /// PUB drops everything until the subscription has arrived (ZeroMQ's
+    /// "slow joiner"): publish a marker batch until the indexer has seen it.
+    pub async fn wait_subscribed(&mut self, service: &Service, marker_pod: &str) {
+        let empty_batch = rmp_serde::to_vec(&(0.0f64, Vec::<u8>::new())).expect("encode");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            self.send(zmq_message(vec![
+                Bytes::from(format!("kv@{marker_pod}@{WARMUP_MODEL}")),
+                Bytes::copy_from_slice(&0u64.to_be_bytes()),
+                Bytes::from(empty_batch.clone()),
+            ]))
+            .await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if service
+                .list_pods(WARMUP_MODEL)
+                .await
+                .iter()
+                .any(|p| p.pod == marker_pod)
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "subscription never arrived");
+        }
+    }
+
+    pub async fn publish_all<'a>(&mut self, frames: impl IntoIterator<Item = &'a RecordedFrame>) {
+        for f in frames {
+            self.send(f.message()).await;
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! The service end to end: recorded vLLM streams published over real ZeroMQ,
+//! answers checked over real gRPC against what vLLM itself computed.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use common::*;
+use kv_indexer::proto::kvindexer::v1 as pb;
+use tonic::Code;
+
+/// Pods connect to the indexer's bound SUB socket (vLLM's default setup).
+async fn replay_in_bind_mode(stream: &str) {
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let service = Service::start(&[]).await;
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    publisher.publish_all(&frames).await;
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    check_probes(&service, &expected).await;
+
+    let pods = service.list_pods(&expected.model).await;
+    assert_eq!(
+        pods.iter().map(|p| p.pod.clone()).collect::<Vec<_>>(),
+        expected.pods
+    );
+    for pod in &pods {
+        assert_eq!(pod.seq_gaps, 0, "{pod:?}");
+        assert_eq!(pod.parent_unknown_blocks, 0, "{pod:?}");
+        assert_eq!(pod.malformed_events + pod.unknown_event_types, 0, "{pod:?}");
+        assert_eq!(pod.block_size, expected.block_size);
+        assert_eq!(pod.dp_rank, Some(0));
+    }
+}
+
+#[tokio::test]
+async fn bind_mode_sha256_int_stream_matches_vllm() {
+    replay_in_bind_mode("qwen3-sha256-int").await;
+}
+
+#[tokio::test]
+async fn bind_mode_sha256_int_stream_array_v0_23_matches_vllm() {
+    replay_in_bind_mode("qwen3-sha256-int.array-v0.23").await;
+}
+
+#[tokio::test]
+async fn bind_mode_sha256_int_stream_array_v0_11_matches_vllm() {
+    replay_in_bind_mode("qwen3-sha256-int.array-v0.11").await;
+}
+
+#[tokio::test]
+async fn bind_mode_sha256cbor_bytes_stream_matches_vllm() {
+    replay_in_bind_mode("qwen3-sha256cbor-bytes").await;
+}
+
+#[tokio::test]
+async fn bind_mode_sha256cbor_bytes_stream_array_v0_23_matches_vllm() {
+    replay_in_bind_mode("qwen3-sha256cbor-bytes.array-v0.23").await;
+}
+
+#[tokio::test]
+async fn bind_mode_sha256cbor_bytes_stream_array_v0_11_matches_vllm() {
+    replay_in_bind_mode("qwen3-sha256cbor-bytes.array-v0.11").await;
+}
+
+#[tokio::test]
+async fn lora_and_cache_salt_blocks_only_match_their_own_adapter_and_salt() {
+    replay_in_bind_mode("qwen3-lora-salt").await;
+}
+
+/// The indexer dials pods that bind their PUB socket, one socket per pod.
+#[tokio::test]
+async fn dial_mode_connects_to_each_pod_and_matches_vllm() {
+    let stream = "qwen3-sha256-int";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let mut publishers = BTreeMap::new();
+    let mut endpoints = Vec::new();
+    for pod in &expected.pods {
+        let (publisher, endpoint) = Publisher::bind().await;
+        publishers.insert(pod.clone(), publisher);
+        endpoints.push(endpoint);
+    }
+    let service = Service::start_dialing(&endpoints, &[]).await;
+    for (pod, publisher) in publishers.iter_mut() {
+        publisher
+            .wait_subscribed(&service, &format!("marker-{pod}"))
+            .await;
+    }
+    // Each pod publishes its own batches, in the recorded order.
+    for f in &frames {
+        publishers
+            .get_mut(f.pod())
+            .expect("known pod")
+            .send(f.message())
+            .await;
+    }
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    check_probes(&service, &expected).await;
+}
+
+/// Bind and dial at once: one pod connects to us, the other we dial.
+#[tokio::test]
+async fn bind_and_dial_modes_run_together() {
+    let stream = "qwen3-lora-salt";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let (mut dialed, endpoint) = Publisher::bind().await;
+    let service = Service::start(&["--zmq-connect", &endpoint]).await;
+    let mut connecting = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    dialed.wait_subscribed(&service, "marker-dialed").await;
+    connecting
+        .wait_subscribed(&service, "marker-connecting")
+        .await;
+    for f in &frames {
+        let publisher = if f.pod() == "pod-0" {
+            &mut dialed
+        } else {
+            &mut connecting
+        };
+        publisher.send(f.message()).await;
+    }
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    check_probes(&service, &expected).await;
+}
+
+/// Garbage between valid batches is counted and skipped; nothing valid is lost.
+#[tokio::test]
+async fn malformed_messages_are_skipped_and_valid_ones_all_land() {
+    let stream = "qwen3-sha256cbor-bytes";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let service = Service::start(&[]).await;
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    let topic = frames[0].topic.clone();
+    let seq = Bytes::copy_from_slice(&1u64.to_be_bytes());
+    let garbage: Vec<Vec<Bytes>> = vec![
+        // two frames
+        vec![Bytes::from(topic.clone()), Bytes::from_static(b"x")],
+        // four frames
+        vec![
+            Bytes::from(topic.clone()),
+            seq.clone(),
+            Bytes::new(),
+            Bytes::new(),
+        ],
+        // short seq
+        vec![
+            Bytes::from(topic.clone()),
+            Bytes::from_static(b"123"),
+            Bytes::new(),
+        ],
+        // bad topic (matches the subscription prefix, but no pod/model)
+        vec![
+            Bytes::from_static(b"kv@only-pod"),
+            seq.clone(),
+            Bytes::new(),
+        ],
+        // undecodable payloads
+        vec![
+            Bytes::from(topic.clone()),
+            seq.clone(),
+            Bytes::from_static(b"\xc1\xc1"),
+        ],
+        vec![
+            Bytes::from(topic.clone()),
+            seq.clone(),
+            Bytes::from_static(&[0xdd, 0xff, 0xff, 0xff, 0xff]),
+        ],
+    ];
+    for (i, f) in frames.iter().enumerate() {
+        publisher.send(f.message()).await;
+        if i % 10 == 0 {
+            for g in &garbage {
+                publisher.send(zmq_message(g.clone())).await;
+            }
+        }
+    }
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    check_probes(&service, &expected).await;
+    // The service is still answering and healthy.
+    let pods = service.list_pods("").await;
+    assert!(pods.iter().all(|p| p.pod != "only-pod"));
+}
+
+#[tokio::test]
+async fn bad_requests_get_clear_status_codes() {
+    let service = Service::start(&[]).await;
+    let mut client = service.client().await;
+    let tokens = Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+        ids: vec![1, 2, 3],
+    }));
+    let cases = [
+        (
+            pb::ScoreRequest {
+                input: tokens.clone(),
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+            "model",
+        ),
+        (
+            pb::ScoreRequest {
+                model: "m".into(),
+                ..Default::default()
+            },
+            Code::InvalidArgument,
+            "token_ids",
+        ),
+        (
+            pb::ScoreRequest {
+                model: "m".into(),
+                input: Some(pb::score_request::Input::Prompt("hello".into())),
+                ..Default::default()
+            },
+            Code::Unimplemented,
+            "token_ids",
+        ),
+    ];
+    for (req, code, mentions) in cases {
+        let status = client.score(req).await.expect_err("must fail");
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(status.message().contains(mentions), "{status:?}");
+    }
+    // A model nobody published for is a valid question with an empty answer.
+    let resp = client
+        .score(pb::ScoreRequest {
+            model: "unknown".into(),
+            input: tokens,
+            pods: vec!["a".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("Score")
+        .into_inner();
+    assert_eq!(resp.pods.len(), 1);
+    assert_eq!(
+        (resp.pods[0].pod.as_str(), resp.pods[0].matched_blocks),
+        ("a", 0)
+    );
+
+    let status = client
+        .lookup_blocks(pb::LookupBlocksRequest::default())
+        .await
+        .expect_err("must fail");
+    assert_eq!(status.code(), Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn lookup_blocks_shows_who_holds_a_prompts_blocks() {
+    let stream = "qwen3-lora-salt";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let service = Service::start(&[]).await;
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    publisher.publish_all(&frames).await;
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    let probe = expected
+        .probes
+        .iter()
+        .find(|p| p.id == "plain:same")
+        .expect("probe");
+    let mut client = service.client().await;
+    let resp = client
+        .lookup_blocks(pb::LookupBlocksRequest {
+            model: expected.model.clone(),
+            input: Some(pb::lookup_blocks_request::Input::TokenIds(pb::TokenIds {
+                ids: probe.token_ids.clone(),
+            })),
+            ..Default::default()
+        })
+        .await
+        .expect("LookupBlocks")
+        .into_inner();
+    assert_eq!(resp.blocks.len(), probe.token_ids.len() / 16);
+    let first = &resp.blocks[0];
+    assert_eq!(first.holders.len(), 1);
+    assert_eq!(first.holders[0].pod, "pod-1");
+    assert_eq!(first.holders[0].tiers, vec![pb::Tier::Gpu as i32]);
+    // Keys round-trip.
+    let again = client
+        .lookup_blocks(pb::LookupBlocksRequest {
+            input: Some(pb::lookup_blocks_request::Input::BlockKeys(pb::BlockKeys {
+                keys: vec![first.key, 12345],
+            })),
+            ..Default::default()
+        })
+        .await
+        .expect("LookupBlocks")
+        .into_inner();
+    assert_eq!(again.blocks[0], *first);
+    assert!(again.blocks[1].holders.is_empty());
+}
+
+#[tokio::test]
+async fn sigterm_stops_the_service_cleanly() {
+    let service = Service::start(&[]).await;
+    // A client holding a connection open must not block shutdown.
+    let _client = service.client().await;
+    let status = service.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn bad_configuration_fails_fast_naming_the_setting() {
+    for (flags, setting) in [
+        (vec!["--block-size", "0"], "block_size"),
+        (vec!["--zmq-connect", "tcp://nohost"], "zmq_connect"),
+        (vec!["--tier-weight", "gpu=7"], "tier_weight"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+            .args(&flags)
+            .output()
+            .expect("run");
+        assert_eq!(out.status.code(), Some(2), "{flags:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(setting), "{flags:?}: {stderr}");
+    }
+    let dir = std::env::temp_dir().join(format!("kv-indexer-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("wrongkey.yaml");
+    std::fs::write(&file, "grpc_adress: 1.2.3.4:5\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .arg("--config")
+        .arg(&file)
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("grpc_adress"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
