@@ -7,7 +7,11 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use std::collections::{BTreeMap, HashMap};
+
 use clap::Parser;
+use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+use indexer::scheme::{EngineKeys, KeyMode, KeySchemes};
 use indexer::score::TierWeights;
 use indexer::IndexerConfig;
 use serde::Deserialize;
@@ -61,6 +65,48 @@ pub struct Args {
     /// same one, in order [default: number of CPUs].
     #[arg(long, env = "KV_INDEXER_INGEST_WORKERS")]
     pub ingest_workers: Option<usize>,
+
+    /// Block keys: `token` (ours, from token ids) or `engine` (vLLM's own
+    /// block hashes; needs the pods' hash algorithm and seed) [default: token].
+    #[arg(long, env = "KV_INDEXER_KEY_MODE")]
+    pub key_mode: Option<String>,
+
+    /// Engine mode: the pods' `--prefix-caching-hash-algo`: sha256,
+    /// sha256_cbor, xxhash or xxhash_cbor [default: sha256].
+    #[arg(long, env = "KV_INDEXER_ENGINE_HASH_ALGO")]
+    pub engine_hash_algo: Option<String>,
+
+    /// Engine mode: the pods' `PYTHONHASHSEED`, if they set one
+    /// [default: vllm-none-hash, vLLM's own default for sha256 algorithms].
+    #[arg(long, env = "KV_INDEXER_ENGINE_HASH_SEED")]
+    pub engine_hash_seed: Option<String>,
+
+    /// Engine mode: how the pods' vLLM hashes LoRA names and cache salts:
+    /// `tagged` (vLLM >= 0.31) or `bare` (older) [default: tagged].
+    #[arg(long, env = "KV_INDEXER_ENGINE_EXTRA_KEYS")]
+    pub engine_extra_keys: Option<String>,
+
+    /// Engine mode: a LoRA adapter's path as given to vLLM, `NAME=PATH`
+    /// (hashed since vLLM 0.31, absent from events). Adapters without one use
+    /// token keys. Repeatable or comma-separated.
+    #[arg(long, env = "KV_INDEXER_LORA_PATH", value_delimiter = ',')]
+    pub lora_path: Vec<String>,
+
+    /// Engine mode: a pod holding block k of a prompt holds blocks 0..k
+    /// (vLLM evicts descendants first), even if their events were missed
+    /// [default: true].
+    #[arg(long, env = "KV_INDEXER_ASSUME_PREFIX_CLOSED")]
+    pub assume_prefix_closed: Option<bool>,
+
+    /// Engine mode: after each pod's first 8, recompute one in N prompt-start
+    /// stores' hashes to catch a wrong algorithm or seed; 0 = off [default: 64].
+    #[arg(long, env = "KV_INDEXER_ENGINE_SELF_CHECK_EVERY")]
+    pub engine_self_check_every: Option<u32>,
+
+    /// Key mode for one model, overriding the above:
+    /// `MODEL=token` or `MODEL=engine[:ALGO[:SEED]]`. Repeatable.
+    #[arg(long, env = "KV_INDEXER_MODEL_KEY_MODE", value_delimiter = ' ')]
+    pub model_key_mode: Vec<String>,
 }
 
 /// The `--config` file: the same settings, snake_case keys.
@@ -79,6 +125,18 @@ pub struct FileConfig {
     pub log_format: Option<String>,
     pub log_level: Option<String>,
     pub ingest_workers: Option<usize>,
+    pub key_mode: Option<String>,
+    pub engine_hash_algo: Option<String>,
+    pub engine_hash_seed: Option<String>,
+    pub engine_extra_keys: Option<String>,
+    /// `{adapter-name: /path/given/to/vllm}`
+    #[serde(default)]
+    pub lora_paths: BTreeMap<String, String>,
+    pub assume_prefix_closed: Option<bool>,
+    pub engine_self_check_every: Option<u32>,
+    /// `{model: "token" | "engine[:ALGO[:SEED]]"}`
+    #[serde(default)]
+    pub model_key_modes: BTreeMap<String, String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -261,6 +319,43 @@ impl Config {
             ));
         }
 
+        let keys = key_schemes(&KeyArgs {
+            key_mode: args.key_mode.or(file.key_mode),
+            algo: args.engine_hash_algo.or(file.engine_hash_algo),
+            seed: args.engine_hash_seed.or(file.engine_hash_seed),
+            extra_keys: args.engine_extra_keys.or(file.engine_extra_keys),
+            lora_paths: if args.lora_path.is_empty() {
+                file.lora_paths.into_iter().collect()
+            } else {
+                args.lora_path
+                    .iter()
+                    .filter(|s| !s.trim().is_empty())
+                    .map(|s| {
+                        s.split_once('=')
+                            .map(|(n, p)| (n.trim().to_owned(), p.trim().to_owned()))
+                            .ok_or_else(|| invalid("lora_path", s, "want NAME=PATH"))
+                    })
+                    .collect::<Result<_, _>>()?
+            },
+            assume_prefix_closed: args.assume_prefix_closed.or(file.assume_prefix_closed),
+            self_check_every: args
+                .engine_self_check_every
+                .or(file.engine_self_check_every),
+            per_model: if args.model_key_mode.is_empty() {
+                file.model_key_modes.into_iter().collect()
+            } else {
+                args.model_key_mode
+                    .iter()
+                    .filter(|s| !s.trim().is_empty())
+                    .map(|s| {
+                        s.split_once('=')
+                            .map(|(m, spec)| (m.to_owned(), spec.to_owned()))
+                            .ok_or_else(|| invalid("model_key_mode", s, "want MODEL=MODE"))
+                    })
+                    .collect::<Result<_, _>>()?
+            },
+        })?;
+
         Ok(Config {
             grpc_addr,
             zmq_bind,
@@ -269,12 +364,94 @@ impl Config {
             indexer: IndexerConfig {
                 default_block_size: block_size,
                 tier_weights: weights,
+                keys,
             },
             log_format,
             log_level,
             ingest_workers,
         })
     }
+}
+
+/// Key-mode settings after precedence, before validation.
+struct KeyArgs {
+    key_mode: Option<String>,
+    algo: Option<String>,
+    seed: Option<String>,
+    extra_keys: Option<String>,
+    lora_paths: Vec<(String, String)>,
+    assume_prefix_closed: Option<bool>,
+    self_check_every: Option<u32>,
+    per_model: Vec<(String, String)>,
+}
+
+/// Builds an engine key configuration, checking that it can be reproduced.
+fn engine_keys(
+    setting: &'static str,
+    algo: Option<&str>,
+    seed: Option<&str>,
+    k: &KeyArgs,
+) -> Result<EngineKeys, ConfigError> {
+    let algo_name = algo.unwrap_or("sha256");
+    let algo = HashAlgo::parse(algo_name).ok_or_else(|| {
+        invalid(
+            setting,
+            algo_name,
+            "want sha256, sha256_cbor, xxhash or xxhash_cbor",
+        )
+    })?;
+    if algo.needs_explicit_seed() && seed.is_none() {
+        return Err(invalid(
+            setting,
+            algo_name,
+            "xxhash hashes are only reproducible when the pods set PYTHONHASHSEED: give it as the engine hash seed",
+        ));
+    }
+    let style = match k.extra_keys.as_deref().unwrap_or("tagged") {
+        "tagged" => ExtraKeyStyle::Tagged,
+        "bare" => ExtraKeyStyle::Bare,
+        other => return Err(invalid("engine_extra_keys", other, "want tagged or bare")),
+    };
+    Ok(EngineKeys {
+        hasher: EngineHasher::new(algo, seed.unwrap_or(DEFAULT_SEED), style),
+        lora_paths: k.lora_paths.iter().cloned().collect::<HashMap<_, _>>(),
+        assume_prefix_closed: k.assume_prefix_closed.unwrap_or(true),
+        self_check_every: k.self_check_every.unwrap_or(64),
+    })
+}
+
+fn key_schemes(k: &KeyArgs) -> Result<KeySchemes, ConfigError> {
+    let default = match k.key_mode.as_deref().unwrap_or("token") {
+        "token" => KeyMode::Token,
+        "engine" => KeyMode::Engine(Box::new(engine_keys(
+            "engine_hash_algo",
+            k.algo.as_deref(),
+            k.seed.as_deref(),
+            k,
+        )?)),
+        other => return Err(invalid("key_mode", other, "want token or engine")),
+    };
+    let mut per_model = HashMap::new();
+    for (model, spec) in &k.per_model {
+        let mut parts = spec.splitn(3, ':');
+        let mode = match parts.next().unwrap_or_default() {
+            "token" => KeyMode::Token,
+            "engine" => {
+                let algo = parts.next().or(k.algo.as_deref());
+                let seed = parts.next().or(k.seed.as_deref());
+                KeyMode::Engine(Box::new(engine_keys("model_key_mode", algo, seed, k)?))
+            }
+            _ => {
+                return Err(invalid(
+                    "model_key_mode",
+                    format!("{model}={spec}"),
+                    "want MODEL=token or MODEL=engine[:ALGO[:SEED]]",
+                ))
+            }
+        };
+        per_model.insert(model.clone(), mode);
+    }
+    Ok(KeySchemes { default, per_model })
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -423,11 +600,66 @@ mod tests {
             (&["--log-format", "xml"], "log_format"),
             (&["--log-level", "info,=[bad"], "log_level"),
             (&["--ingest-workers", "0"], "ingest_workers"),
+            (&["--key-mode", "hash"], "key_mode"),
+            (
+                &["--key-mode", "engine", "--engine-hash-algo", "md5"],
+                "engine_hash_algo",
+            ),
+            (
+                &["--key-mode", "engine", "--engine-hash-algo", "xxhash"],
+                "PYTHONHASHSEED",
+            ),
+            (
+                &["--key-mode", "engine", "--engine-extra-keys", "x"],
+                "engine_extra_keys",
+            ),
+            (&["--lora-path", "nopath"], "lora_path"),
+            (&["--model-key-mode", "m=fast"], "model_key_mode"),
+            (&["--model-key-mode", "m=engine:sha1"], "model_key_mode"),
         ];
         for (flags, setting) in cases {
             let err = Config::merge(args(flags), FileConfig::default()).unwrap_err();
             assert!(err.to_string().contains(setting), "{flags:?}: {err}");
         }
+    }
+
+    #[test]
+    fn key_modes_per_model() {
+        let c = Config::merge(
+            args(&[
+                "--key-mode",
+                "engine",
+                "--engine-hash-algo",
+                "sha256_cbor",
+                "--lora-path",
+                "sql=/loras/sql",
+                "--model-key-mode",
+                "org/a=token",
+                "--model-key-mode",
+                "org/b=engine:xxhash:42",
+            ]),
+            FileConfig::default(),
+        )
+        .unwrap();
+        let keys = &c.indexer.keys;
+        let e = keys.default.engine().unwrap();
+        assert_eq!(e.hasher.algo(), HashAlgo::Sha256Cbor);
+        assert!(e.assume_prefix_closed);
+        assert_eq!(e.lora_paths["sql"], "/loras/sql");
+        assert!(keys.for_model("org/a").engine().is_none());
+        assert_eq!(
+            keys.for_model("org/b").engine().unwrap().hasher.algo(),
+            HashAlgo::Xxhash
+        );
+        assert!(keys.for_model("org/c").engine().is_some());
+        let file: FileConfig = serde_norway::from_str(
+            "key_mode: engine\nengine_hash_seed: '7'\nassume_prefix_closed: false\nmodel_key_modes: {x: token}\n",
+        )
+        .unwrap();
+        let c = Config::merge(Args::default(), file).unwrap();
+        let e = c.indexer.keys.default.engine().unwrap();
+        assert!(!e.assume_prefix_closed);
+        assert!(c.indexer.keys.for_model("x").engine().is_none());
     }
 
     #[test]

@@ -133,6 +133,9 @@ impl KvIndexer for KvIndexerService {
                     + p.applied.malformed_stores,
                 unknown_event_types: u64::from(p.skipped.unknown_event_types),
                 unknown_fields: u64::from(p.skipped.unknown_fields),
+                engine_hash_checks: p.applied.engine_hash_checks,
+                engine_hash_mismatches: p.applied.engine_hash_mismatches,
+                key_mode: p.key_mode.into(),
             })
             .collect();
         Ok(Response::new(pb::ListPodsResponse { pods }))

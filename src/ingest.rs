@@ -259,6 +259,8 @@ fn apply_loop(rx: flume::Receiver<Frame>, indexer: &Indexer, counters: &IngestCo
     let warn = RateLimited::new(Duration::from_secs(10));
     // Pod handles by (topic, DP rank): no table lookup per batch.
     let mut pods: HashMap<(Bytes, Option<u32>), Arc<Pod>> = HashMap::new();
+    // Pods already warned about engine-hash mismatches: once each is enough.
+    let mut mismatch_warned: std::collections::HashSet<u32> = Default::default();
     while let Ok(frame) = rx.recv() {
         let batch = match decode_batch(&frame.payload) {
             Ok(batch) => batch,
@@ -283,7 +285,16 @@ fn apply_loop(rx: flume::Receiver<Frame>, indexer: &Indexer, counters: &IngestCo
                 tracing::info!(pod = %pod.name, model = %pod.model, "new pod");
                 pod
             });
-        indexer.apply(pod, frame.seq, &batch);
+        let stats = indexer.apply(pod, frame.seq, &batch);
+        if stats.engine_hash_mismatches > 0 && mismatch_warned.insert(pod.id.0) {
+            tracing::warn!(
+                pod = %pod.name,
+                model = %pod.model,
+                "this pod's block hashes differ from ours: set --engine-hash-algo, --engine-hash-seed \
+                 and --engine-extra-keys to the pods' --prefix-caching-hash-algo, PYTHONHASHSEED and vLLM \
+                 release, or use --key-mode token; until then its blocks will not match"
+            );
+        }
         let skipped = batch.skipped;
         counters.batches_applied.fetch_add(1, Ordering::Relaxed);
         counters

@@ -14,15 +14,18 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::event::{DecodeSkips, EventBatch, KvEvent, TIERS};
 use crate::index::{BlockIndex, PodId, TierMask};
-use crate::keys::{prompt_keys, request_root_seed, BlockKey};
+use crate::keys::BlockKey;
 use crate::pod::{ApplyStats, PodState};
-use crate::score::{walk, PrefixMatch, TierWeights};
+use crate::scheme::{KeyMode, KeySchemes};
+use crate::score::{extend_prefix_closed, walk, PrefixMatch, TierWeights};
 
 #[derive(Clone, Debug)]
 pub struct IndexerConfig {
     /// Block size assumed for a model until its pods' events say otherwise.
     pub default_block_size: u32,
     pub tier_weights: TierWeights,
+    /// Token or engine keys, per model.
+    pub keys: KeySchemes,
 }
 
 impl Default for IndexerConfig {
@@ -30,6 +33,7 @@ impl Default for IndexerConfig {
         IndexerConfig {
             default_block_size: 16,
             tier_weights: TierWeights::default(),
+            keys: KeySchemes::default(),
         }
     }
 }
@@ -51,6 +55,8 @@ pub struct Pod {
     pub name: String,
     pub model: String,
     pub dp_rank: Option<u32>,
+    /// The model's key mode, resolved once.
+    mode: KeyMode,
     /// Learned block size; 0 until the first store.
     block_size: AtomicU32,
     inner: Mutex<PodInner>,
@@ -87,6 +93,7 @@ pub struct PodSummary {
     pub last_event_age: Option<Duration>,
     pub applied: ApplyStats,
     pub skipped: DecodeSkips,
+    pub key_mode: &'static str,
 }
 
 /// A prompt to score.
@@ -175,6 +182,7 @@ impl Indexer {
             name: key.1.clone(),
             model: model.to_owned(),
             dp_rank,
+            mode: self.config.keys.for_model(model).clone(),
             block_size: AtomicU32::new(0),
             inner: Mutex::new(PodInner {
                 state: PodState::new(id, model),
@@ -208,7 +216,7 @@ impl Indexer {
         progress.skipped.unknown_fields += batch.skipped.unknown_fields;
         for event in &batch.events {
             match event {
-                KvEvent::Stored(ev) => state.store(&self.blocks, ev, &mut stats),
+                KvEvent::Stored(ev) => state.store(&self.blocks, ev, &pod.mode, &mut stats),
                 KvEvent::Removed(ev) => state.remove(&self.blocks, ev, &mut stats),
                 KvEvent::AllCleared => state.clear(&self.blocks, &mut stats),
             }
@@ -243,7 +251,7 @@ impl Indexer {
         }
     }
 
-    /// Our keys for a prompt's full blocks.
+    /// Keys of a prompt's full blocks, as the model's key mode computes them.
     pub fn request_keys(
         &self,
         model: &str,
@@ -252,8 +260,11 @@ impl Indexer {
         tokens: &[u32],
         block_size: u32,
     ) -> Vec<BlockKey> {
-        let seed = request_root_seed(model, lora_name, cache_salt);
-        prompt_keys(seed, tokens, block_size as usize)
+        self.config
+            .keys
+            .for_model(model)
+            .request_keys(model, lora_name, cache_salt, tokens, block_size as usize)
+            .0
     }
 
     pub fn score(&self, q: &ScoreQuery<'_>) -> ScoreOutcome {
@@ -304,11 +315,19 @@ impl Indexer {
                 by_size.entry(bs).or_default().push((pod.id, pos));
             }
         }
+        let mode = self.config.keys.for_model(q.model);
         for (bs, mut group) in by_size {
             group.sort_unstable();
-            let keys = self.request_keys(q.model, q.lora_name, q.cache_salt, q.tokens, bs);
+            let (keys, engine_keys) =
+                mode.request_keys(q.model, q.lora_name, q.cache_salt, q.tokens, bs as usize);
             let ids: Vec<PodId> = group.iter().map(|(id, _)| *id).collect();
-            let matches = walk(&self.blocks, &keys, &ids, &self.config.tier_weights);
+            let weights = &self.config.tier_weights;
+            let mut matches = walk(&self.blocks, &keys, &ids, weights);
+            // Closure is only sound on engine keys: token keys of a block
+            // whose parent was never seen do not exist at all.
+            if engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed) {
+                extend_prefix_closed(&self.blocks, &keys, &ids, &mut matches, weights);
+            }
             for ((_, pos), m) in group.iter().zip(matches) {
                 let s = &mut scores[*pos];
                 s.matched = m;
@@ -369,6 +388,7 @@ impl Indexer {
                     last_event_age: inner.progress.last_event.map(|t| now - t),
                     applied: inner.progress.applied,
                     skipped: inner.progress.skipped,
+                    key_mode: p.mode.name(),
                 }
             })
             .collect();

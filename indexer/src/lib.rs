@@ -10,6 +10,7 @@ pub mod index;
 mod indexer;
 pub mod keys;
 pub mod pod;
+pub mod scheme;
 pub mod score;
 pub mod topic;
 pub mod wire;

@@ -18,6 +18,7 @@ use crate::event::{
 };
 use crate::index::{BlockIndex, KeyHasher, PodId};
 use crate::keys::{chain, fold_extras, BlockKey, KeyScope};
+use crate::scheme::{EngineKeys, KeyMode};
 
 #[derive(Clone, Copy, Debug)]
 struct HeldBlock {
@@ -41,6 +42,10 @@ pub struct ApplyStats {
     pub non_full_attention_events: u64,
     /// Stores whose token count does not fit their block count and size.
     pub malformed_stores: u64,
+    /// Engine mode: stores whose hashes we recomputed from their tokens.
+    pub engine_hash_checks: u64,
+    /// ...and found different: our algorithm or seed differs from the pod's.
+    pub engine_hash_mismatches: u64,
 }
 
 impl ApplyStats {
@@ -53,6 +58,8 @@ impl ApplyStats {
         self.unknown_removals += o.unknown_removals;
         self.non_full_attention_events += o.non_full_attention_events;
         self.malformed_stores += o.malformed_stores;
+        self.engine_hash_checks += o.engine_hash_checks;
+        self.engine_hash_mismatches += o.engine_hash_mismatches;
     }
 }
 
@@ -65,7 +72,13 @@ pub struct PodState {
     non_full_groups: HashSet<u32>,
     block_size: Option<u32>,
     held_per_tier: [u64; TIERS],
+    /// Engine mode: stores eligible for the hash self-check seen so far.
+    checkable_stores: u64,
+    check_buf: Vec<u8>,
 }
+
+/// Every pod's first stores are checked, then one in `self_check_every`.
+const ALWAYS_CHECKED_STORES: u64 = 8;
 
 impl PodState {
     pub fn new(id: PodId, model: impl Into<String>) -> Self {
@@ -76,6 +89,8 @@ impl PodState {
             non_full_groups: HashSet::new(),
             block_size: None,
             held_per_tier: [0; TIERS],
+            checkable_stores: 0,
+            check_buf: Vec::new(),
         }
     }
 
@@ -89,7 +104,13 @@ impl PodState {
         self.held_per_tier
     }
 
-    pub fn store(&mut self, index: &BlockIndex, ev: &BlockStored, stats: &mut ApplyStats) {
+    pub fn store(
+        &mut self,
+        index: &BlockIndex,
+        ev: &BlockStored,
+        mode: &KeyMode,
+        stats: &mut ApplyStats,
+    ) {
         if self.skip_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref()) {
             stats.non_full_attention_events += 1;
             return;
@@ -99,16 +120,28 @@ impl PodState {
         if n == 0 {
             return;
         }
+        let named_lora = named_lora(ev);
+        // Engine keys unless this adapter's hashes cannot be reproduced.
+        let engine = mode
+            .engine()
+            .filter(|e| e.lora_keyable(named_lora.as_deref()));
         if ev.token_ids.is_empty() {
-            // Offload to another tier: the blocks are known by hash already.
+            // Offload to another tier: token mode needs the blocks known by
+            // hash already; engine mode keys them by hash alone.
             for hash in &ev.block_hashes {
-                match self.by_hash.get_mut(hash) {
-                    Some(held) => {
-                        Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
-                        stats.stored_blocks += 1;
+                let held = match (self.by_hash.get_mut(hash), engine) {
+                    (Some(held), _) => held,
+                    (None, Some(_)) => self.by_hash.entry(*hash).or_insert(HeldBlock {
+                        key: BlockKey(hash.0),
+                        counts: [0; TIERS],
+                    }),
+                    (None, None) => {
+                        stats.unkeyable_blocks += 1;
+                        continue;
                     }
-                    None => stats.unkeyable_blocks += 1,
-                }
+                };
+                Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
+                stats.stored_blocks += 1;
             }
             return;
         }
@@ -122,7 +155,22 @@ impl PodState {
         };
         self.block_size = Some(block_size as u32);
 
-        let lora = event_lora_name(ev);
+        if let Some(engine) = engine {
+            self.self_check(ev, block_size, engine, stats);
+            for hash in &ev.block_hashes {
+                let held = self.by_hash.entry(*hash).or_insert(HeldBlock {
+                    key: BlockKey(hash.0),
+                    counts: [0; TIERS],
+                });
+                Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
+                stats.stored_blocks += 1;
+            }
+            return;
+        }
+
+        // An adapter known only by id (old wire forms) gets a marker that can
+        // never equal a requested name: such blocks never match a prompt.
+        let lora = named_lora.or_else(|| ev.lora_id.map(|id| format!("\0lora-id:{id}")));
         let extras_of = |i: usize| -> Vec<ExtraKey> {
             let block = ev
                 .extra_keys
@@ -213,6 +261,50 @@ impl PodState {
         stats.clears += 1;
     }
 
+    /// Recomputes (sampled) a prompt-start store's hashes from its tokens:
+    /// a mismatch means our algorithm or seed is not the pod's.
+    fn self_check(
+        &mut self,
+        ev: &BlockStored,
+        block_size: usize,
+        engine: &EngineKeys,
+        stats: &mut ApplyStats,
+    ) {
+        // Only stores whose hash inputs we know fully: a chain start (the
+        // wire carries parents truncated to 64 bits), no adapter, and extra
+        // keys present and empty (old wire forms omit them, salt included).
+        let plain = ev.parent_block_hash.is_none()
+            && ev.lora_name.is_none()
+            && ev.lora_id.is_none()
+            && ev
+                .extra_keys
+                .as_ref()
+                .is_some_and(|v| v.iter().all(|e| e.as_ref().is_none_or(|e| e.is_empty())));
+        if !plain || engine.self_check_every == 0 {
+            return;
+        }
+        self.checkable_stores += 1;
+        if self.checkable_stores > ALWAYS_CHECKED_STORES
+            && self.checkable_stores % u64::from(engine.self_check_every) != 0
+        {
+            return;
+        }
+        stats.engine_hash_checks += 1;
+        let hasher = &engine.hasher;
+        let mut parent = hasher.none_hash();
+        for (hash, tokens) in ev
+            .block_hashes
+            .iter()
+            .zip(ev.token_ids.chunks_exact(block_size))
+        {
+            parent = hasher.block_digest(&mut self.check_buf, &parent, tokens, &[]);
+            if parent.wire() != *hash {
+                stats.engine_hash_mismatches += 1;
+                return;
+            }
+        }
+    }
+
     fn count_up(
         pod: PodId,
         index: &BlockIndex,
@@ -241,10 +333,9 @@ impl PodState {
     }
 }
 
-/// The LoRA a store belongs to: `lora_name`, else a tagged `("lora", name,
-/// ...)` extra key, else (old wire forms) an id-only marker that can never
-/// equal a requested adapter name, so such blocks never match a plain prompt.
-fn event_lora_name(ev: &BlockStored) -> Option<String> {
+/// The LoRA adapter a store names: `lora_name`, else a tagged
+/// `("lora", name, ...)` extra key.
+fn named_lora(ev: &BlockStored) -> Option<String> {
     if let Some(name) = &ev.lora_name {
         return Some(name.clone());
     }
@@ -263,7 +354,7 @@ fn event_lora_name(ev: &BlockStored) -> Option<String> {
             }
         }
     }
-    ev.lora_id.map(|id| format!("\0lora-id:{id}"))
+    None
 }
 
 /// A block's extra keys minus the LoRA markers (the LoRA is in the root seed),
@@ -298,6 +389,13 @@ mod tests {
     use crate::keys::{prompt_keys, request_root_seed};
 
     const BS: usize = 4;
+
+    impl PodState {
+        /// Token-mode store, for brevity.
+        fn store_t(&mut self, index: &BlockIndex, ev: &BlockStored, stats: &mut ApplyStats) {
+            self.store(index, ev, &KeyMode::Token, stats)
+        }
+    }
 
     fn tokens(n: usize, base: u32) -> Vec<u32> {
         (0..n as u32).map(|i| base + i).collect()
@@ -334,8 +432,8 @@ mod tests {
         let mut pod = PodState::new(PodId(0), "m");
         let mut stats = ApplyStats::default();
         let t = tokens(12, 100);
-        pod.store(&index, &store(&[1, 2], None, &t[..8]), &mut stats);
-        pod.store(&index, &store(&[3], Some(2), &t[8..]), &mut stats);
+        pod.store_t(&index, &store(&[1, 2], None, &t[..8]), &mut stats);
+        pod.store_t(&index, &store(&[3], Some(2), &t[8..]), &mut stats);
         let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
         assert_eq!(held_keys(&index, &keys, PodId(0)), 3);
         assert_eq!(stats.stored_blocks, 3);
@@ -349,8 +447,8 @@ mod tests {
         let mut stats = ApplyStats::default();
         let t = tokens(4, 0);
         let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
-        pod.store(&index, &store(&[1], None, &t), &mut stats);
-        pod.store(&index, &store(&[1], None, &t), &mut stats);
+        pod.store_t(&index, &store(&[1], None, &t), &mut stats);
+        pod.store_t(&index, &store(&[1], None, &t), &mut stats);
         pod.remove(&index, &removed(&[1]), &mut stats);
         assert_eq!(held_keys(&index, &keys, PodId(0)), 1);
         pod.remove(&index, &removed(&[1]), &mut stats);
@@ -365,7 +463,7 @@ mod tests {
         let index = BlockIndex::new();
         let mut pod = PodState::new(PodId(0), "m");
         let mut stats = ApplyStats::default();
-        pod.store(&index, &store(&[5, 6], Some(99), &tokens(8, 0)), &mut stats);
+        pod.store_t(&index, &store(&[5, 6], Some(99), &tokens(8, 0)), &mut stats);
         assert_eq!(stats.parent_unknown_blocks, 2);
         assert!(index.is_empty());
         pod.remove(&index, &removed(&[5]), &mut stats);
@@ -379,10 +477,10 @@ mod tests {
         let mut stats = ApplyStats::default();
         let t = tokens(4, 0);
         let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
-        pod.store(&index, &store(&[1], None, &t), &mut stats);
+        pod.store_t(&index, &store(&[1], None, &t), &mut stats);
         let mut offload = store(&[1, 2], None, &[]);
         offload.medium = Some("CPU".into());
-        pod.store(&index, &offload, &mut stats);
+        pod.store_t(&index, &offload, &mut stats);
         assert_eq!(stats.unkeyable_blocks, 1);
         assert_eq!(pod.held_per_tier(), [1, 1, 0]);
         pod.remove(&index, &removed(&[1]), &mut stats);
@@ -404,14 +502,14 @@ mod tests {
         let mut stats = ApplyStats::default();
         let t = tokens(8, 0);
         let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
-        a.store(&index, &store(&[1, 2], None, &t), &mut stats);
-        b.store(&index, &store(&[1, 2], None, &t), &mut stats);
+        a.store_t(&index, &store(&[1, 2], None, &t), &mut stats);
+        b.store_t(&index, &store(&[1, 2], None, &t), &mut stats);
         a.clear(&index, &mut stats);
         assert_eq!(held_keys(&index, &keys, PodId(0)), 0);
         assert_eq!(held_keys(&index, &keys, PodId(1)), 2);
         assert_eq!(a.held_per_tier(), [0; TIERS]);
         // Stores after a clear start from scratch again.
-        a.store(&index, &store(&[3], Some(1), &t[4..]), &mut stats);
+        a.store_t(&index, &store(&[3], Some(1), &t[4..]), &mut stats);
         assert_eq!(stats.parent_unknown_blocks, 1);
     }
 
@@ -427,8 +525,8 @@ mod tests {
         let mut swa = full.clone();
         swa.group_idx = Some(1);
         swa.kv_cache_spec_kind = Some("sliding_window".into());
-        pod.store(&index, &full, &mut stats);
-        pod.store(&index, &swa, &mut stats);
+        pod.store_t(&index, &full, &mut stats);
+        pod.store_t(&index, &swa, &mut stats);
         let mut rm = removed(&[1]);
         rm.group_idx = Some(1);
         pod.remove(&index, &rm, &mut stats);
@@ -452,7 +550,7 @@ mod tests {
             ]),
             Some(vec![ExtraKey::Str("sql".into())]),
         ]);
-        pod.store(&index, &ev, &mut stats);
+        pod.store_t(&index, &ev, &mut stats);
         // Tagged form (0.31+ hashing tuples), no lora_name field.
         let mut tagged = store(&[3, 4], None, &t);
         let lora = ExtraKey::List(vec![
@@ -470,7 +568,7 @@ mod tests {
             ]),
             Some(vec![lora]),
         ]);
-        pod.store(&index, &tagged, &mut stats);
+        pod.store_t(&index, &tagged, &mut stats);
         let want = |lora, salt| prompt_keys(request_root_seed("m", lora, salt), &t, BS);
         assert_eq!(
             held_keys(&index, &want(Some("sql"), Some("tenant")), PodId(0)),
@@ -493,7 +591,7 @@ mod tests {
         let t = tokens(4, 0);
         let mut ev = store(&[1], None, &t);
         ev.lora_id = Some(3);
-        pod.store(&index, &ev, &mut stats);
+        pod.store_t(&index, &ev, &mut stats);
         let plain = prompt_keys(request_root_seed("m", None, None), &t, BS);
         assert_eq!(held_keys(&index, &plain, PodId(0)), 0);
     }
@@ -503,10 +601,10 @@ mod tests {
         let index = BlockIndex::new();
         let mut pod = PodState::new(PodId(0), "m");
         let mut stats = ApplyStats::default();
-        pod.store(&index, &store(&[1, 2], None, &tokens(7, 0)), &mut stats);
+        pod.store_t(&index, &store(&[1, 2], None, &tokens(7, 0)), &mut stats);
         let mut zero = store(&[1], None, &tokens(4, 0));
         zero.block_size = Some(0);
-        pod.store(&index, &zero, &mut stats);
+        pod.store_t(&index, &zero, &mut stats);
         assert_eq!(stats.malformed_stores, 2);
         assert!(index.is_empty());
     }

@@ -2,7 +2,7 @@
 //! holds, and a tier-weighted score.
 
 use crate::event::{Tier, TIERS};
-use crate::index::{BlockIndex, Holder, PodId};
+use crate::index::{BlockIndex, Holder, PodId, TierMask};
 use crate::keys::BlockKey;
 
 /// How much a matched block is worth by the tier it is held on. A block held
@@ -57,7 +57,7 @@ pub fn walk(
             let holders = holders.unwrap_or(&[]);
             active.retain(|&pos| match find(holders, candidates[pos]) {
                 Some(holder) => {
-                    record(&mut matches[pos], holder, weights);
+                    record(&mut matches[pos], holder.tiers(), weights);
                     true
                 }
                 None => false,
@@ -79,8 +79,63 @@ fn find(holders: &[Holder], pod: PodId) -> Option<&Holder> {
     }
 }
 
-fn record(m: &mut PrefixMatch, holder: &Holder, weights: &TierWeights) {
-    let tiers = holder.tiers();
+/// Prefix closure: vLLM evicts a block only after its descendants, so a pod
+/// holding block k of a prompt holds blocks 0..k too, even when the index
+/// missed their events (late start, lost batches). Extends each match to the
+/// deepest block of the prompt the pod is known to hold; inferred blocks
+/// count at the tiers that deepest block is held on.
+///
+/// After a late start the known blocks of a pod along a prompt look like
+/// `miss.. held.. miss..` (only blocks stored after the join are known), which
+/// a binary search cannot find in general. One backward scan from the
+/// prompt's end, shared by all candidates and stopping as soon as each has
+/// its answer, finds it exactly; in engine mode it costs less than computing
+/// the keys did (one map lookup per block against one SHA-256 per block).
+pub fn extend_prefix_closed(
+    index: &BlockIndex,
+    keys: &[BlockKey],
+    candidates: &[PodId],
+    matches: &mut [PrefixMatch],
+    weights: &TierWeights,
+) {
+    // Candidates still looking, with their deepest hit once found.
+    let mut deepest: Vec<Option<(usize, TierMask)>> = vec![None; candidates.len()];
+    let mut looking: Vec<usize> = (0..candidates.len())
+        .filter(|&c| (matches[c].matched_blocks as usize) < keys.len())
+        .collect();
+    for i in (0..keys.len()).rev() {
+        // A candidate whose first-miss run already reaches here has no
+        // deeper block to find.
+        looking.retain(|&c| (matches[c].matched_blocks as usize) < i);
+        if looking.is_empty() {
+            break;
+        }
+        index.with_holders(keys[i], |holders| {
+            let holders = holders.unwrap_or(&[]);
+            looking.retain(|&c| match find(holders, candidates[c]) {
+                Some(h) => {
+                    deepest[c] = Some((i, h.tiers()));
+                    false
+                }
+                None => true,
+            });
+        });
+    }
+    for (c, found) in deepest.into_iter().enumerate() {
+        let Some((d, deepest_tiers)) = found else {
+            continue;
+        };
+        let m = &mut matches[c];
+        for key in &keys[m.matched_blocks as usize..=d] {
+            let known = index.with_holders(*key, |h| {
+                find(h.unwrap_or(&[]), candidates[c]).map_or(TierMask(0), Holder::tiers)
+            });
+            record(m, TierMask(known.0 | deepest_tiers.0), weights);
+        }
+    }
+}
+
+fn record(m: &mut PrefixMatch, tiers: TierMask, weights: &TierWeights) {
     m.matched_blocks += 1;
     let mut best = 0.0f64;
     for tier in tiers.tiers() {
@@ -118,6 +173,30 @@ mod tests {
         assert_eq!(m[1].blocks_per_tier, [0, 2, 1]);
         assert!((m[1].weighted_blocks - 1.6).abs() < 1e-9);
         assert_eq!(m[2], PrefixMatch::default());
+    }
+
+    #[test]
+    fn prefix_closure_extends_past_missing_events_but_never_past_known_blocks() {
+        let index = BlockIndex::new();
+        let keys: Vec<BlockKey> = (0..10).map(BlockKey).collect();
+        // pod 0: events for 0 and 5..=7 (1..=4 lost); pod 1: only block 9, CPU;
+        // pod 2: nothing.
+        index.acquire(BlockKey(0), PodId(0), Tier::Gpu);
+        for k in 5..=7 {
+            index.acquire(BlockKey(k), PodId(0), Tier::Gpu);
+        }
+        index.acquire(BlockKey(9), PodId(1), Tier::Cpu);
+        let pods = [PodId(0), PodId(1), PodId(2)];
+        let w = TierWeights::default();
+        let mut m = walk(&index, &keys, &pods, &w);
+        assert_eq!(m[0].matched_blocks, 1);
+        extend_prefix_closed(&index, &keys, &pods, &mut m, &w);
+        assert_eq!(m[0].matched_blocks, 8);
+        assert_eq!(m[0].blocks_per_tier, [8, 0, 0]);
+        assert_eq!(m[1].matched_blocks, 10);
+        assert_eq!(m[1].blocks_per_tier, [0, 10, 0]);
+        assert!((m[1].weighted_blocks - 8.0).abs() < 1e-9);
+        assert_eq!(m[2].matched_blocks, 0);
     }
 
     #[test]

@@ -60,17 +60,35 @@ fn vllm_0_33_engine_hash_vectors_all_match() {
         let algo = HashAlgo::parse(v["algo"].as_str().unwrap()).unwrap();
         let h = EngineHasher::new(algo, v["seed"].as_str().unwrap(), ExtraKeyStyle::Tagged);
         let what = format!("{} seed={} case={}", v["algo"], v["seed"], v["case"]);
-        assert_eq!(hex(&h.none_hash()), v["none_hash_hex"].as_str().unwrap(), "{what}");
+        assert_eq!(
+            hex(&h.none_hash()),
+            v["none_hash_hex"].as_str().unwrap(),
+            "{what}"
+        );
         let blocks: Vec<Vec<u32>> = v["blocks"]
             .as_array()
             .unwrap()
             .iter()
-            .map(|b| b.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+            .map(|b| {
+                b.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect()
+            })
             .collect();
         let digests = chain(&h, &blocks, v["extra_keys"].as_array().unwrap());
         for (i, d) in digests.iter().enumerate() {
-            assert_eq!(hex(d), v["digests_hex"][i].as_str().unwrap(), "{what} block {i}");
-            assert_eq!(d.wire().0, v["wire_u64"][i].as_u64().unwrap(), "{what} block {i}");
+            assert_eq!(
+                hex(d),
+                v["digests_hex"][i].as_str().unwrap(),
+                "{what} block {i}"
+            );
+            assert_eq!(
+                d.wire().0,
+                v["wire_u64"][i].as_u64().unwrap(),
+                "{what} block {i}"
+            );
             blocks_checked += 1;
         }
     }
@@ -94,7 +112,12 @@ fn request_extras_reproduce_lora_and_salt_vectors() {
             .as_array()
             .unwrap()
             .iter()
-            .flat_map(|b| b.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32))
+            .flat_map(|b| {
+                b.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+            })
             .collect();
         let wire: Vec<u64> = h
             .prompt_digests(&tokens, bs, &first, &rest)

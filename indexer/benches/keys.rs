@@ -1,0 +1,67 @@
+//! Key computation for a 32K-token prompt: our token keys (xxh3) and vLLM's
+//! engine hashes (sha256 over pickle, sha256 over CBOR, xxh3-128).
+//! `cargo bench -p indexer --bench keys` prints medians of repeated runs.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+use indexer::keys::{prompt_keys, request_root_seed};
+
+/// Runs `f` repeatedly for about `budget`, returns (median, p90) per call.
+fn measure(budget: Duration, mut f: impl FnMut()) -> (Duration, Duration) {
+    f(); // warm up
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    while start.elapsed() < budget || samples.len() < 10 {
+        let t = Instant::now();
+        f();
+        samples.push(t.elapsed());
+    }
+    samples.sort();
+    (samples[samples.len() / 2], samples[samples.len() * 9 / 10])
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let budget = Duration::from_millis(if quick { 300 } else { 2000 });
+    let tokens: Vec<u32> = (0..32_768u32).map(|i| (i * 7919) % 151_000).collect();
+    let block_size = 16;
+    let blocks = tokens.len() / block_size;
+    println!(
+        "32768-token prompt, block size {block_size} ({blocks} blocks); median (p90) per prompt"
+    );
+
+    let seed = request_root_seed("Qwen/Qwen3-8B", None, None);
+    let (med, p90) = measure(budget, || {
+        black_box(prompt_keys(seed, black_box(&tokens), block_size));
+    });
+    report("token keys (xxh3-64 chain)", med, p90, blocks);
+
+    for algo in [
+        HashAlgo::Sha256,
+        HashAlgo::Sha256Cbor,
+        HashAlgo::Xxhash,
+        HashAlgo::XxhashCbor,
+    ] {
+        let h = EngineHasher::new(algo, DEFAULT_SEED, ExtraKeyStyle::Tagged);
+        let (med, p90) = measure(budget, || {
+            black_box(h.prompt_digests(black_box(&tokens), block_size, &[], &[]));
+        });
+        report(
+            &format!("engine hashes ({})", algo.name()),
+            med,
+            p90,
+            blocks,
+        );
+    }
+}
+
+fn report(name: &str, med: Duration, p90: Duration, blocks: usize) {
+    println!(
+        "  {name:<32} {:>9.1} us ({:>9.1} us)  {:>6.0} ns/block",
+        med.as_secs_f64() * 1e6,
+        p90.as_secs_f64() * 1e6,
+        med.as_secs_f64() * 1e9 / blocks as f64
+    );
+}

@@ -1,0 +1,107 @@
+//! How a model's blocks are keyed: our token-chained keys, or the engine's
+//! own block hashes.
+//!
+//! In engine mode a prompt's keys are exactly the 64-bit hashes vLLM puts on
+//! the wire, so an event's blocks are indexed by their `block_hashes` the
+//! moment they arrive: no parent lookup, no tokens needed (CPU offload events
+//! carry none). Blocks whose engine hash we cannot reproduce on the request
+//! side (a LoRA adapter whose path vLLM hashed but events do not carry, and no
+//! `--lora-path` for it) keep token keys, on both sides.
+
+use std::collections::HashMap;
+
+use crate::engine_hash::{EngineHasher, ExtraKeyStyle};
+use crate::keys::{prompt_keys, request_root_seed, BlockKey};
+
+#[derive(Clone, Debug)]
+pub struct EngineKeys {
+    pub hasher: EngineHasher,
+    /// LoRA adapter name -> the path vLLM was given for it (hashed since 0.31).
+    pub lora_paths: HashMap<String, String>,
+    /// Treat a pod's cached set as prefix-closed: holding block k of a prompt
+    /// implies holding blocks 0..k (vLLM evicts descendants first).
+    pub assume_prefix_closed: bool,
+    /// After a pod's first few, check one in this many eligible stores'
+    /// hashes against our own (0 = never).
+    pub self_check_every: u32,
+}
+
+impl EngineKeys {
+    /// Whether requests (and events) of this adapter can use engine keys.
+    pub fn lora_keyable(&self, lora: Option<&str>) -> bool {
+        match lora {
+            None => true,
+            Some(name) => {
+                self.hasher.style() == ExtraKeyStyle::Bare || self.lora_paths.contains_key(name)
+            }
+        }
+    }
+
+    fn lora_path<'a>(&'a self, name: &'a str) -> &'a str {
+        self.lora_paths.get(name).map_or("", String::as_str)
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub enum KeyMode {
+    #[default]
+    Token,
+    Engine(Box<EngineKeys>),
+}
+
+impl KeyMode {
+    pub fn engine(&self) -> Option<&EngineKeys> {
+        match self {
+            KeyMode::Token => None,
+            KeyMode::Engine(e) => Some(e),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            KeyMode::Token => "token",
+            KeyMode::Engine(_) => "engine",
+        }
+    }
+
+    /// Keys of a prompt's full blocks, and whether they are engine hashes.
+    pub fn request_keys(
+        &self,
+        model: &str,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+        tokens: &[u32],
+        block_size: usize,
+    ) -> (Vec<BlockKey>, bool) {
+        match self.engine() {
+            Some(e) if e.lora_keyable(lora_name) => {
+                let lora = lora_name.map(|n| (n, e.lora_path(n)));
+                let (first, rest) = e.hasher.request_extras(lora, cache_salt);
+                let keys = e
+                    .hasher
+                    .prompt_digests(tokens, block_size, &first, &rest)
+                    .iter()
+                    .map(|d| BlockKey(d.wire().0))
+                    .collect();
+                (keys, true)
+            }
+            _ => {
+                let seed = request_root_seed(model, lora_name, cache_salt);
+                (prompt_keys(seed, tokens, block_size), false)
+            }
+        }
+    }
+}
+
+/// Key modes by model, with a default.
+#[derive(Clone, Debug, Default)]
+pub struct KeySchemes {
+    pub default: KeyMode,
+    pub per_model: HashMap<String, KeyMode>,
+}
+
+impl KeySchemes {
+    pub fn for_model(&self, model: &str) -> &KeyMode {
+        self.per_model.get(model).unwrap_or(&self.default)
+    }
+}

@@ -1,0 +1,94 @@
+//! `--key-mode engine`: vLLM's own block hashes as keys, over real sockets.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::*;
+
+async fn replay(stream: &str, args: &[&str], skip: usize) -> (Service, Expected) {
+    let expected = load_expected(stream);
+    let frames: Vec<RecordedFrame> = load_frames(stream).into_iter().skip(skip).collect();
+    let service = Service::start(args).await;
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    publisher.publish_all(&frames).await;
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    (service, expected)
+}
+
+#[tokio::test]
+async fn engine_keys_match_vllm_on_full_streams() {
+    for (stream, algo) in [
+        ("qwen3-sha256-int", "sha256"),
+        ("qwen3-sha256cbor-bytes", "sha256_cbor"),
+        ("qwen3-lora-salt", "sha256"),
+    ] {
+        let (service, expected) = replay(
+            stream,
+            &["--key-mode", "engine", "--engine-hash-algo", algo],
+            0,
+        )
+        .await;
+        check_probes(&service, &expected).await;
+        let pods = service.list_pods(&expected.model).await;
+        assert!(pods.iter().all(|p| p.key_mode == "engine"), "{pods:?}");
+        assert!(pods.iter().map(|p| p.engine_hash_checks).sum::<u64>() > 0);
+        assert!(
+            pods.iter().all(|p| p.engine_hash_mismatches == 0),
+            "{pods:?}"
+        );
+    }
+}
+
+/// Joining late: blocks are keyed the moment their event arrives, parents or
+/// not; no answer exceeds what vLLM holds.
+#[tokio::test]
+async fn engine_keys_after_a_late_start_never_overclaim() {
+    let stream = "qwen3-sha256-int";
+    let skip = load_frames(stream).len() / 2;
+    let (service, expected) = replay(stream, &["--key-mode", "engine"], skip).await;
+    let mut client = service.client().await;
+    let (mut got_total, mut want_total) = (0u64, 0u64);
+    for probe in &expected.probes {
+        let resp = client
+            .score(token_request(&expected.model, probe))
+            .await
+            .expect("Score")
+            .into_inner();
+        let got: HashMap<String, u32> = resp
+            .pods
+            .into_iter()
+            .map(|p| (p.pod, p.matched_blocks))
+            .collect();
+        for (pod, want) in &probe.expected {
+            let g = got.get(pod).copied().unwrap_or(0);
+            assert!(g <= *want, "probe {} pod {pod}: {g} > {want}", probe.id);
+            got_total += u64::from(g);
+            want_total += u64::from(*want);
+        }
+    }
+    println!("late start (first half dropped): {got_total} of {want_total} cached blocks found");
+    assert!(
+        got_total * 10 >= want_total * 9,
+        "{got_total} of {want_total}"
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_engine_seed_is_detected_and_reported() {
+    let (service, expected) = replay(
+        "qwen3-sha256-int",
+        &["--key-mode", "engine", "--engine-hash-seed", "12345"],
+        0,
+    )
+    .await;
+    let pods = service.list_pods(&expected.model).await;
+    assert!(
+        pods.iter().all(|p| p.engine_hash_mismatches > 0),
+        "{pods:?}"
+    );
+    assert!(service.logs().contains("block hashes differ from ours"));
+}
