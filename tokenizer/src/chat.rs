@@ -1,0 +1,640 @@
+//! Chat prompts: an OpenAI `/v1/chat/completions` body rendered with the
+//! model's chat template exactly as vLLM renders it (vLLM's message
+//! preprocessing, then transformers' `apply_chat_template` semantics).
+//!
+//! Templates run in minijinja configured like transformers' Jinja
+//! environment (`trim_blocks`, `lstrip_blocks`, loop controls,
+//! `raise_exception`, `strftime_now`, Python string/dict methods) with a
+//! `tojson` that formats exactly like Python's `json.dumps`.
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, Error, ErrorKind};
+use serde_json::{Map, Value as Json};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    #[error("chat_completion_json is not valid JSON: {0}")]
+    Json(String),
+    #[error("invalid chat request: {0}")]
+    Invalid(String),
+    #[error("the model has no chat template (and the request gives none)")]
+    NoTemplate,
+    #[error("chat template error: {0}")]
+    Template(String),
+}
+
+/// The parts of a chat completions request that shape the prompt.
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<Json>,
+    pub tools: Option<Vec<Json>>,
+    pub documents: Option<Vec<Json>>,
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    pub chat_template_kwargs: Map<String, Json>,
+    pub chat_template: Option<String>,
+}
+
+impl ChatRequest {
+    /// Parses a request body, preprocessing messages as vLLM does: text
+    /// parts joined with newlines, `null` content as empty, assistant tool
+    /// call arguments given as JSON strings parsed into objects.
+    pub fn parse(body: &str) -> Result<ChatRequest, ChatError> {
+        let v: Json = serde_json::from_str(body).map_err(|e| ChatError::Json(e.to_string()))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| ChatError::Invalid("the body must be a JSON object".into()))?;
+        let messages = obj
+            .get("messages")
+            .and_then(Json::as_array)
+            .ok_or_else(|| ChatError::Invalid("`messages` must be an array".into()))?;
+        if messages.is_empty() {
+            return Err(ChatError::Invalid("`messages` is empty".into()));
+        }
+        let messages = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| normalize_message(i, m))
+            .collect::<Result<Vec<_>, _>>()?;
+        let list = |key: &str| -> Result<Option<Vec<Json>>, ChatError> {
+            match obj.get(key) {
+                None | Some(Json::Null) => Ok(None),
+                Some(Json::Array(a)) => Ok(Some(a.clone())),
+                Some(_) => Err(ChatError::Invalid(format!("`{key}` must be an array"))),
+            }
+        };
+        let flag = |key: &str, default: bool| -> Result<bool, ChatError> {
+            match obj.get(key) {
+                None | Some(Json::Null) => Ok(default),
+                Some(Json::Bool(b)) => Ok(*b),
+                Some(_) => Err(ChatError::Invalid(format!("`{key}` must be a boolean"))),
+            }
+        };
+        let add_generation_prompt = flag("add_generation_prompt", true)?;
+        let continue_final_message = flag("continue_final_message", false)?;
+        if add_generation_prompt && continue_final_message {
+            return Err(ChatError::Invalid(
+                "`continue_final_message` needs `add_generation_prompt: false`".into(),
+            ));
+        }
+        let chat_template_kwargs = match obj.get("chat_template_kwargs") {
+            None | Some(Json::Null) => Map::new(),
+            Some(Json::Object(m)) => m.clone(),
+            Some(_) => {
+                return Err(ChatError::Invalid(
+                    "`chat_template_kwargs` must be an object".into(),
+                ))
+            }
+        };
+        let chat_template = match obj.get("chat_template") {
+            None | Some(Json::Null) => None,
+            Some(Json::String(s)) => Some(s.clone()),
+            Some(_) => return Err(ChatError::Invalid("`chat_template` must be a string".into())),
+        };
+        Ok(ChatRequest {
+            messages,
+            tools: list("tools")?,
+            documents: list("documents")?,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+            chat_template,
+        })
+    }
+}
+
+/// One message, in the shape vLLM hands to the template.
+fn normalize_message(i: usize, m: &Json) -> Result<Json, ChatError> {
+    let bad = |what: &str| ChatError::Invalid(format!("messages[{i}]: {what}"));
+    let obj = m.as_object().ok_or_else(|| bad("must be an object"))?;
+    let role = obj
+        .get("role")
+        .and_then(Json::as_str)
+        .ok_or_else(|| bad("`role` must be a string"))?;
+    let content = match obj.get("content") {
+        None | Some(Json::Null) => String::new(),
+        Some(Json::String(s)) => s.clone(),
+        Some(Json::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for part in parts {
+                match (
+                    part.get("type").and_then(Json::as_str),
+                    part.get("text").and_then(Json::as_str),
+                ) {
+                    (Some("text") | None, Some(text)) => texts.push(text),
+                    (Some(other), _) => {
+                        return Err(bad(&format!(
+                            "content part of type {other:?} is not supported (text only)"
+                        )))
+                    }
+                    _ => return Err(bad("content part without text")),
+                }
+            }
+            texts.join("\n")
+        }
+        Some(_) => return Err(bad("`content` must be a string or an array of parts")),
+    };
+    let mut out = Map::new();
+    out.insert("role".into(), Json::String(role.to_owned()));
+    out.insert("content".into(), Json::String(content));
+    for (k, v) in obj {
+        match k.as_str() {
+            "role" | "content" => {}
+            "tool_calls" => {
+                let calls = v
+                    .as_array()
+                    .ok_or_else(|| bad("`tool_calls` must be an array"))?;
+                let calls = calls
+                    .iter()
+                    .map(|c| parse_tool_call_arguments(c).map_err(|e| bad(&e)))
+                    .collect::<Result<Vec<_>, _>>()?;
+                out.insert(k.clone(), Json::Array(calls));
+            }
+            _ => {
+                out.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    // transformers aliases the reasoning fields for templates that read any of them.
+    let reasoning = ["reasoning_content", "thinking", "reasoning"]
+        .iter()
+        .find_map(|k| out.get(*k).filter(|v| !v.is_null()).cloned());
+    if let Some(r) = reasoning {
+        let mut aliased = Map::new();
+        aliased.insert("thinking".into(), r.clone());
+        for (k, v) in out {
+            aliased.insert(k, v);
+        }
+        aliased.insert("reasoning_content".into(), r);
+        out = aliased;
+    }
+    Ok(Json::Object(out))
+}
+
+/// vLLM parses `function.arguments` given as a JSON string into an object
+/// (empty or absent arguments become `{}`), so templates can `tojson` them.
+fn parse_tool_call_arguments(call: &Json) -> Result<Json, String> {
+    let mut call = call.clone();
+    if let Some(function) = call.get_mut("function").and_then(Json::as_object_mut) {
+        let args = match function.get("arguments") {
+            None | Some(Json::Null) => Json::Object(Map::new()),
+            Some(Json::String(s)) if s.is_empty() => Json::Object(Map::new()),
+            Some(Json::String(s)) => serde_json::from_str(s)
+                .map_err(|e| format!("tool call arguments are not valid JSON: {e}"))?,
+            Some(other) => other.clone(),
+        };
+        function.insert("arguments".into(), args);
+    }
+    Ok(call)
+}
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+}
+
+const TEMPLATE: &str = "chat";
+/// transformers' marker for `continue_final_message`.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+impl ChatTemplate {
+    pub fn compile(source: &str) -> Result<ChatTemplate, ChatError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned(TEMPLATE, source.to_owned())
+            .map_err(|e| ChatError::Template(describe(&e)))?;
+        Ok(ChatTemplate { env })
+    }
+
+    /// Renders `req` with the tokenizer's special tokens in scope.
+    pub fn render(&self, req: &ChatRequest, special_tokens: &Map<String, Json>) -> Result<String, ChatError> {
+        let mut messages = req.messages.clone();
+        let mut final_content = None;
+        if req.continue_final_message {
+            let last = messages
+                .last_mut()
+                .and_then(Json::as_object_mut)
+                .ok_or_else(|| ChatError::Invalid("no final message to continue".into()))?;
+            let content = last
+                .get("content")
+                .and_then(Json::as_str)
+                .unwrap_or_default()
+                .to_owned();
+            last.insert("content".into(), Json::String(format!("{content}{CONTINUE_TAG}")));
+            final_content = Some(content);
+        }
+        let mut ctx = special_tokens.clone();
+        for (k, v) in &req.chat_template_kwargs {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert("messages".into(), Json::Array(messages));
+        if let Some(tools) = &req.tools {
+            ctx.insert("tools".into(), Json::Array(tools.clone()));
+        }
+        if let Some(docs) = &req.documents {
+            ctx.insert("documents".into(), Json::Array(docs.clone()));
+        }
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Json::Bool(req.add_generation_prompt),
+        );
+        let template = self
+            .env
+            .get_template(TEMPLATE)
+            .map_err(|e| ChatError::Template(describe(&e)))?;
+        let rendered = template
+            .render(Value::from_serialize(&ctx))
+            .map_err(|e| ChatError::Template(describe(&e)))?;
+        match final_content {
+            None => Ok(rendered),
+            Some(content) => cut_at_continue_tag(rendered, &content),
+        }
+    }
+}
+
+/// transformers: the prompt ends where the final message's content ends.
+fn cut_at_continue_tag(rendered: String, content: &str) -> Result<String, ChatError> {
+    let tag = CONTINUE_TAG.trim();
+    if !rendered.contains(content.trim()) || !rendered.contains(tag) {
+        return Err(ChatError::Invalid(
+            "continue_final_message is set but the chat template drops the final message".into(),
+        ));
+    }
+    let loc = rendered.rfind(tag).unwrap_or(rendered.len());
+    if rendered[loc..].starts_with(CONTINUE_TAG) {
+        Ok(rendered[..loc].to_owned())
+    } else {
+        Ok(rendered[..loc].trim_end().to_owned())
+    }
+}
+
+fn describe(e: &Error) -> String {
+    let mut s = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// Date formatting is never part of a cacheable prompt prefix; templates
+/// that call it get today's date like transformers gives them.
+fn strftime_now(format: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    let days = secs.div_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    const MONTHS: [&str; 12] = [
+        "January", "February", "March", "April", "May", "June", "July", "August", "September",
+        "October", "November", "December",
+    ];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('B') => out.push_str(MONTHS[(m - 1) as usize]),
+            Some('b') => out.push_str(&MONTHS[(m - 1) as usize][..3]),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+/// sort_keys=False)`, as transformers installs it (Jinja's own `tojson`
+/// escapes HTML characters; templates are written against Python's).
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Value> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.as_str() {
+            Some(s) => Some(s.to_owned()),
+            None => Some(" ".repeat(usize::try_from(v).unwrap_or(0))),
+        },
+    };
+    let (item_sep, key_sep) = match separators {
+        Some(s) if !s.is_none() => {
+            let a = s.get_item(&Value::from(0))?;
+            let b = s.get_item(&Value::from(1))?;
+            (a.to_string(), b.to_string())
+        }
+        _ => (
+            if indent.is_some() { "," } else { ", " }.to_owned(),
+            ": ".to_owned(),
+        ),
+    };
+    let fmt = JsonFmt {
+        indent,
+        item_sep,
+        key_sep,
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+        sort_keys: sort_keys.unwrap_or(false),
+    };
+    let mut out = String::new();
+    fmt.write(&mut out, &value, 0)?;
+    Ok(Value::from(out))
+}
+
+struct JsonFmt {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    ensure_ascii: bool,
+    sort_keys: bool,
+}
+
+impl JsonFmt {
+    fn newline(&self, out: &mut String, level: usize) {
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            for _ in 0..level {
+                out.push_str(ind);
+            }
+        }
+    }
+
+    fn write(&self, out: &mut String, v: &Value, level: usize) -> Result<(), Error> {
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number => {
+                if v.is_integer() {
+                    out.push_str(&v.to_string());
+                } else {
+                    out.push_str(&python_float(f64::try_from(v.clone())?));
+                }
+            }
+            ValueKind::String => self.string(out, v.as_str().unwrap_or_default()),
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = v.try_iter()?.collect();
+                self.container(out, '[', ']', &items, level, |this, out, item, level| {
+                    this.write(out, item, level)
+                })?;
+            }
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = v.try_iter()?.collect();
+                if self.sort_keys {
+                    keys.sort_by_key(|a| a.to_string());
+                }
+                self.container(out, '{', '}', &keys, level, |this, out, key, level| {
+                    let name = match key.as_str() {
+                        Some(s) => s.to_owned(),
+                        None => key.to_string(),
+                    };
+                    this.string(out, &name);
+                    out.push_str(&this.key_sep);
+                    this.write(out, &v.get_item(key)?, level)
+                })?;
+            }
+            ValueKind::Bytes | ValueKind::Plain | ValueKind::Invalid => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("Object of type {} is not JSON serializable", v.kind()),
+                ))
+            }
+            // Future minijinja kinds: refuse rather than guess.
+            #[allow(unreachable_patterns)]
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    "value is not JSON serializable",
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    fn container(
+        &self,
+        out: &mut String,
+        open: char,
+        close: char,
+        items: &[Value],
+        level: usize,
+        mut each: impl FnMut(&Self, &mut String, &Value, usize) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        out.push(open);
+        if items.is_empty() {
+            out.push(close);
+            return Ok(());
+        }
+        for (i, item) in items.iter().enumerate() {
+            if i > 0 {
+                out.push_str(&self.item_sep);
+            }
+            self.newline(out, level + 1);
+            each(self, out, item, level + 1)?;
+        }
+        self.newline(out, level);
+        out.push(close);
+        Ok(())
+    }
+
+    fn string(&self, out: &mut String, s: &str) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{08}' => out.push_str("\\b"),
+                '\u{0c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+                c if self.ensure_ascii && !c.is_ascii() => {
+                    let mut buf = [0u16; 2];
+                    for unit in c.encode_utf16(&mut buf) {
+                        out.push_str(&format!("\\u{unit:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// Python's `repr(float)` as `json.dumps` writes it.
+fn python_float(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    // Shortest round-trip digits, then Python's layout rules.
+    let sci = format!("{f:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let negative = mantissa.starts_with('-');
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let mut out = String::new();
+    if negative {
+        out.push('-');
+    }
+    if (-4..16).contains(&exp) {
+        let point = exp + 1; // digits before the decimal point
+        if point <= 0 {
+            out.push_str("0.");
+            out.push_str(&"0".repeat((-point) as usize));
+            out.push_str(&digits);
+        } else if point as usize >= digits.len() {
+            out.push_str(&digits);
+            out.push_str(&"0".repeat(point as usize - digits.len()));
+            out.push_str(".0");
+        } else {
+            out.push_str(&digits[..point as usize]);
+            out.push('.');
+            out.push_str(&digits[point as usize..]);
+        }
+    } else {
+        out.push_str(&digits[..1]);
+        if digits.len() > 1 {
+            out.push('.');
+            out.push_str(&digits[1..]);
+        }
+        out.push_str(&format!("e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(src: &str, ctx: Json) -> String {
+        let t = ChatTemplate::compile(src).unwrap();
+        t.env
+            .get_template(TEMPLATE)
+            .unwrap()
+            .render(Value::from_serialize(&ctx))
+            .unwrap()
+    }
+
+    #[test]
+    fn tojson_formats_like_python_json_dumps() {
+        let ctx = serde_json::json!({"x": {"b": [1, 2.5, "é\"\n<>&", null, true], "a": {}, "c": [],
+            "f": [1e16, 1e15, 0.0001, 0.00001, -2.0, 1.5e-7, 123456789.125]}});
+        assert_eq!(
+            render("{{ x | tojson }}", ctx.clone()),
+            r#"{"b": [1, 2.5, "é\"\n<>&", null, true], "a": {}, "c": [], "f": [1e+16, 1000000000000000.0, 0.0001, 1e-05, -2.0, 1.5e-07, 123456789.125]}"#
+        );
+        assert_eq!(
+            render("{{ x.b | tojson(indent=2) }}", ctx.clone()),
+            "[\n  1,\n  2.5,\n  \"é\\\"\\n<>&\",\n  null,\n  true\n]"
+        );
+        assert_eq!(
+            render("{{ x.b[2] | tojson(ensure_ascii=true) }}", ctx),
+            r#""\u00e9\"\n<>&""#
+        );
+    }
+
+    #[test]
+    fn python_string_methods_and_loop_controls_work() {
+        let out = render(
+            "{% for m in xs %}{% if m == 'skip' %}{% continue %}{% endif %}{{ m.strip().upper() }}|{% endfor %}{{ s.split('</think>')[-1].lstrip('\\n') }}",
+            serde_json::json!({"xs": [" a ", "skip", "b"], "s": "x</think>\n\ny"}),
+        );
+        assert_eq!(out, "A|B|y");
+    }
+
+    #[test]
+    fn raise_exception_surfaces_the_message() {
+        let t = ChatTemplate::compile("{{ raise_exception('no system role') }}").unwrap();
+        let req = ChatRequest::parse(r#"{"messages":[{"role":"user","content":"x"}]}"#).unwrap();
+        let err = t.render(&req, &Map::new()).unwrap_err().to_string();
+        assert!(err.contains("no system role"), "{err}");
+    }
+
+    #[test]
+    fn requests_are_preprocessed_like_vllm() {
+        let req = ChatRequest::parse(
+            r#"{"messages":[
+                {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"1","type":"function","function":{"name":"f","arguments":"{\"x\": 1}"}}]},
+                {"role":"assistant","content":"ok","reasoning_content":"hmm"}
+            ]}"#,
+        )
+        .unwrap();
+        assert_eq!(req.messages[0]["content"], "a\nb");
+        assert_eq!(req.messages[1]["content"], "");
+        assert_eq!(req.messages[1]["tool_calls"][0]["function"]["arguments"]["x"], 1);
+        assert_eq!(req.messages[2]["thinking"], "hmm");
+        assert!(req.add_generation_prompt);
+        for bad in [
+            "[]",
+            r#"{"messages":[]}"#,
+            r#"{"messages":[{"content":"x"}]}"#,
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"continue_final_message":true}"#,
+            r#"{"messages":[{"role":"assistant","content":"x","tool_calls":[{"function":{"arguments":"{"}}]}]}"#,
+        ] {
+            assert!(ChatRequest::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn continue_final_message_cuts_after_the_final_content() {
+        let t = ChatTemplate::compile(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>\n{% endfor %}",
+        )
+        .unwrap();
+        let req = ChatRequest::parse(
+            r#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"Sure, "}],
+                "add_generation_prompt":false,"continue_final_message":true}"#,
+        )
+        .unwrap();
+        assert_eq!(t.render(&req, &Map::new()).unwrap(), "<user>hi</s>\n<assistant>Sure, ");
+    }
+
+    #[test]
+    fn strftime_now_formats_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(20_000), (2024, 10, 4));
+        assert!(strftime_now("%d %B %Y".into()).len() >= 10);
+    }
+}
