@@ -89,7 +89,11 @@ impl ChatRequest {
         let chat_template = match obj.get("chat_template") {
             None | Some(Json::Null) => None,
             Some(Json::String(s)) => Some(s.clone()),
-            Some(_) => return Err(ChatError::Invalid("`chat_template` must be a string".into())),
+            Some(_) => {
+                return Err(ChatError::Invalid(
+                    "`chat_template` must be a string".into(),
+                ))
+            }
         };
         Ok(ChatRequest {
             messages,
@@ -212,7 +216,11 @@ impl ChatTemplate {
     }
 
     /// Renders `req` with the tokenizer's special tokens in scope.
-    pub fn render(&self, req: &ChatRequest, special_tokens: &Map<String, Json>) -> Result<String, ChatError> {
+    pub fn render(
+        &self,
+        req: &ChatRequest,
+        special_tokens: &Map<String, Json>,
+    ) -> Result<String, ChatError> {
         let mut messages = req.messages.clone();
         let mut final_content = None;
         if req.continue_final_message {
@@ -225,7 +233,10 @@ impl ChatTemplate {
                 .and_then(Json::as_str)
                 .unwrap_or_default()
                 .to_owned();
-            last.insert("content".into(), Json::String(format!("{content}{CONTINUE_TAG}")));
+            last.insert(
+                "content".into(),
+                Json::String(format!("{content}{CONTINUE_TAG}")),
+            );
             final_content = Some(content);
         }
         let mut ctx = special_tokens.clone();
@@ -297,8 +308,18 @@ fn strftime_now(format: String) -> String {
     let days = secs.div_euclid(86_400);
     let (y, m, d) = civil_from_days(days);
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September",
-        "October", "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
     let mut out = String::new();
     let mut chars = format.chars();
@@ -537,7 +558,11 @@ fn python_float(f: f64) -> String {
             out.push('.');
             out.push_str(&digits[1..]);
         }
-        out.push_str(&format!("e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs()));
+        out.push_str(&format!(
+            "e{}{:02}",
+            if exp < 0 { '-' } else { '+' },
+            exp.abs()
+        ));
     }
     out
 }
@@ -602,7 +627,10 @@ mod tests {
         .unwrap();
         assert_eq!(req.messages[0]["content"], "a\nb");
         assert_eq!(req.messages[1]["content"], "");
-        assert_eq!(req.messages[1]["tool_calls"][0]["function"]["arguments"]["x"], 1);
+        assert_eq!(
+            req.messages[1]["tool_calls"][0]["function"]["arguments"]["x"],
+            1
+        );
         assert_eq!(req.messages[2]["thinking"], "hmm");
         assert!(req.add_generation_prompt);
         for bad in [
@@ -628,7 +656,10 @@ mod tests {
                 "add_generation_prompt":false,"continue_final_message":true}"#,
         )
         .unwrap();
-        assert_eq!(t.render(&req, &Map::new()).unwrap(), "<user>hi</s>\n<assistant>Sure, ");
+        assert_eq!(
+            t.render(&req, &Map::new()).unwrap(),
+            "<user>hi</s>\n<assistant>Sure, "
+        );
     }
 
     #[test]

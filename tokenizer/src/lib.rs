@@ -48,7 +48,11 @@ pub struct ModelTokenizer {
 
 impl ModelTokenizer {
     /// Loads `files`; `cache_bytes` bounds the tokenization cache.
-    pub fn load(model: &str, files: &TokenizerFiles, cache_bytes: usize) -> Result<Self, LoadError> {
+    pub fn load(
+        model: &str,
+        files: &TokenizerFiles,
+        cache_bytes: usize,
+    ) -> Result<Self, LoadError> {
         let invalid = |path: &std::path::Path, reason: String| LoadError::Invalid {
             model: model.to_owned(),
             path: path.display().to_string(),
@@ -90,7 +94,10 @@ impl ModelTokenizer {
         t.special_prefix = t.detect_special_prefix();
         t.piecewise = piecewise_safe(&json) && t.passes_self_test();
         if !t.piecewise {
-            tracing::info!(model, "tokenizer shape not proven piece-safe: incremental cache off");
+            tracing::info!(
+                model,
+                "tokenizer shape not proven piece-safe: incremental cache off"
+            );
         }
         Ok(t)
     }
@@ -103,7 +110,11 @@ impl ModelTokenizer {
     }
 
     /// Tokenizes from scratch, bypassing the cache (benchmarks, checks).
-    pub fn encode_uncached(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+    pub fn encode_uncached(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
         self.raw(text, add_special_tokens)
     }
 
@@ -122,7 +133,11 @@ impl ModelTokenizer {
                      of sunlight.\n\nAnswer in 12 words.\r\nDone now\n\tTabbed line\nCafé au lait \
                      é\u{301}t\u{e9} naïve\n<|im_start|>user\nhello there";
         let pieced = |add| -> Option<Vec<u32>> {
-            let mut ids = if add { self.special_prefix.clone()? } else { Vec::new() };
+            let mut ids = if add {
+                self.special_prefix.clone()?
+            } else {
+                Vec::new()
+            };
             for p in pieces(probe, 1) {
                 ids.extend(self.raw(p, false).ok()?);
             }
@@ -248,16 +263,15 @@ fn piecewise_safe(tokenizer_json: &str) -> bool {
         p.get("type").and_then(Json::as_str) == Some("Split")
             && p.get("behavior").and_then(Json::as_str) == Some("Isolated")
             && p.get("invert").and_then(Json::as_bool) == Some(false)
-            && pattern.is_some_and(|r| {
-                r.contains("\\p{L}+")
-                    && !["(?<", "\\b", "\\B", "^", "$", "\\A", "\\G", "\\z"]
-                        .iter()
-                        .any(|bad| r.contains(bad))
-            })
+            && pattern.is_some_and(|r| r.contains("\\p{L}+") && !has_context_assertions(r))
     };
     let pre_ok = match t.get("pre_tokenizer") {
         Some(p) if p.get("type").and_then(Json::as_str) == Some("Sequence") => {
-            match p.get("pretokenizers").and_then(Json::as_array).map(Vec::as_slice) {
+            match p
+                .get("pretokenizers")
+                .and_then(Json::as_array)
+                .map(Vec::as_slice)
+            {
                 Some([split, bl]) => regex_ok(split) && byte_level(bl, false),
                 _ => false,
             }
@@ -279,6 +293,34 @@ fn piecewise_safe(tokenizer_json: &str) -> bool {
             })
         });
     normalizer_ok && pre_ok && model_ok && added_ok
+}
+
+/// Whether a regex looks behind or anchors (`(?<`, `\b`, `\A`, `^`, `$`...):
+/// then matching from a cut could differ from matching the whole text.
+/// `^` inside a character class (`[^...]`) is negation, not an anchor.
+fn has_context_assertions(regex: &str) -> bool {
+    let mut in_class = false;
+    let mut chars = regex.chars().peekable();
+    let mut prev = '\0';
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                let escaped = chars.next().unwrap_or('\0');
+                if !in_class && matches!(escaped, 'b' | 'B' | 'A' | 'G' | 'z' | 'Z') {
+                    return true;
+                }
+                prev = escaped;
+                continue;
+            }
+            '[' if !in_class => in_class = true,
+            ']' if in_class => in_class = false,
+            '^' | '$' if !in_class => return true,
+            '<' if !in_class && prev == '?' => return true,
+            _ => {}
+        }
+        prev = c;
+    }
+    false
 }
 
 /// Per-model tokenizers, loaded lazily, once.
@@ -354,5 +396,22 @@ impl Registry {
             .values()
             .filter_map(|s| s.cell.get().and_then(|r| r.as_ref().ok()).cloned())
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_context_assertions;
+
+    #[test]
+    fn context_assertions_are_found_outside_classes_only() {
+        let qwen = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+        assert!(!has_context_assertions(qwen));
+        for bad in [
+            r"(?<=a)b", r"\bword", r"^start", r"end$", r"\Ax", r"a(?<!b)",
+        ] {
+            assert!(has_context_assertions(bad), "{bad}");
+        }
+        assert!(!has_context_assertions(r"[$^\]]x"));
     }
 }

@@ -38,7 +38,8 @@ impl Sources {
                 .map(|h| PathBuf::from(h).join("hub"))
                 .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface/hub")))
         });
-        let offline = var("HF_HUB_OFFLINE").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+        let offline =
+            var("HF_HUB_OFFLINE").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
         Sources {
             hf_cache,
             hub: (!offline).then(|| Hub {
@@ -109,7 +110,10 @@ pub fn locate(model: &str, sources: &Sources) -> Result<TokenizerFiles, LoadErro
         if let Some(f) = TokenizerFiles::in_dir(path, format!("--tokenizer {}", path.display())) {
             return Ok(f);
         }
-        tried.push(format!("--tokenizer {} (no tokenizer.json)", path.display()));
+        tried.push(format!(
+            "--tokenizer {} (no tokenizer.json)",
+            path.display()
+        ));
     }
     if let Some(dir) = &sources.models_dir {
         let d = dir.join(model);
@@ -144,7 +148,9 @@ fn from_hf_cache(repo: &Path) -> Option<TokenizerFiles> {
     let snapshots = repo.join("snapshots");
     if let Ok(rev) = std::fs::read_to_string(repo.join("refs/main")) {
         let dir = snapshots.join(rev.trim());
-        if let Some(f) = TokenizerFiles::in_dir(&dir, format!("Hugging Face cache {}", dir.display())) {
+        if let Some(f) =
+            TokenizerFiles::in_dir(&dir, format!("Hugging Face cache {}", dir.display()))
+        {
             return Some(f);
         }
     }
