@@ -18,6 +18,10 @@ use crate::proto::FILE_DESCRIPTOR_SET;
 /// ingestion first, then in-flight RPCs finish.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
     let indexer = Arc::new(Indexer::new(config.indexer.clone()));
+    let tokenizers = Arc::new(tokenizer::Registry::new(
+        config.tokenizers.clone(),
+        config.tokenization_cache_bytes,
+    ));
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health
@@ -50,7 +54,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
-            .add_service(KvIndexerServer::new(KvIndexerService::new(indexer)))
+            .add_service(KvIndexerServer::new(KvIndexerService::new(
+                indexer, tokenizers,
+            )))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = rpc_stopped.await;
             }),

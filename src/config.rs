@@ -103,6 +103,22 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_ENGINE_SELF_CHECK_EVERY")]
     pub engine_self_check_every: Option<u32>,
 
+    /// A model's tokenizer: `MODEL=PATH`, PATH a directory with
+    /// `tokenizer.json` (+ `tokenizer_config.json`) or a `tokenizer.json`.
+    /// Repeatable. Otherwise the models dir, the Hugging Face cache and the
+    /// Hub are tried (`HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_TOKEN`,
+    /// `HF_HUB_OFFLINE` are honoured).
+    #[arg(long, env = "KV_INDEXER_TOKENIZER", value_delimiter = ' ')]
+    pub tokenizer: Vec<String>,
+
+    /// Directory of tokenizers by model name: `DIR/<model>/tokenizer.json`.
+    #[arg(long, env = "KV_INDEXER_TOKENIZERS_DIR")]
+    pub tokenizers_dir: Option<PathBuf>,
+
+    /// Bytes of tokenization cache per model, e.g. `256MiB` [default: 256MiB].
+    #[arg(long, env = "KV_INDEXER_TOKENIZATION_CACHE")]
+    pub tokenization_cache: Option<String>,
+
     /// Key mode for one model, overriding the above:
     /// `MODEL=token` or `MODEL=engine[:ALGO[:SEED]]`. Repeatable.
     #[arg(long, env = "KV_INDEXER_MODEL_KEY_MODE", value_delimiter = ' ')]
@@ -137,6 +153,11 @@ pub struct FileConfig {
     /// `{model: "token" | "engine[:ALGO[:SEED]]"}`
     #[serde(default)]
     pub model_key_modes: BTreeMap<String, String>,
+    /// `{model: /path/to/tokenizer/dir}`
+    #[serde(default)]
+    pub tokenizers: BTreeMap<String, PathBuf>,
+    pub tokenizers_dir: Option<PathBuf>,
+    pub tokenization_cache: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,6 +184,9 @@ pub struct Config {
     pub log_format: LogFormat,
     pub log_level: String,
     pub ingest_workers: usize,
+    pub tokenizers: tokenizer::load::Sources,
+    /// Tokenization cache bytes, per model.
+    pub tokenization_cache_bytes: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -356,6 +380,42 @@ impl Config {
             },
         })?;
 
+        let mut tokenizers = tokenizer::load::Sources::from_env();
+        tokenizers.explicit = if args.tokenizer.is_empty() {
+            file.tokenizers.into_iter().collect()
+        } else {
+            args.tokenizer
+                .iter()
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| {
+                    s.split_once('=')
+                        .map(|(m, p)| (m.to_owned(), PathBuf::from(p)))
+                        .ok_or_else(|| invalid("tokenizer", s, "want MODEL=PATH"))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        for (model, path) in &tokenizers.explicit {
+            if !path.exists() {
+                return Err(invalid(
+                    "tokenizer",
+                    format!("{model}={}", path.display()),
+                    "path does not exist",
+                ));
+            }
+        }
+        tokenizers.models_dir = args.tokenizers_dir.or(file.tokenizers_dir);
+        let cache_raw = args
+            .tokenization_cache
+            .or(file.tokenization_cache)
+            .unwrap_or_else(|| "256MiB".into());
+        let tokenization_cache_bytes = parse_bytes(&cache_raw).ok_or_else(|| {
+            invalid(
+                "tokenization_cache",
+                &cache_raw,
+                "want bytes, e.g. 268435456 or 256MiB",
+            )
+        })?;
+
         Ok(Config {
             grpc_addr,
             zmq_bind,
@@ -369,6 +429,8 @@ impl Config {
             log_format,
             log_level,
             ingest_workers,
+            tokenizers,
+            tokenization_cache_bytes,
         })
     }
 }
@@ -452,6 +514,23 @@ fn key_schemes(k: &KeyArgs) -> Result<KeySchemes, ConfigError> {
         per_model.insert(model.clone(), mode);
     }
     Ok(KeySchemes { default, per_model })
+}
+
+/// `1234`, `64KiB`, `256MiB`, `2GiB` (also `K`/`M`/`G`, `KB`/`MB`/`GB` as
+/// powers of 1024).
+pub fn parse_bytes(raw: &str) -> Option<usize> {
+    let s = raw.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num.parse().ok()?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(mult)
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -616,6 +695,9 @@ mod tests {
             (&["--lora-path", "nopath"], "lora_path"),
             (&["--model-key-mode", "m=fast"], "model_key_mode"),
             (&["--model-key-mode", "m=engine:sha1"], "model_key_mode"),
+            (&["--tokenizer", "m"], "tokenizer"),
+            (&["--tokenizer", "m=/no/such/dir"], "tokenizer"),
+            (&["--tokenization-cache", "lots"], "tokenization_cache"),
         ];
         for (flags, setting) in cases {
             let err = Config::merge(args(flags), FileConfig::default()).unwrap_err();
@@ -660,6 +742,16 @@ mod tests {
         let e = c.indexer.keys.default.engine().unwrap();
         assert!(!e.assume_prefix_closed);
         assert!(c.indexer.keys.for_model("x").engine().is_none());
+    }
+
+    #[test]
+    fn byte_sizes_parse() {
+        assert_eq!(parse_bytes("1234"), Some(1234));
+        assert_eq!(parse_bytes("64KiB"), Some(64 << 10));
+        assert_eq!(parse_bytes("256MiB"), Some(256 << 20));
+        assert_eq!(parse_bytes("2G"), Some(2 << 30));
+        assert_eq!(parse_bytes("2 TB"), None);
+        assert_eq!(parse_bytes("MiB"), None);
     }
 
     #[test]

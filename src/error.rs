@@ -1,5 +1,8 @@
 //! API errors and the one place they become gRPC status codes.
 
+use tokenizer::chat::ChatError;
+use tokenizer::load::LoadError;
+use tokenizer::TokenizeError;
 use tonic::{Code, Status};
 
 #[derive(Debug, thiserror::Error)]
@@ -8,10 +11,51 @@ pub enum ApiError {
     MissingModel,
     #[error("one of {0} is required")]
     MissingInput(&'static str),
-    #[error("{0}")]
-    Unimplemented(&'static str),
     #[error("invalid `{field}`: {reason}")]
     InvalidArgument { field: &'static str, reason: String },
+    /// No tokenizer could be found for the model (the message says where
+    /// we looked).
+    #[error("{0}")]
+    TokenizerNotFound(String),
+    /// The tokenizer (or its chat template) exists but cannot serve this.
+    #[error("{0}")]
+    TokenizerUnusable(String),
+    /// The chat request is malformed, or its template refused it.
+    #[error("{0}")]
+    BadChat(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<LoadError> for ApiError {
+    fn from(e: LoadError) -> ApiError {
+        match e {
+            LoadError::NotFound { .. } => ApiError::TokenizerNotFound(e.to_string()),
+            LoadError::Invalid { .. } => ApiError::TokenizerUnusable(e.to_string()),
+        }
+    }
+}
+
+impl From<ChatError> for ApiError {
+    fn from(e: ChatError) -> ApiError {
+        match e {
+            ChatError::NoTemplate => ApiError::TokenizerUnusable(e.to_string()),
+            // Bad JSON or messages, or the template refusing them
+            // (`raise_exception`): the request's fault.
+            ChatError::Json(_) | ChatError::Invalid(_) | ChatError::Template(_) => {
+                ApiError::BadChat(e.to_string())
+            }
+        }
+    }
+}
+
+impl From<TokenizeError> for ApiError {
+    fn from(e: TokenizeError) -> ApiError {
+        match e {
+            TokenizeError::Chat(c) => c.into(),
+            TokenizeError::Encode(m) => ApiError::Internal(m),
+        }
+    }
 }
 
 impl From<ApiError> for Status {
@@ -19,8 +63,11 @@ impl From<ApiError> for Status {
         let code = match &e {
             ApiError::MissingModel
             | ApiError::MissingInput(_)
-            | ApiError::InvalidArgument { .. } => Code::InvalidArgument,
-            ApiError::Unimplemented(_) => Code::Unimplemented,
+            | ApiError::InvalidArgument { .. }
+            | ApiError::BadChat(_) => Code::InvalidArgument,
+            ApiError::TokenizerNotFound(_) => Code::NotFound,
+            ApiError::TokenizerUnusable(_) => Code::FailedPrecondition,
+            ApiError::Internal(_) => Code::Internal,
         };
         Status::new(code, e.to_string())
     }

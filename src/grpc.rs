@@ -5,6 +5,8 @@ use std::sync::Arc;
 use indexer::event::Tier;
 use indexer::keys::BlockKey;
 use indexer::{Indexer, ScoreQuery};
+use tokenizer::chat::ChatRequest;
+use tokenizer::Registry;
 use tonic::{Request, Response, Status};
 
 use crate::error::ApiError;
@@ -13,12 +15,60 @@ use pb::kv_indexer_server::KvIndexer;
 
 pub struct KvIndexerService {
     indexer: Arc<Indexer>,
+    tokenizers: Arc<Registry>,
 }
 
 impl KvIndexerService {
-    pub fn new(indexer: Arc<Indexer>) -> Self {
-        KvIndexerService { indexer }
+    pub fn new(indexer: Arc<Indexer>, tokenizers: Arc<Registry>) -> Self {
+        KvIndexerService {
+            indexer,
+            tokenizers,
+        }
     }
+
+    /// Tokenizes text or chat input with the model's tokenizer (LoRA
+    /// requests use the base model's), off the async executor: a first use
+    /// loads the tokenizer, a long prompt takes milliseconds.
+    async fn tokenize_input(
+        &self,
+        model: &str,
+        input: TextInput,
+        add_special_tokens: Option<bool>,
+    ) -> Result<Tokenized, ApiError> {
+        let registry = self.tokenizers.clone();
+        let model = model.to_owned();
+        tokio::task::spawn_blocking(move || -> Result<Tokenized, ApiError> {
+            let tok = registry.get(&model)?;
+            match input {
+                TextInput::Prompt(text) => Ok(Tokenized {
+                    ids: tok.encode(&text, add_special_tokens.unwrap_or(true))?,
+                    rendered: None,
+                }),
+                TextInput::Chat(body) => {
+                    let req = ChatRequest::parse(&body)?;
+                    let rendered = tok.render_chat(&req)?;
+                    // vLLM tokenizes rendered chats without adding specials.
+                    let ids = tok.encode(&rendered, add_special_tokens.unwrap_or(false))?;
+                    Ok(Tokenized {
+                        ids,
+                        rendered: Some(rendered),
+                    })
+                }
+            }
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenization task failed: {e}")))?
+    }
+}
+
+enum TextInput {
+    Prompt(String),
+    Chat(String),
+}
+
+struct Tokenized {
+    ids: Vec<u32>,
+    rendered: Option<String>,
 }
 
 /// Proto3 strings are never absent: empty means "not set".
@@ -32,9 +82,6 @@ fn require_model(model: &str) -> Result<(), ApiError> {
     }
     Ok(())
 }
-
-const TEXT_INPUT_PENDING: &str =
-    "text and chat inputs need the model's tokenizer, which this build does not load yet; send `token_ids`";
 
 fn tier_to_pb(t: Tier) -> pb::Tier {
     match t {
@@ -54,9 +101,15 @@ impl KvIndexer for KvIndexerService {
         require_model(&req.model)?;
         let tokens = match req.input {
             Some(pb::score_request::Input::TokenIds(t)) => t.ids,
-            Some(pb::score_request::Input::Prompt(_))
-            | Some(pb::score_request::Input::ChatCompletionJson(_)) => {
-                return Err(ApiError::Unimplemented(TEXT_INPUT_PENDING).into())
+            Some(pb::score_request::Input::Prompt(text)) => {
+                self.tokenize_input(&req.model, TextInput::Prompt(text), req.add_special_tokens)
+                    .await?
+                    .ids
+            }
+            Some(pb::score_request::Input::ChatCompletionJson(body)) => {
+                self.tokenize_input(&req.model, TextInput::Chat(body), req.add_special_tokens)
+                    .await?
+                    .ids
             }
             None => {
                 return Err(ApiError::MissingInput(
@@ -139,6 +192,36 @@ impl KvIndexer for KvIndexerService {
             })
             .collect();
         Ok(Response::new(pb::ListPodsResponse { pods }))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let req = request.into_inner();
+        require_model(&req.model)?;
+        let input = match req.input {
+            Some(pb::tokenize_request::Input::Prompt(text)) => TextInput::Prompt(text),
+            Some(pb::tokenize_request::Input::ChatCompletionJson(body)) => TextInput::Chat(body),
+            None => return Err(ApiError::MissingInput("`prompt` or `chat_completion_json`").into()),
+        };
+        let out = self
+            .tokenize_input(&req.model, input, req.add_special_tokens)
+            .await?;
+        let block_size = self.indexer.model_block_size(&req.model);
+        let keys = self.indexer.request_keys(
+            &req.model,
+            non_empty(&req.lora_name),
+            non_empty(&req.cache_salt),
+            &out.ids,
+            block_size,
+        );
+        Ok(Response::new(pb::TokenizeResponse {
+            token_ids: out.ids,
+            block_size,
+            block_keys: keys.into_iter().map(|k| k.0).collect(),
+            rendered_prompt: out.rendered.unwrap_or_default(),
+        }))
     }
 
     async fn lookup_blocks(

@@ -218,14 +218,15 @@ async fn bad_requests_get_clear_status_codes() {
             Code::InvalidArgument,
             "token_ids",
         ),
+        // No tokenizer for this model anywhere (and the Hub is off).
         (
             pb::ScoreRequest {
                 model: "m".into(),
                 input: Some(pb::score_request::Input::Prompt("hello".into())),
                 ..Default::default()
             },
-            Code::Unimplemented,
-            "token_ids",
+            Code::NotFound,
+            "tried",
         ),
     ];
     for (req, code, mentions) in cases {

@@ -69,6 +69,13 @@ impl Service {
             .args(args)
             .env("KV_INDEXER_LOG_LEVEL", "info")
             .env_remove("RUST_LOG")
+            // Tests never reach the Hugging Face Hub, nor a user's HF cache.
+            .env("HF_HUB_OFFLINE", "1")
+            .env(
+                "HF_HOME",
+                std::env::temp_dir().join("kv-indexer-test-no-hf-home"),
+            )
+            .env_remove("HF_HUB_CACHE")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log file"))
             .spawn()
@@ -306,6 +313,14 @@ pub fn load_expected(stream: &str) -> Expected {
             })
             .collect(),
     }
+}
+
+/// The vendored Qwen3 tokenizer, mapped to the fixture streams' model name.
+pub fn qwen3_tokenizer_arg() -> String {
+    format!(
+        "Qwen/Qwen3-8B={}",
+        fixtures_dir().join("tokenizers/qwen3").display()
+    )
 }
 
 /// Score request for a probe's token ids.

@@ -1,0 +1,195 @@
+//! Text and chat prompts, tokenized in-process with the model's real
+//! tokenizer, score exactly like their token ids.
+
+mod common;
+
+use common::*;
+use kv_indexer::proto::kvindexer::v1 as pb;
+use tonic::Code;
+
+async fn serve_stream(stream: &str) -> (Service, Expected) {
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let tok = qwen3_tokenizer_arg();
+    let service = Service::start(&["--tokenizer", &tok]).await;
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    publisher.publish_all(&frames).await;
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    (service, expected)
+}
+
+fn with_input(probe: &Probe, model: &str, input: pb::score_request::Input) -> pb::ScoreRequest {
+    pb::ScoreRequest {
+        input: Some(input),
+        ..token_request(model, probe)
+    }
+}
+
+/// Every probe that round-trips (per the fixture, checked with
+/// transformers) scores the same by text and by chat messages as by ids.
+#[tokio::test]
+async fn text_and_chat_prompts_score_like_their_token_ids() {
+    for stream in [
+        "qwen3-sha256-int",
+        "qwen3-sha256cbor-bytes",
+        "qwen3-lora-salt",
+    ] {
+        let (service, expected) = serve_stream(stream).await;
+        let mut client = service.client().await;
+        let (mut by_text, mut by_chat) = (0, 0);
+        for probe in &expected.probes {
+            if let (true, Some(text)) = (probe.text_roundtrips, &probe.text) {
+                let req = with_input(
+                    probe,
+                    &expected.model,
+                    pb::score_request::Input::Prompt(text.clone()),
+                );
+                let resp = client.score(req).await.expect("Score by text").into_inner();
+                assert_eq!(
+                    resp.prompt_tokens as usize,
+                    probe.token_ids.len(),
+                    "{}",
+                    probe.id
+                );
+                assert_matches(&resp, probe);
+                by_text += 1;
+            }
+            if let (true, Some(messages)) = (probe.chat_roundtrips, &probe.messages) {
+                let body = serde_json::json!({ "messages": messages }).to_string();
+                let req = with_input(
+                    probe,
+                    &expected.model,
+                    pb::score_request::Input::ChatCompletionJson(body),
+                );
+                let resp = client.score(req).await.expect("Score by chat").into_inner();
+                assert_eq!(
+                    resp.prompt_tokens as usize,
+                    probe.token_ids.len(),
+                    "{}",
+                    probe.id
+                );
+                assert_matches(&resp, probe);
+                by_chat += 1;
+            }
+        }
+        println!("{stream}: {by_text} probes by text, {by_chat} by chat, all as by token ids");
+        assert!(by_text > 0);
+        if stream != "qwen3-lora-salt" {
+            assert!(by_chat > 0);
+        }
+    }
+}
+
+#[tokio::test]
+async fn tokenize_returns_ids_keys_and_the_rendered_chat() {
+    let (service, expected) = serve_stream("qwen3-sha256-int").await;
+    let mut client = service.client().await;
+    let probe = expected
+        .probes
+        .iter()
+        .find(|p| p.chat_roundtrips && p.messages.is_some())
+        .expect("a chat probe");
+    let body = serde_json::json!({ "messages": probe.messages }).to_string();
+    let resp = client
+        .tokenize(pb::TokenizeRequest {
+            model: expected.model.clone(),
+            input: Some(pb::tokenize_request::Input::ChatCompletionJson(body)),
+            ..Default::default()
+        })
+        .await
+        .expect("Tokenize")
+        .into_inner();
+    assert_eq!(resp.token_ids, probe.token_ids);
+    assert_eq!(Some(&resp.rendered_prompt), probe.text.as_ref());
+    assert_eq!(resp.block_size, 16);
+    assert_eq!(resp.block_keys.len(), probe.token_ids.len() / 16);
+    // The keys are the ones the index holds for that prompt.
+    let lookup = client
+        .lookup_blocks(pb::LookupBlocksRequest {
+            model: expected.model.clone(),
+            input: Some(pb::lookup_blocks_request::Input::BlockKeys(pb::BlockKeys {
+                keys: resp.block_keys.clone(),
+            })),
+            ..Default::default()
+        })
+        .await
+        .expect("LookupBlocks")
+        .into_inner();
+    let best = probe.expected.values().copied().max().unwrap_or(0) as usize;
+    assert!(lookup.blocks[..best].iter().all(|b| !b.holders.is_empty()));
+
+    // add_special_tokens override: Qwen has no BOS, so the ids do not change;
+    // the override is accepted for both input kinds.
+    let text = probe.text.clone().unwrap();
+    let plain = client
+        .tokenize(pb::TokenizeRequest {
+            model: expected.model.clone(),
+            input: Some(pb::tokenize_request::Input::Prompt(text)),
+            add_special_tokens: Some(false),
+            ..Default::default()
+        })
+        .await
+        .expect("Tokenize")
+        .into_inner();
+    assert_eq!(plain.token_ids, probe.token_ids);
+    assert!(plain.rendered_prompt.is_empty());
+}
+
+#[tokio::test]
+async fn tokenizer_problems_get_clear_status_codes() {
+    let tok = qwen3_tokenizer_arg();
+    let service = Service::start(&["--tokenizer", &tok]).await;
+    let mut client = service.client().await;
+    let model = "Qwen/Qwen3-8B".to_string();
+    let chat = |body: &str| pb::ScoreRequest {
+        model: model.clone(),
+        input: Some(pb::score_request::Input::ChatCompletionJson(body.into())),
+        ..Default::default()
+    };
+    let cases = [
+        (chat("{not json"), Code::InvalidArgument, "JSON"),
+        (
+            chat(r#"{"messages": []}"#),
+            Code::InvalidArgument,
+            "messages",
+        ),
+        (
+            chat(r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#),
+            Code::InvalidArgument,
+            "image_url",
+        ),
+        (
+            chat(
+                r#"{"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ raise_exception('roles must alternate') }}"}"#,
+            ),
+            Code::InvalidArgument,
+            "roles must alternate",
+        ),
+        (
+            pb::ScoreRequest {
+                model: "org/unknown-model".into(),
+                input: Some(pb::score_request::Input::Prompt("hi".into())),
+                ..Default::default()
+            },
+            Code::NotFound,
+            "org/unknown-model",
+        ),
+    ];
+    for (req, code, mentions) in cases {
+        let status = client.score(req).await.expect_err("must fail");
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(status.message().contains(mentions), "{status:?}");
+    }
+    // A chat request for a model with a tokenizer works and is not cached as failing.
+    let ok = client
+        .score(chat(
+            r#"{"messages": [{"role": "user", "content": "hello"}]}"#,
+        ))
+        .await
+        .expect("Score")
+        .into_inner();
+    assert!(ok.prompt_tokens > 0);
+}
