@@ -137,7 +137,7 @@ async fn main() -> anyhow::Result<()> {
             input: Some(pb::score_request::Input::TokenIds(pb::TokenIds { ids })),
             lora_name: probe["lora_name"].as_str().unwrap_or_default().into(),
             cache_salt: probe["cache_salt"].as_str().unwrap_or_default().into(),
-            pods: vec![],
+            ..Default::default()
         })
         .await?
         .into_inner();
