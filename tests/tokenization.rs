@@ -193,3 +193,71 @@ async fn tokenizer_problems_get_clear_status_codes() {
         .into_inner();
     assert!(ok.prompt_tokens > 0);
 }
+
+/// A model with no local tokenizer is downloaded from the Hub endpoint
+/// (`HF_ENDPOINT`, with `HF_TOKEN`) into the HF cache, tokenizer files only;
+/// a later start with `HF_HUB_OFFLINE=1` finds it there.
+#[tokio::test]
+async fn missing_tokenizers_are_downloaded_once_into_the_hf_cache() {
+    let hub = FakeHub::serve(
+        "Qwen/Qwen3-8B",
+        fixtures_dir().join("tokenizers/qwen3"),
+        "hf_secret",
+    );
+    let hf_home = tempfile::tempdir().unwrap();
+    let env = [
+        ("HF_HUB_OFFLINE", "0".to_string()),
+        ("HF_ENDPOINT", hub.endpoint.clone()),
+        ("HF_TOKEN", "hf_secret".to_string()),
+        ("HF_HOME", hf_home.path().display().to_string()),
+    ];
+    let service = Service::start_with_env(&["--zmq-bind", "none"], None, &env).await;
+    let mut client = service.client().await;
+    let req = pb::TokenizeRequest {
+        model: "Qwen/Qwen3-8B".into(),
+        input: Some(pb::tokenize_request::Input::Prompt("Hello".into())),
+        ..Default::default()
+    };
+    // Concurrent first requests wait for one load.
+    let mut other = client.clone();
+    let (a, b) = tokio::join!(other.tokenize(req.clone()), client.tokenize(req.clone()));
+    assert_eq!(a.expect("Tokenize").into_inner().token_ids, vec![9707]);
+    assert_eq!(b.expect("Tokenize").into_inner().token_ids, vec![9707]);
+    let requested = hub.requests.lock().unwrap().clone();
+    assert!(
+        requested.iter().all(|p| !p.contains("safetensors")),
+        "{requested:?}"
+    );
+    let tokenizer_gets = requested
+        .iter()
+        .filter(|p| p.ends_with("/tokenizer.json"))
+        .count();
+    assert_eq!(
+        tokenizer_gets, 2,
+        "one metadata probe and one download: {requested:?}"
+    );
+    assert!(service
+        .logs()
+        .contains("downloading from the Hugging Face Hub"));
+    let snapshot = hf_home
+        .path()
+        .join("hub/models--Qwen--Qwen3-8B/snapshots/0123456789abcdef");
+    assert!(snapshot.join("tokenizer.json").exists());
+    assert!(snapshot.join("tokenizer_config.json").exists());
+    drop(service);
+
+    let offline = [
+        ("HF_HUB_OFFLINE", "1".to_string()),
+        ("HF_HOME", hf_home.path().display().to_string()),
+    ];
+    let service = Service::start_with_env(&["--zmq-bind", "none"], None, &offline).await;
+    let out = service
+        .client()
+        .await
+        .tokenize(req)
+        .await
+        .expect("Tokenize from the cache")
+        .into_inner();
+    assert_eq!(out.token_ids, vec![9707]);
+    assert_eq!(hub.requests.lock().unwrap().len(), requested.len());
+}

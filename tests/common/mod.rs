@@ -58,6 +58,16 @@ impl Service {
     }
 
     pub async fn start_raw(args: &[&str], zmq_bind: Option<String>) -> Service {
+        Service::start_with_env(args, zmq_bind, &[]).await
+    }
+
+    /// Starts the service with extra environment variables (they win over
+    /// the test defaults, e.g. `HF_HUB_OFFLINE`).
+    pub async fn start_with_env(
+        args: &[&str],
+        zmq_bind: Option<String>,
+        env: &[(&str, String)],
+    ) -> Service {
         let grpc_port = free_port();
         let log = std::env::temp_dir().join(format!(
             "kv-indexer-test-{}-{grpc_port}.log",
@@ -76,6 +86,7 @@ impl Service {
                 std::env::temp_dir().join("kv-indexer-test-no-hf-home"),
             )
             .env_remove("HF_HUB_CACHE")
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log file"))
             .spawn()
@@ -424,5 +435,86 @@ impl Publisher {
         for f in frames {
             self.send(f.message()).await;
         }
+    }
+}
+
+/// A minimal Hugging Face Hub on loopback: serves `/{repo}/resolve/main/{file}`
+/// from a directory the way hf-hub expects (ranges, `etag`,
+/// `x-repo-commit`, `content-range`), and checks the bearer token.
+pub struct FakeHub {
+    pub endpoint: String,
+    pub requests: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl FakeHub {
+    pub fn serve(repo: &str, dir: PathBuf, token: &str) -> FakeHub {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake hub");
+        let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
+        let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = requests.clone();
+        let prefix = format!("/{repo}/resolve/main/");
+        let auth = format!("bearer {token}");
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+                let mut request_line = String::new();
+                if reader.read_line(&mut request_line).is_err() {
+                    continue;
+                }
+                let (mut range_start, mut range_end, mut authorized) = (None, None, false);
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                        break;
+                    }
+                    let lower = line.to_ascii_lowercase();
+                    if let Some(r) = lower.strip_prefix("range: bytes=") {
+                        let (a, b) = r.trim().split_once('-').unwrap_or((r.trim(), ""));
+                        range_start = a.parse::<usize>().ok();
+                        range_end = b.parse::<usize>().ok();
+                    }
+                    if lower.trim() == format!("authorization: {auth}") {
+                        authorized = true;
+                    }
+                }
+                let path = request_line
+                    .split_whitespace()
+                    .nth(1)
+                    .unwrap_or("")
+                    .to_owned();
+                log.lock().unwrap().push(path.clone());
+                let file = path.strip_prefix(&prefix).map(|f| dir.join(f));
+                let body = match (&file, authorized) {
+                    (Some(f), true) => std::fs::read(f).ok(),
+                    _ => None,
+                };
+                let response = match body {
+                    None => {
+                        b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                            .to_vec()
+                    }
+                    Some(body) => {
+                        let start = range_start.unwrap_or(0).min(body.len());
+                        // Inclusive end (hf-hub's metadata probe asks for bytes=0-0).
+                        let end = range_end.map_or(body.len(), |e| (e + 1).min(body.len()));
+                        let chunk = &body[start..end.max(start)];
+                        let mut r = format!(
+                            "HTTP/1.1 206 Partial Content\r\netag: \"etag-{}\"\r\nx-repo-commit: 0123456789abcdef\r\ncontent-range: bytes {start}-{}/{}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                            body.len(),
+                            end.max(start + 1) - 1,
+                            body.len(),
+                            chunk.len()
+                        )
+                        .into_bytes();
+                        r.extend_from_slice(chunk);
+                        r
+                    }
+                };
+                let _ = stream.write_all(&response);
+            }
+        });
+        FakeHub { endpoint, requests }
     }
 }
