@@ -1,6 +1,8 @@
-//! Wiring: the index, ingestion and the gRPC server, up and down.
+//! Wiring: the index, ingestion, the gRPC server and the HTTP endpoints, up
+//! and down.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use indexer::Indexer;
@@ -11,8 +13,12 @@ use tonic::transport::Server;
 use crate::config::Config;
 use crate::grpc::KvIndexerService;
 use crate::ingest::Ingest;
+use crate::metrics::{serve_http, Metrics};
 use crate::proto::kvindexer::v1::kv_indexer_server::KvIndexerServer;
 use crate::proto::FILE_DESCRIPTOR_SET;
+
+/// How long in-flight RPCs get to finish after a shutdown signal.
+const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Runs the service until `shutdown` resolves, then stops gracefully:
 /// ingestion first, then in-flight RPCs finish.
@@ -22,6 +28,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         config.tokenizers.clone(),
         config.tokenization_cache_bytes,
     ));
+    let mut metrics = Metrics::new();
+    metrics.register_state(indexer.clone(), tokenizers.clone());
+    let metrics = Arc::new(metrics);
+    let ready = Arc::new(AtomicBool::new(false));
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health
@@ -31,7 +41,25 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     let listener = TcpListener::bind(config.grpc_addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen for gRPC on {}: {e}", config.grpc_addr))?;
-    let ingest = Ingest::start(&config, indexer.clone()).await?;
+    let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
+    let http = match config.metrics_addr {
+        Some(addr) => {
+            let l = TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {addr}: {e}"))?;
+            tracing::info!(addr = %l.local_addr()?, "metrics and health on HTTP (/metrics, /healthz, /readyz)");
+            Some(tokio::spawn(serve_http(
+                l,
+                metrics.clone(),
+                ready.clone(),
+                async {
+                    let _ = http_stopped.await;
+                },
+            )))
+        }
+        None => None,
+    };
+    let ingest = Ingest::start(&config, indexer.clone(), metrics.clone()).await?;
 
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
@@ -47,16 +75,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     health
         .set_serving::<KvIndexerServer<KvIndexerService>>()
         .await;
+    ready.store(true, Ordering::Relaxed);
 
     let (stop_rpc, rpc_stopped) = tokio::sync::oneshot::channel::<()>();
+    let service = KvIndexerService::new(indexer, tokenizers, metrics);
     let mut server = tokio::spawn(
         Server::builder()
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
-            .add_service(KvIndexerServer::new(KvIndexerService::new(
-                indexer, tokenizers,
-            )))
+            .add_service(KvIndexerServer::new(service))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = rpc_stopped.await;
             }),
@@ -66,6 +94,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         () = shutdown => {}
     }
     tracing::info!("shutting down: stopping ingestion, then draining RPCs");
+    ready.store(false, Ordering::Relaxed);
     health
         .set_not_serving::<KvIndexerServer<KvIndexerService>>()
         .await;
@@ -79,8 +108,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             tracing::warn!(timeout = ?DRAIN_TIMEOUT, "connections still open after drain timeout; exiting")
         }
     }
+    let _ = stop_http.send(());
+    if let Some(http) = http {
+        let _ = tokio::time::timeout(DRAIN_TIMEOUT, http).await;
+    }
     Ok(())
 }
-
-/// How long in-flight RPCs get to finish after a shutdown signal.
-const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);

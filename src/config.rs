@@ -29,6 +29,11 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_GRPC_ADDR")]
     pub grpc_addr: Option<String>,
 
+    /// HTTP address for `/metrics`, `/healthz` and `/readyz`; `none`
+    /// disables [default: 0.0.0.0:9090].
+    #[arg(long, env = "KV_INDEXER_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
+
     /// ZeroMQ endpoint to bind a SUB socket on, for pods that connect to the
     /// indexer; `none` disables [default: tcp://*:5557].
     #[arg(long, env = "KV_INDEXER_ZMQ_BIND")]
@@ -130,6 +135,7 @@ pub struct Args {
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     pub grpc_addr: Option<String>,
+    pub metrics_addr: Option<String>,
     pub zmq_bind: Option<String>,
     #[serde(default)]
     pub zmq_connect: Vec<String>,
@@ -177,6 +183,7 @@ pub struct DialTarget {
 #[derive(Clone, Debug)]
 pub struct Config {
     pub grpc_addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
     pub zmq_bind: Option<String>,
     pub zmq_connect: Vec<DialTarget>,
     pub topic_filter: String,
@@ -239,6 +246,22 @@ impl Config {
         let grpc_addr = grpc_addr_raw
             .parse()
             .map_err(|e| invalid("grpc_addr", &grpc_addr_raw, format!("{e} (want IP:PORT)")))?;
+
+        let metrics_raw = args
+            .metrics_addr
+            .or(file.metrics_addr)
+            .unwrap_or_else(|| "0.0.0.0:9090".into());
+        let metrics_addr = if metrics_raw.eq_ignore_ascii_case("none") {
+            None
+        } else {
+            Some(metrics_raw.parse().map_err(|e| {
+                invalid(
+                    "metrics_addr",
+                    &metrics_raw,
+                    format!("{e} (want IP:PORT or none)"),
+                )
+            })?)
+        };
 
         let zmq_bind = match args
             .zmq_bind
@@ -418,6 +441,7 @@ impl Config {
 
         Ok(Config {
             grpc_addr,
+            metrics_addr,
             zmq_bind,
             zmq_connect,
             topic_filter,
@@ -670,6 +694,7 @@ mod tests {
     fn errors_name_the_setting() {
         let cases: &[(&[&str], &str)] = &[
             (&["--grpc-addr", "nope"], "grpc_addr"),
+            (&["--metrics-addr", "nope"], "metrics_addr"),
             (&["--zmq-bind", "udp://x:1"], "zmq_bind"),
             (&["--zmq-connect", "tcp://a"], "zmq_connect"),
             (&["--zmq-connect", "tcp://a:1,foo=bar"], "zmq_connect"),

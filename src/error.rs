@@ -11,8 +11,6 @@ pub enum ApiError {
     MissingModel,
     #[error("one of {0} is required")]
     MissingInput(&'static str),
-    #[error("invalid `{field}`: {reason}")]
-    InvalidArgument { field: &'static str, reason: String },
     /// No tokenizer could be found for the model (the message says where
     /// we looked).
     #[error("{0}")]
@@ -58,17 +56,21 @@ impl From<TokenizeError> for ApiError {
     }
 }
 
-impl From<ApiError> for Status {
-    fn from(e: ApiError) -> Status {
-        let code = match &e {
-            ApiError::MissingModel
-            | ApiError::MissingInput(_)
-            | ApiError::InvalidArgument { .. }
-            | ApiError::BadChat(_) => Code::InvalidArgument,
+impl ApiError {
+    pub fn code(&self) -> Code {
+        match self {
+            ApiError::MissingModel | ApiError::MissingInput(_) | ApiError::BadChat(_) => {
+                Code::InvalidArgument
+            }
             ApiError::TokenizerNotFound(_) => Code::NotFound,
             ApiError::TokenizerUnusable(_) => Code::FailedPrecondition,
             ApiError::Internal(_) => Code::Internal,
-        };
-        Status::new(code, e.to_string())
+        }
+    }
+}
+
+impl From<ApiError> for Status {
+    fn from(e: ApiError) -> Status {
+        Status::new(e.code(), e.to_string())
     }
 }

@@ -1,6 +1,7 @@
 //! The `kvindexer.v1.KvIndexer` gRPC service over the core `Indexer`.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use indexer::event::Tier;
 use indexer::keys::BlockKey;
@@ -10,19 +11,22 @@ use tokenizer::Registry;
 use tonic::{Request, Response, Status};
 
 use crate::error::ApiError;
+use crate::metrics::Metrics;
 use crate::proto::kvindexer::v1 as pb;
 use pb::kv_indexer_server::KvIndexer;
 
 pub struct KvIndexerService {
     indexer: Arc<Indexer>,
     tokenizers: Arc<Registry>,
+    metrics: Arc<Metrics>,
 }
 
 impl KvIndexerService {
-    pub fn new(indexer: Arc<Indexer>, tokenizers: Arc<Registry>) -> Self {
+    pub fn new(indexer: Arc<Indexer>, tokenizers: Arc<Registry>, metrics: Arc<Metrics>) -> Self {
         KvIndexerService {
             indexer,
             tokenizers,
+            metrics,
         }
     }
 
@@ -37,7 +41,9 @@ impl KvIndexerService {
     ) -> Result<Tokenized, ApiError> {
         let registry = self.tokenizers.clone();
         let model = model.to_owned();
-        tokio::task::spawn_blocking(move || -> Result<Tokenized, ApiError> {
+        let kind = input.kind();
+        let started = Instant::now();
+        let out = tokio::task::spawn_blocking(move || -> Result<Tokenized, ApiError> {
             let tok = registry.get(&model)?;
             match input {
                 TextInput::Prompt(text) => Ok(Tokenized {
@@ -57,13 +63,88 @@ impl KvIndexerService {
             }
         })
         .await
-        .map_err(|e| ApiError::Internal(format!("tokenization task failed: {e}")))?
+        .map_err(|e| ApiError::Internal(format!("tokenization task failed: {e}")))?;
+        self.metrics.observe_tokenize(kind, started.elapsed());
+        out
+    }
+
+    async fn score_inner(&self, req: pb::ScoreRequest) -> Result<pb::ScoreResponse, ApiError> {
+        require_model(&req.model)?;
+        let tokens = match req.input {
+            Some(pb::score_request::Input::TokenIds(t)) => t.ids,
+            Some(pb::score_request::Input::Prompt(text)) => {
+                self.tokenize_input(&req.model, TextInput::Prompt(text), req.add_special_tokens)
+                    .await?
+                    .ids
+            }
+            Some(pb::score_request::Input::ChatCompletionJson(body)) => {
+                self.tokenize_input(&req.model, TextInput::Chat(body), req.add_special_tokens)
+                    .await?
+                    .ids
+            }
+            None => {
+                return Err(ApiError::MissingInput(
+                    "`prompt`, `token_ids` or `chat_completion_json`",
+                ))
+            }
+        };
+        let out = self.indexer.score(&ScoreQuery {
+            model: &req.model,
+            tokens: &tokens,
+            lora_name: non_empty(&req.lora_name),
+            cache_salt: non_empty(&req.cache_salt),
+            pods: &req.pods,
+        });
+        let span = tracing::Span::current();
+        span.record("tokens", tokens.len());
+        span.record("blocks", out.total_blocks);
+        span.record(
+            "best",
+            out.pods.first().map_or(0, |p| p.matched.matched_blocks),
+        );
+        Ok(pb::ScoreResponse {
+            block_size: out.block_size,
+            total_blocks: out.total_blocks,
+            prompt_tokens: tokens.len() as u32,
+            pods: out
+                .pods
+                .into_iter()
+                .map(|p| pb::PodScore {
+                    pod: p.pod,
+                    matched_blocks: p.matched.matched_blocks,
+                    score: p.score,
+                    gpu_blocks: p.matched.blocks_per_tier[Tier::Gpu.index()],
+                    cpu_blocks: p.matched.blocks_per_tier[Tier::Cpu.index()],
+                    storage_blocks: p.matched.blocks_per_tier[Tier::Storage.index()],
+                    block_size: p.block_size,
+                    total_blocks: p.total_blocks,
+                })
+                .collect(),
+        })
     }
 }
 
 enum TextInput {
     Prompt(String),
     Chat(String),
+}
+
+impl TextInput {
+    fn kind(&self) -> &'static str {
+        match self {
+            TextInput::Prompt(_) => "prompt",
+            TextInput::Chat(_) => "chat",
+        }
+    }
+}
+
+fn input_kind(input: &Option<pb::score_request::Input>) -> &'static str {
+    match input {
+        Some(pb::score_request::Input::TokenIds(_)) => "token_ids",
+        Some(pb::score_request::Input::Prompt(_)) => "prompt",
+        Some(pb::score_request::Input::ChatCompletionJson(_)) => "chat",
+        None => "none",
+    }
 }
 
 struct Tokenized {
@@ -98,59 +179,29 @@ impl KvIndexer for KvIndexerService {
         request: Request<pb::ScoreRequest>,
     ) -> Result<Response<pb::ScoreResponse>, Status> {
         let req = request.into_inner();
-        require_model(&req.model)?;
-        let tokens = match req.input {
-            Some(pb::score_request::Input::TokenIds(t)) => t.ids,
-            Some(pb::score_request::Input::Prompt(text)) => {
-                self.tokenize_input(&req.model, TextInput::Prompt(text), req.add_special_tokens)
-                    .await?
-                    .ids
-            }
-            Some(pb::score_request::Input::ChatCompletionJson(body)) => {
-                self.tokenize_input(&req.model, TextInput::Chat(body), req.add_special_tokens)
-                    .await?
-                    .ids
-            }
-            None => {
-                return Err(ApiError::MissingInput(
-                    "`prompt`, `token_ids` or `chat_completion_json`",
-                )
-                .into())
-            }
-        };
-        let out = self.indexer.score(&ScoreQuery {
-            model: &req.model,
-            tokens: &tokens,
-            lora_name: non_empty(&req.lora_name),
-            cache_salt: non_empty(&req.cache_salt),
-            pods: &req.pods,
-        });
-        tracing::debug!(
+        let kind = input_kind(&req.input);
+        let span = tracing::debug_span!(
+            "score",
             model = %req.model,
-            tokens = tokens.len(),
-            blocks = out.total_blocks,
-            best = out.pods.first().map_or(0, |p| p.matched.matched_blocks),
-            "score"
+            input = kind,
+            tokens = tracing::field::Empty,
+            blocks = tracing::field::Empty,
+            best = tracing::field::Empty,
         );
-        Ok(Response::new(pb::ScoreResponse {
-            block_size: out.block_size,
-            total_blocks: out.total_blocks,
-            prompt_tokens: tokens.len() as u32,
-            pods: out
-                .pods
-                .into_iter()
-                .map(|p| pb::PodScore {
-                    pod: p.pod,
-                    matched_blocks: p.matched.matched_blocks,
-                    score: p.score,
-                    gpu_blocks: p.matched.blocks_per_tier[Tier::Gpu.index()],
-                    cpu_blocks: p.matched.blocks_per_tier[Tier::Cpu.index()],
-                    storage_blocks: p.matched.blocks_per_tier[Tier::Storage.index()],
-                    block_size: p.block_size,
-                    total_blocks: p.total_blocks,
-                })
-                .collect(),
-        }))
+        let started = Instant::now();
+        let result = tracing::Instrument::instrument(self.score_inner(req), span.clone()).await;
+        let code = result
+            .as_ref()
+            .map_or_else(ApiError::code, |_| tonic::Code::Ok);
+        self.metrics.observe_score(kind, code, started.elapsed());
+        span.in_scope(|| {
+            tracing::debug!(
+                ?code,
+                elapsed_us = started.elapsed().as_micros() as u64,
+                "score"
+            )
+        });
+        result.map(Response::new).map_err(Status::from)
     }
 
     async fn list_pods(

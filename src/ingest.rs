@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +21,7 @@ use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
 
 use crate::config::{Config, DialTarget};
+use crate::metrics::Metrics;
 use crate::ratelimit::RateLimited;
 
 /// Why a ZeroMQ message was not used. Counted, logged (rate-limited), skipped.
@@ -33,29 +33,14 @@ pub enum FrameProblem {
     Decode,
 }
 
-/// Ingestion counters, shared with the API and metrics.
-#[derive(Debug, Default)]
-pub struct IngestCounters {
-    pub messages_received: AtomicU64,
-    pub bad_frame_count: AtomicU64,
-    pub bad_topic: AtomicU64,
-    pub bad_seq: AtomicU64,
-    pub decode_errors: AtomicU64,
-    pub batches_applied: AtomicU64,
-    pub events_applied: AtomicU64,
-    pub events_skipped: AtomicU64,
-    pub receive_errors: AtomicU64,
-}
-
-impl IngestCounters {
-    fn problem(&self, p: FrameProblem) {
-        let c = match p {
-            FrameProblem::FrameCount => &self.bad_frame_count,
-            FrameProblem::Topic => &self.bad_topic,
-            FrameProblem::Seq => &self.bad_seq,
-            FrameProblem::Decode => &self.decode_errors,
-        };
-        c.fetch_add(1, Ordering::Relaxed);
+impl FrameProblem {
+    fn label(self) -> &'static str {
+        match self {
+            FrameProblem::FrameCount => "frame_count",
+            FrameProblem::Topic => "topic",
+            FrameProblem::Seq => "seq",
+            FrameProblem::Decode => "decode",
+        }
     }
 }
 
@@ -88,15 +73,13 @@ fn check_frames(msg: ZmqMessage) -> Result<Frame, FrameProblem> {
 #[derive(Clone)]
 struct Dispatcher {
     workers: Arc<Vec<flume::Sender<Frame>>>,
-    counters: Arc<IngestCounters>,
+    metrics: Arc<Metrics>,
     warn: Arc<RateLimited>,
 }
 
 impl Dispatcher {
     fn dispatch(&self, msg: ZmqMessage, source: &str) {
-        self.counters
-            .messages_received
-            .fetch_add(1, Ordering::Relaxed);
+        self.metrics.messages_received.inc();
         match check_frames(msg) {
             Ok(frame) => {
                 let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -107,7 +90,7 @@ impl Dispatcher {
                 let _ = self.workers[worker].send(frame);
             }
             Err(problem) => {
-                self.counters.problem(problem);
+                self.metrics.skip_message(problem.label());
                 self.warn.warn(|suppressed| {
                     tracing::warn!(%source, ?problem, suppressed, "skipping malformed ZeroMQ message")
                 });
@@ -120,7 +103,6 @@ impl Dispatcher {
 pub struct Ingest {
     tasks: Vec<JoinHandle<()>>,
     workers: Vec<std::thread::JoinHandle<()>>,
-    pub counters: Arc<IngestCounters>,
     /// The endpoint the SUB socket actually bound (port 0 resolved).
     pub bound: Option<String>,
 }
@@ -141,24 +123,27 @@ pub enum IngestError {
 impl Ingest {
     /// Binds (if configured; failure is fatal) and starts dialing pods (in
     /// the background, retrying until they are up).
-    pub async fn start(config: &Config, indexer: Arc<Indexer>) -> Result<Ingest, IngestError> {
-        let counters = Arc::new(IngestCounters::default());
+    pub async fn start(
+        config: &Config,
+        indexer: Arc<Indexer>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Ingest, IngestError> {
         let mut senders = Vec::with_capacity(config.ingest_workers);
         let mut workers = Vec::with_capacity(config.ingest_workers);
         for i in 0..config.ingest_workers {
             let (tx, rx) = flume::unbounded();
             senders.push(tx);
             let indexer = indexer.clone();
-            let counters = counters.clone();
+            let metrics = metrics.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("ingest-{i}"))
-                .spawn(move || apply_loop(rx, &indexer, &counters))
+                .spawn(move || apply_loop(rx, &indexer, &metrics))
                 .map_err(IngestError::Thread)?;
             workers.push(handle);
         }
         let dispatcher = Dispatcher {
             workers: Arc::new(senders),
-            counters: counters.clone(),
+            metrics,
             warn: Arc::new(RateLimited::new(Duration::from_secs(10))),
         };
 
@@ -193,7 +178,6 @@ impl Ingest {
         Ok(Ingest {
             tasks,
             workers,
-            counters,
             bound,
         })
     }
@@ -241,10 +225,7 @@ async fn recv_loop(mut socket: SubSocket, source: String, dispatcher: Dispatcher
             Ok(msg) => dispatcher.dispatch(msg, &source),
             Err(e) => {
                 // A peer's broken stream; the socket drops that peer and goes on.
-                dispatcher
-                    .counters
-                    .receive_errors
-                    .fetch_add(1, Ordering::Relaxed);
+                dispatcher.metrics.receive_errors.inc();
                 warn.warn(|suppressed| {
                     tracing::warn!(%source, error = %e, suppressed, "ZeroMQ receive error")
                 });
@@ -255,7 +236,7 @@ async fn recv_loop(mut socket: SubSocket, source: String, dispatcher: Dispatcher
 }
 
 /// One worker: decodes and applies the batches of the pods hashed to it.
-fn apply_loop(rx: flume::Receiver<Frame>, indexer: &Indexer, counters: &IngestCounters) {
+fn apply_loop(rx: flume::Receiver<Frame>, indexer: &Indexer, metrics: &Metrics) {
     let warn = RateLimited::new(Duration::from_secs(10));
     // Pod handles by (topic, DP rank): no table lookup per batch.
     let mut pods: HashMap<(Bytes, Option<u32>), Arc<Pod>> = HashMap::new();
@@ -265,7 +246,7 @@ fn apply_loop(rx: flume::Receiver<Frame>, indexer: &Indexer, counters: &IngestCo
         let batch = match decode_batch(&frame.payload) {
             Ok(batch) => batch,
             Err(e) => {
-                counters.problem(FrameProblem::Decode);
+                metrics.skip_message(FrameProblem::Decode.label());
                 let topic = String::from_utf8_lossy(&frame.topic).into_owned();
                 warn.warn(|suppressed| {
                     tracing::warn!(%topic, seq = frame.seq, error = %e, suppressed, "skipping undecodable event batch")
@@ -296,15 +277,26 @@ fn apply_loop(rx: flume::Receiver<Frame>, indexer: &Indexer, counters: &IngestCo
             );
         }
         let skipped = batch.skipped;
-        counters.batches_applied.fetch_add(1, Ordering::Relaxed);
-        counters
-            .events_applied
-            .fetch_add(batch.events.len() as u64, Ordering::Relaxed);
+        metrics.batches_applied.inc();
+        metrics.events_applied.inc_by(batch.events.len() as u64);
+        metrics.blocks_stored.inc_by(stats.stored_blocks);
+        metrics.blocks_removed.inc_by(stats.removed_blocks);
+        metrics
+            .engine_hash_mismatches
+            .inc_by(stats.engine_hash_mismatches);
+        for (reason, n) in [
+            ("unknown_event_type", u64::from(skipped.unknown_event_types)),
+            ("malformed_event", u64::from(skipped.malformed_events)),
+            ("parent_unknown_block", stats.parent_unknown_blocks),
+            ("unknown_removal", stats.unknown_removals),
+            ("unkeyable_block", stats.unkeyable_blocks),
+            ("non_full_attention", stats.non_full_attention_events),
+            ("malformed_store", stats.malformed_stores),
+        ] {
+            metrics.skip_events(reason, n);
+        }
         let n_skipped = u64::from(skipped.unknown_event_types + skipped.malformed_events);
         if n_skipped > 0 {
-            counters
-                .events_skipped
-                .fetch_add(n_skipped, Ordering::Relaxed);
             warn.warn(|suppressed| {
                 tracing::warn!(pod = %pod.name, ?skipped, suppressed, "skipped events in a batch")
             });

@@ -17,4 +17,5 @@ pub mod config;
 pub mod error;
 pub mod grpc;
 pub mod ingest;
+pub mod metrics;
 mod ratelimit;

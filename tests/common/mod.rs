@@ -32,6 +32,7 @@ pub fn free_port() -> u16 {
 pub struct Service {
     child: Child,
     pub grpc_port: u16,
+    pub metrics_port: u16,
     /// `tcp://127.0.0.1:PORT` the SUB socket is bound on, if bind mode is on.
     pub zmq_bind: Option<String>,
     log: PathBuf,
@@ -69,6 +70,7 @@ impl Service {
         env: &[(&str, String)],
     ) -> Service {
         let grpc_port = free_port();
+        let metrics_port = free_port();
         let log = std::env::temp_dir().join(format!(
             "kv-indexer-test-{}-{grpc_port}.log",
             std::process::id()
@@ -76,6 +78,8 @@ impl Service {
         let child = Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
             .arg("--grpc-addr")
             .arg(format!("127.0.0.1:{grpc_port}"))
+            .arg("--metrics-addr")
+            .arg(format!("127.0.0.1:{metrics_port}"))
             .args(args)
             .env("KV_INDEXER_LOG_LEVEL", "info")
             .env_remove("RUST_LOG")
@@ -94,6 +98,7 @@ impl Service {
         let service = Service {
             child,
             grpc_port,
+            metrics_port,
             zmq_bind,
             log,
         };
@@ -103,6 +108,30 @@ impl Service {
 
     pub fn grpc_addr(&self) -> String {
         format!("127.0.0.1:{}", self.grpc_port)
+    }
+
+    /// `GET path` on the metrics/health HTTP port: (status, body).
+    pub fn http_get(&self, path: &str) -> (u16, String) {
+        use std::io::{Read, Write};
+        let mut s =
+            std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).expect("connect http");
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .expect("write");
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).expect("read");
+        let status = raw
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = raw
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
     }
 
     pub fn logs(&self) -> String {

@@ -1,0 +1,377 @@
+//! Prometheus metrics (`kv_indexer_*`) and the HTTP endpoints beside them:
+//! `/metrics`, `/healthz` (liveness: the process answers) and `/readyz`
+//! (readiness: the sockets are up).
+//!
+//! Counters on hot paths are plain atomics inside `prometheus-client`
+//! metrics; state that already lives in the index (pods, blocks per tier,
+//! seq gaps) and in the tokenizers (cache counters) is read at scrape time by
+//! a collector instead of being mirrored.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use indexer::Indexer;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Every metric the service updates directly.
+pub struct Metrics {
+    registry: Registry,
+    /// ZeroMQ messages received, before any check.
+    pub messages_received: Counter,
+    /// Messages skipped whole, by reason (frame_count, topic, seq, decode).
+    pub messages_skipped: Family<Labels, Counter>,
+    pub batches_applied: Counter,
+    pub events_applied: Counter,
+    /// Events or blocks skipped, by reason.
+    pub events_skipped: Family<Labels, Counter>,
+    pub blocks_stored: Counter,
+    pub blocks_removed: Counter,
+    pub receive_errors: Counter,
+    /// Engine mode: stores whose recomputed hashes disagreed with the pod's.
+    pub engine_hash_mismatches: Counter,
+    /// Score requests by input kind (token_ids, prompt, chat) and status code.
+    pub score_requests: Family<Labels, Counter>,
+    /// Score latency in seconds, by input kind.
+    pub score_seconds: Family<Labels, Histogram>,
+    /// Tokenization (and chat rendering) latency in seconds, by input kind.
+    pub tokenize_seconds: Family<Labels, Histogram>,
+}
+
+fn latency_buckets() -> Histogram {
+    // 10 us .. ~10 s.
+    Histogram::new(exponential_buckets(1e-5, 2.5, 16))
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("kv_indexer");
+        let m = Metrics {
+            messages_received: Counter::default(),
+            messages_skipped: Family::default(),
+            batches_applied: Counter::default(),
+            events_applied: Counter::default(),
+            events_skipped: Family::default(),
+            blocks_stored: Counter::default(),
+            blocks_removed: Counter::default(),
+            receive_errors: Counter::default(),
+            engine_hash_mismatches: Counter::default(),
+            score_requests: Family::default(),
+            score_seconds: Family::new_with_constructor(latency_buckets),
+            tokenize_seconds: Family::new_with_constructor(latency_buckets),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register(
+            "messages_received",
+            "ZeroMQ messages received",
+            m.messages_received.clone(),
+        );
+        r.register(
+            "messages_skipped",
+            "ZeroMQ messages skipped whole, by reason (frame_count, topic, seq, decode)",
+            m.messages_skipped.clone(),
+        );
+        r.register(
+            "batches_applied",
+            "Event batches applied to the index",
+            m.batches_applied.clone(),
+        );
+        r.register(
+            "events_applied",
+            "KV events applied to the index",
+            m.events_applied.clone(),
+        );
+        r.register(
+            "events_skipped",
+            "Events (or blocks of events) skipped, by reason",
+            m.events_skipped.clone(),
+        );
+        r.register(
+            "blocks_stored",
+            "Block stores applied (per block and tier)",
+            m.blocks_stored.clone(),
+        );
+        r.register(
+            "blocks_removed",
+            "Block removals applied (per block and tier)",
+            m.blocks_removed.clone(),
+        );
+        r.register(
+            "receive_errors",
+            "ZeroMQ receive errors (broken peer streams)",
+            m.receive_errors.clone(),
+        );
+        r.register(
+            "engine_hash_mismatches",
+            "Engine key mode: stores whose hashes differ from ours (configuration differs from the pods')",
+            m.engine_hash_mismatches.clone(),
+        );
+        r.register(
+            "score_requests",
+            "Score requests by input kind and gRPC status code",
+            m.score_requests.clone(),
+        );
+        r.register(
+            "score_seconds",
+            "Score latency by input kind",
+            m.score_seconds.clone(),
+        );
+        r.register(
+            "tokenize_seconds",
+            "Tokenization (with chat rendering) latency by input kind",
+            m.tokenize_seconds.clone(),
+        );
+        let build: Family<Labels, Gauge> = Family::default();
+        build
+            .get_or_create(&vec![("version", env!("CARGO_PKG_VERSION").to_owned())])
+            .set(1);
+        r.register("build_info", "Build information (value 1)", build);
+        Metrics { registry, ..m }
+    }
+
+    pub fn skip_message(&self, reason: &'static str) {
+        self.messages_skipped
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .inc();
+    }
+
+    pub fn skip_events(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.events_skipped
+                .get_or_create(&vec![("reason", reason.to_owned())])
+                .inc_by(n);
+        }
+    }
+
+    pub fn observe_score(&self, input: &'static str, code: tonic::Code, elapsed: Duration) {
+        self.score_requests
+            .get_or_create(&vec![
+                ("input", input.to_owned()),
+                ("code", format!("{code:?}")),
+            ])
+            .inc();
+        self.score_seconds
+            .get_or_create(&vec![("input", input.to_owned())])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    pub fn observe_tokenize(&self, input: &'static str, elapsed: Duration) {
+        self.tokenize_seconds
+            .get_or_create(&vec![("input", input.to_owned())])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Adds the scrape-time collector over the index and tokenizers.
+    pub fn register_state(&mut self, indexer: Arc<Indexer>, tokenizers: Arc<tokenizer::Registry>) {
+        self.registry.register_collector(Box::new(StateCollector {
+            indexer,
+            tokenizers,
+        }));
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+/// Gauges and counters read from the index and tokenizers at scrape time.
+struct StateCollector {
+    indexer: Arc<Indexer>,
+    tokenizers: Arc<tokenizer::Registry>,
+}
+
+impl std::fmt::Debug for StateCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StateCollector")
+    }
+}
+
+fn family<M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    rows: Vec<(Labels, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut metric = encoder.encode_descriptor(name, help, None, kind)?;
+    for (labels, value) in rows {
+        value.encode(metric.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let pods = self.indexer.list_pods(None);
+        let mut per_model: std::collections::BTreeMap<&str, i64> = Default::default();
+        let mut tiers = [0i64; indexer::event::TIERS];
+        let mut gaps = 0u64;
+        for p in &pods {
+            *per_model.entry(p.model.as_str()).or_default() += 1;
+            for (t, n) in p.blocks_per_tier.iter().enumerate() {
+                tiers[t] += *n as i64;
+            }
+            gaps += p.seq_gaps;
+        }
+        family(
+            &mut encoder,
+            "pods",
+            "Cache domains (pods, DP ranks) seen, by model",
+            MetricType::Gauge,
+            per_model
+                .into_iter()
+                .map(|(m, n)| (vec![("model", m.to_owned())], ConstGauge::new(n)))
+                .collect(),
+        )?;
+        family(
+            &mut encoder,
+            "indexed_blocks",
+            "Blocks held, summed over pods, by tier",
+            MetricType::Gauge,
+            indexer::event::Tier::ALL
+                .iter()
+                .map(|t| {
+                    (
+                        vec![("tier", t.name().to_owned())],
+                        ConstGauge::new(tiers[t.index()]),
+                    )
+                })
+                .collect(),
+        )?;
+        family(
+            &mut encoder,
+            "indexed_keys",
+            "Distinct block keys held by at least one pod",
+            MetricType::Gauge,
+            vec![(vec![], ConstGauge::new(self.indexer.indexed_keys() as i64))],
+        )?;
+        family(
+            &mut encoder,
+            "seq_gaps",
+            "Batches whose seq did not follow the pod's previous one",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(gaps))],
+        )?;
+        let tokenizers = self.tokenizers.loaded();
+        let cache =
+            |f: fn(&tokenizer::pieces::CacheStats) -> u64| -> Vec<(Labels, ConstCounter<u64>)> {
+                tokenizers
+                    .iter()
+                    .map(|t| {
+                        (
+                            vec![("model", t.model.clone())],
+                            ConstCounter::new(f(&t.cache().stats)),
+                        )
+                    })
+                    .collect()
+            };
+        family(
+            &mut encoder,
+            "tokenization_cache_hits",
+            "Prompt pieces served from the tokenization cache, by model",
+            MetricType::Counter,
+            cache(|s| s.hits.load(Ordering::Relaxed)),
+        )?;
+        family(
+            &mut encoder,
+            "tokenization_cache_misses",
+            "Prompt pieces tokenized, by model",
+            MetricType::Counter,
+            cache(|s| s.misses.load(Ordering::Relaxed)),
+        )?;
+        family(
+            &mut encoder,
+            "tokenization_cache_hit_bytes",
+            "Prompt bytes served from the tokenization cache, by model",
+            MetricType::Counter,
+            cache(|s| s.hit_bytes.load(Ordering::Relaxed)),
+        )?;
+        family(
+            &mut encoder,
+            "tokenization_cache_miss_bytes",
+            "Prompt bytes tokenized, by model",
+            MetricType::Counter,
+            cache(|s| s.miss_bytes.load(Ordering::Relaxed)),
+        )?;
+        family(
+            &mut encoder,
+            "tokenization_cache_bytes",
+            "Bytes held by the tokenization cache, by model",
+            MetricType::Gauge,
+            tokenizers
+                .iter()
+                .map(|t| {
+                    (
+                        vec![("model", t.model.clone())],
+                        ConstGauge::new(t.cache().bytes() as i64),
+                    )
+                })
+                .collect(),
+        )?;
+        Ok(())
+    }
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` resolves.
+pub async fn serve_http(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::http::{header, StatusCode};
+    use axum::routing::get;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                async move {
+                    (
+                        [(
+                            header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        metrics.encode(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let ready = ready.load(Ordering::Relaxed);
+                async move {
+                    if ready {
+                        (StatusCode::OK, "ready\n")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                    }
+                }
+            }),
+        );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}

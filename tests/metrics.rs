@@ -1,0 +1,113 @@
+//! `/metrics`, `/healthz` and `/readyz` over real HTTP.
+
+mod common;
+
+use common::*;
+use kv_indexer::proto::kvindexer::v1 as pb;
+
+/// The value of the first sample line starting with `prefix`.
+fn sample(metrics: &str, prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no sample {prefix} in:\n{metrics}"))
+}
+
+#[tokio::test]
+async fn metrics_count_ingestion_scoring_and_tokenization() {
+    let stream = "qwen3-lora-salt";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let tok = qwen3_tokenizer_arg();
+    let service = Service::start(&["--tokenizer", &tok]).await;
+    assert_eq!(service.http_get("/healthz"), (200, "ok\n".into()));
+    assert_eq!(service.http_get("/readyz").0, 200);
+
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    publisher.publish_all(&frames).await;
+    // One malformed message: two frames.
+    publisher
+        .send(zmq_message(vec![
+            bytes::Bytes::from_static(b"kv@p@m"),
+            bytes::Bytes::from_static(b"x"),
+        ]))
+        .await;
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+
+    let mut client = service.client().await;
+    let probe = &expected.probes[0];
+    client
+        .score(token_request(&expected.model, probe))
+        .await
+        .expect("Score");
+    for _ in 0..2 {
+        client
+            .score(pb::ScoreRequest {
+                input: Some(pb::score_request::Input::Prompt(
+                    probe.text.clone().unwrap(),
+                )),
+                ..token_request(&expected.model, probe)
+            })
+            .await
+            .expect("Score by text");
+    }
+    let _ = client.score(pb::ScoreRequest::default()).await;
+
+    let (status, m) = service.http_get("/metrics");
+    assert_eq!(status, 200);
+    let marker_batches = sample(&m, "kv_indexer_batches_applied_total") - frames.len() as f64;
+    assert!(marker_batches >= 1.0, "{m}");
+    assert_eq!(
+        sample(
+            &m,
+            "kv_indexer_messages_skipped_total{reason=\"frame_count\"}"
+        ),
+        1.0
+    );
+    assert_eq!(sample(&m, "kv_indexer_pods{model=\"Qwen/Qwen3-8B\"}"), 2.0);
+    assert_eq!(sample(&m, "kv_indexer_indexed_blocks{tier=\"GPU\"}"), 124.0);
+    assert_eq!(sample(&m, "kv_indexer_blocks_stored_total"), 124.0);
+    assert_eq!(
+        sample(
+            &m,
+            "kv_indexer_score_requests_total{input=\"token_ids\",code=\"Ok\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &m,
+            "kv_indexer_score_requests_total{input=\"prompt\",code=\"Ok\"}"
+        ),
+        2.0
+    );
+    assert_eq!(
+        sample(
+            &m,
+            "kv_indexer_score_requests_total{input=\"none\",code=\"InvalidArgument\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(&m, "kv_indexer_score_seconds_count{input=\"prompt\"}"),
+        2.0
+    );
+    assert_eq!(
+        sample(&m, "kv_indexer_tokenize_seconds_count{input=\"prompt\"}"),
+        2.0
+    );
+    // The second tokenization of the same text came from the cache.
+    assert!(
+        sample(
+            &m,
+            "kv_indexer_tokenization_cache_hits_total{model=\"Qwen/Qwen3-8B\"}"
+        ) >= 1.0
+    );
+    assert_eq!(sample(&m, "kv_indexer_build_info{version="), 1.0);
+    assert!(m.ends_with("# EOF\n"), "OpenMetrics text ends with # EOF");
+}
