@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use prost::Message;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["kvindexer/v1/indexer.proto"];
+    let protos = [
+        "kvindexer/v1/indexer.proto",
+        "llmd/indexer/v1/indexer.proto",
+    ];
     for p in &protos {
         println!("cargo:rerun-if-changed=proto/{p}");
     }

@@ -15,6 +15,7 @@ use crate::grpc::KvIndexerService;
 use crate::ingest::Ingest;
 use crate::metrics::{serve_http, Metrics};
 use crate::proto::kvindexer::v1::kv_indexer_server::KvIndexerServer;
+use crate::proto::llmd::v1::indexer_service_server::IndexerServiceServer;
 use crate::proto::FILE_DESCRIPTOR_SET;
 
 /// How long in-flight RPCs get to finish after a shutdown signal.
@@ -78,13 +79,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     ready.store(true, Ordering::Relaxed);
 
     let (stop_rpc, rpc_stopped) = tokio::sync::oneshot::channel::<()>();
-    let service = KvIndexerService::new(indexer, tokenizers, metrics);
+    let service = Arc::new(KvIndexerService::new(indexer, tokenizers, metrics));
+    let llmd = crate::llmd::LlmdIndexerService::new(service.clone());
     let mut server = tokio::spawn(
         Server::builder()
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
-            .add_service(KvIndexerServer::new(service))
+            .add_service(KvIndexerServer::from_arc(service))
+            .add_service(IndexerServiceServer::new(llmd))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = rpc_stopped.await;
             }),

@@ -68,7 +68,11 @@ impl KvIndexerService {
         out
     }
 
-    async fn score_inner(&self, req: pb::ScoreRequest) -> Result<pb::ScoreResponse, ApiError> {
+    /// Scores a request; also used by the llm-d API.
+    pub(crate) async fn score_outcome(
+        &self,
+        req: pb::ScoreRequest,
+    ) -> Result<(indexer::ScoreOutcome, usize), ApiError> {
         require_model(&req.model)?;
         let tokens = match req.input {
             Some(pb::score_request::Input::TokenIds(t)) => t.ids,
@@ -102,10 +106,15 @@ impl KvIndexerService {
             "best",
             out.pods.first().map_or(0, |p| p.matched.matched_blocks),
         );
+        Ok((out, tokens.len()))
+    }
+
+    async fn score_inner(&self, req: pb::ScoreRequest) -> Result<pb::ScoreResponse, ApiError> {
+        let (out, tokens) = self.score_outcome(req).await?;
         Ok(pb::ScoreResponse {
             block_size: out.block_size,
             total_blocks: out.total_blocks,
-            prompt_tokens: tokens.len() as u32,
+            prompt_tokens: tokens as u32,
             pods: out
                 .pods
                 .into_iter()
@@ -135,6 +144,31 @@ impl TextInput {
             TextInput::Prompt(_) => "prompt",
             TextInput::Chat(_) => "chat",
         }
+    }
+}
+
+impl KvIndexerService {
+    /// Runs a scoring future inside its span, recording latency and outcome.
+    pub(crate) async fn observed<T>(
+        &self,
+        kind: &'static str,
+        span: tracing::Span,
+        work: impl std::future::Future<Output = Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
+        let started = Instant::now();
+        let result = tracing::Instrument::instrument(work, span.clone()).await;
+        let code = result
+            .as_ref()
+            .map_or_else(ApiError::code, |_| tonic::Code::Ok);
+        self.metrics.observe_score(kind, code, started.elapsed());
+        span.in_scope(|| {
+            tracing::debug!(
+                ?code,
+                elapsed_us = started.elapsed().as_micros() as u64,
+                "score"
+            )
+        });
+        result
     }
 }
 
@@ -188,19 +222,7 @@ impl KvIndexer for KvIndexerService {
             blocks = tracing::field::Empty,
             best = tracing::field::Empty,
         );
-        let started = Instant::now();
-        let result = tracing::Instrument::instrument(self.score_inner(req), span.clone()).await;
-        let code = result
-            .as_ref()
-            .map_or_else(ApiError::code, |_| tonic::Code::Ok);
-        self.metrics.observe_score(kind, code, started.elapsed());
-        span.in_scope(|| {
-            tracing::debug!(
-                ?code,
-                elapsed_us = started.elapsed().as_micros() as u64,
-                "score"
-            )
-        });
+        let result = self.observed(kind, span, self.score_inner(req)).await;
         result.map(Response::new).map_err(Status::from)
     }
 

@@ -8,6 +8,13 @@ pub mod proto {
         }
     }
 
+    /// llm-d's indexer API (package `indexer.v1`).
+    pub mod llmd {
+        pub mod v1 {
+            tonic::include_proto!("indexer.v1");
+        }
+    }
+
     /// Encoded `FileDescriptorSet` of every service, for gRPC reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("descriptor");
 }
@@ -17,5 +24,6 @@ pub mod config;
 pub mod error;
 pub mod grpc;
 pub mod ingest;
+pub mod llmd;
 pub mod metrics;
 mod ratelimit;
