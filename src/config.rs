@@ -45,6 +45,28 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_ZMQ_CONNECT", value_delimiter = ' ')]
     pub zmq_connect: Vec<String>,
 
+    /// A pods file (YAML or JSON list of endpoints as for --zmq-connect, or
+    /// `{endpoint, replay}` objects), re-read when it changes (a mounted
+    /// ConfigMap).
+    #[arg(long, env = "KV_INDEXER_PODS_FILE")]
+    pub pods_file: Option<PathBuf>,
+
+    /// Dial every address of a DNS name, re-resolved periodically (a
+    /// Kubernetes headless Service): `NAME:PORT[,replay-port=PORT]`.
+    /// Repeatable.
+    #[arg(long, env = "KV_INDEXER_DISCOVER_DNS", value_delimiter = ' ')]
+    pub discover_dns: Vec<String>,
+
+    /// DNS server (`IP:PORT`) for --discover-dns instead of the system
+    /// resolver.
+    #[arg(long, env = "KV_INDEXER_DNS_SERVER")]
+    pub dns_server: Option<String>,
+
+    /// How often the pods file is checked and DNS names re-resolved, e.g.
+    /// `5s`, `500ms` [default: 5s].
+    #[arg(long, env = "KV_INDEXER_DISCOVERY_INTERVAL")]
+    pub discovery_interval: Option<String>,
+
     /// Topic prefix to subscribe to [default: kv@].
     #[arg(long, env = "KV_INDEXER_TOPIC_FILTER")]
     pub topic_filter: Option<String>,
@@ -139,6 +161,11 @@ pub struct FileConfig {
     pub zmq_bind: Option<String>,
     #[serde(default)]
     pub zmq_connect: Vec<String>,
+    pub pods_file: Option<PathBuf>,
+    #[serde(default)]
+    pub discover_dns: Vec<String>,
+    pub dns_server: Option<String>,
+    pub discovery_interval: Option<String>,
     pub topic_filter: Option<String>,
     pub block_size: Option<u32>,
     /// `{gpu: 1.0, cpu: 0.8, storage: 0.5}`; tiers left out keep their default.
@@ -173,7 +200,7 @@ pub enum LogFormat {
 }
 
 /// A pod to dial: its PUB endpoint and, if known, its replay endpoint.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct DialTarget {
     pub endpoint: String,
     pub replay: Option<String>,
@@ -186,6 +213,7 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     pub zmq_bind: Option<String>,
     pub zmq_connect: Vec<DialTarget>,
+    pub discovery: crate::discovery::DiscoveryConfig,
     pub topic_filter: String,
     pub indexer: IndexerConfig,
     pub log_format: LogFormat,
@@ -282,6 +310,37 @@ impl Config {
             .filter(|s| !s.trim().is_empty())
             .map(|s| dial_target(s))
             .collect::<Result<Vec<_>, _>>()?;
+
+        let dns_raw = if args.discover_dns.is_empty() {
+            file.discover_dns
+        } else {
+            args.discover_dns
+        };
+        let dns = dns_raw
+            .iter()
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| dns_target(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let dns_server = match args.dns_server.or(file.dns_server) {
+            None => None,
+            Some(raw) => Some(
+                raw.parse()
+                    .map_err(|e| invalid("dns_server", &raw, format!("{e} (want IP:PORT)")))?,
+            ),
+        };
+        let interval_raw = args
+            .discovery_interval
+            .or(file.discovery_interval)
+            .unwrap_or_else(|| "5s".into());
+        let interval = parse_duration(&interval_raw)
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| invalid("discovery_interval", &interval_raw, "want e.g. 5s or 500ms"))?;
+        let discovery = crate::discovery::DiscoveryConfig {
+            pods_file: args.pods_file.or(file.pods_file),
+            dns,
+            dns_server,
+            interval,
+        };
 
         let topic_filter = args
             .topic_filter
@@ -444,6 +503,7 @@ impl Config {
             metrics_addr,
             zmq_bind,
             zmq_connect,
+            discovery,
             topic_filter,
             indexer: IndexerConfig {
                 default_block_size: block_size,
@@ -598,7 +658,60 @@ fn bind_endpoint(raw: &str) -> Result<String, ConfigError> {
     Ok(format!("tcp://{host}:{port}"))
 }
 
-fn dial_target(raw: &str) -> Result<DialTarget, ConfigError> {
+/// `NAME:PORT[,replay-port=PORT]`.
+fn dns_target(raw: &str) -> Result<crate::discovery::DnsTarget, ConfigError> {
+    let mut parts = raw.split(',').map(str::trim);
+    let main = parts.next().unwrap_or_default();
+    let (name, port) = main
+        .rsplit_once(':')
+        .ok_or_else(|| invalid("discover_dns", raw, "want NAME:PORT"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| invalid("discover_dns", raw, "port must be a number 1-65535"))?;
+    if name.is_empty() || port == 0 {
+        return Err(invalid("discover_dns", raw, "want NAME:PORT"));
+    }
+    let mut replay_port = None;
+    for option in parts {
+        match option.split_once('=') {
+            Some(("replay-port", p)) => {
+                replay_port =
+                    Some(p.parse().map_err(|_| {
+                        invalid("discover_dns", raw, "replay-port must be a number")
+                    })?)
+            }
+            _ => {
+                return Err(invalid(
+                    "discover_dns",
+                    raw,
+                    format!("unknown option {option:?}"),
+                ))
+            }
+        }
+    }
+    Ok(crate::discovery::DnsTarget {
+        name: name.to_owned(),
+        port,
+        replay_port,
+    })
+}
+
+/// `5s`, `500ms`, `2m`, `1h`.
+pub fn parse_duration(raw: &str) -> Option<std::time::Duration> {
+    let s = raw.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit())?;
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    Some(match unit {
+        "ms" => std::time::Duration::from_millis(n),
+        "s" => std::time::Duration::from_secs(n),
+        "m" => std::time::Duration::from_secs(n.checked_mul(60)?),
+        "h" => std::time::Duration::from_secs(n.checked_mul(3600)?),
+        _ => return None,
+    })
+}
+
+pub(crate) fn dial_target(raw: &str) -> Result<DialTarget, ConfigError> {
     let mut parts = raw.split(',').map(str::trim);
     let endpoint = parts.next().unwrap_or_default();
     let (host, port) = tcp_endpoint("zmq_connect", endpoint)?;
@@ -695,6 +808,10 @@ mod tests {
         let cases: &[(&[&str], &str)] = &[
             (&["--grpc-addr", "nope"], "grpc_addr"),
             (&["--metrics-addr", "nope"], "metrics_addr"),
+            (&["--discover-dns", "svc"], "discover_dns"),
+            (&["--discover-dns", "svc:1,replay=2"], "discover_dns"),
+            (&["--dns-server", "x"], "dns_server"),
+            (&["--discovery-interval", "5"], "discovery_interval"),
             (&["--zmq-bind", "udp://x:1"], "zmq_bind"),
             (&["--zmq-connect", "tcp://a"], "zmq_connect"),
             (&["--zmq-connect", "tcp://a:1,foo=bar"], "zmq_connect"),

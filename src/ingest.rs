@@ -168,12 +168,26 @@ impl Ingest {
             let source = actual.to_string();
             tasks.push(tokio::spawn(recv_loop(socket, source, d)));
         }
-        for target in &config.zmq_connect {
-            tasks.push(tokio::spawn(dial(
-                target.clone(),
-                config.topic_filter.clone(),
-                dispatcher.clone(),
+        let mut dialer = Dialer {
+            running: HashMap::new(),
+            topic_filter: config.topic_filter.clone(),
+            dispatcher: dispatcher.clone(),
+        };
+        if config.discovery.is_enabled() {
+            let discovery = config.discovery.clone();
+            let static_targets = config.zmq_connect.clone();
+            tasks.push(tokio::spawn(crate::discovery::run(
+                discovery,
+                static_targets,
+                move |targets| dialer.reconcile(&targets),
             )));
+        } else {
+            dialer.reconcile(&config.zmq_connect);
+            tasks.push(tokio::spawn(async move {
+                // Keeps the static dialers alive for as long as ingestion runs.
+                let _dialer = dialer;
+                std::future::pending::<()>().await;
+            }));
         }
         Ok(Ingest {
             tasks,
@@ -191,6 +205,46 @@ impl Ingest {
         // Workers exit once every sender (held by the aborted tasks) is gone.
         for worker in self.workers {
             let _ = worker.join();
+        }
+    }
+}
+
+/// The pods being dialed, one task (and SUB socket) each.
+struct Dialer {
+    running: HashMap<DialTarget, JoinHandle<()>>,
+    topic_filter: String,
+    dispatcher: Dispatcher,
+}
+
+impl Dialer {
+    /// Connects to targets not yet dialed and drops the ones no longer wanted.
+    fn reconcile(&mut self, desired: &[DialTarget]) {
+        let wanted: std::collections::HashSet<&DialTarget> = desired.iter().collect();
+        self.running.retain(|target, task| {
+            let keep = wanted.contains(target);
+            if !keep {
+                tracing::info!(endpoint = %target.endpoint, "pod no longer listed: disconnecting");
+                task.abort();
+            }
+            keep
+        });
+        for target in desired {
+            if !self.running.contains_key(target) {
+                let task = tokio::spawn(dial(
+                    target.clone(),
+                    self.topic_filter.clone(),
+                    self.dispatcher.clone(),
+                ));
+                self.running.insert(target.clone(), task);
+            }
+        }
+    }
+}
+
+impl Drop for Dialer {
+    fn drop(&mut self) {
+        for task in self.running.values() {
+            task.abort();
         }
     }
 }

@@ -344,3 +344,36 @@ fn bad_configuration_fails_fast_naming_the_setting() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("grpc_adress"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Two replicas dialing the same pods converge on their own to the same
+/// state: every Score answer is identical.
+#[tokio::test]
+async fn two_replicas_on_the_same_stream_answer_identically() {
+    let stream = "qwen3-sha256-int";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let (mut publisher, endpoint) = Publisher::bind().await;
+    let one = Service::start_dialing(std::slice::from_ref(&endpoint), &[]).await;
+    let two = Service::start_dialing(std::slice::from_ref(&endpoint), &[]).await;
+    publisher.wait_subscribed(&one, "marker").await;
+    publisher.wait_subscribed(&two, "marker").await;
+    publisher.publish_all(&frames).await;
+    let batches = batches_per_pod(&frames);
+    one.wait_applied(&expected.model, &batches).await;
+    two.wait_applied(&expected.model, &batches).await;
+    let (mut c1, mut c2) = (one.client().await, two.client().await);
+    for probe in &expected.probes {
+        let a = c1
+            .score(token_request(&expected.model, probe))
+            .await
+            .expect("Score")
+            .into_inner();
+        let b = c2
+            .score(token_request(&expected.model, probe))
+            .await
+            .expect("Score")
+            .into_inner();
+        assert_eq!(a, b, "probe {}", probe.id);
+        assert_matches(&a, probe);
+    }
+}

@@ -422,13 +422,36 @@ impl Publisher {
 
     /// Binds for the indexer to dial; returns the endpoint.
     pub async fn bind() -> (Publisher, String) {
+        Publisher::bind_on("tcp://127.0.0.1:0").await
+    }
+
+    pub async fn bind_on(endpoint: &str) -> (Publisher, String) {
         let mut socket = zeromq::PubSocket::new();
-        let endpoint = socket
-            .bind("tcp://127.0.0.1:0")
-            .await
-            .expect("PUB bind")
-            .to_string();
+        let endpoint = socket.bind(endpoint).await.expect("PUB bind").to_string();
         (Publisher { socket }, endpoint)
+    }
+
+    /// Publishes markers for a while and reports whether any arrived.
+    pub async fn reaches(&mut self, service: &Service, marker_pod: &str) -> bool {
+        let empty_batch = rmp_serde::to_vec(&(0.0f64, Vec::<u8>::new())).expect("encode");
+        for _ in 0..20 {
+            self.send(zmq_message(vec![
+                Bytes::from(format!("kv@{marker_pod}@{WARMUP_MODEL}")),
+                Bytes::copy_from_slice(&0u64.to_be_bytes()),
+                Bytes::from(empty_batch.clone()),
+            ]))
+            .await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if service
+                .list_pods(WARMUP_MODEL)
+                .await
+                .iter()
+                .any(|p| p.pod == marker_pod)
+            {
+                return true;
+            }
+        }
+        false
     }
 
     pub async fn send(&mut self, msg: ZmqMessage) {
