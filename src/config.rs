@@ -21,6 +21,9 @@ use serde::Deserialize;
 #[derive(Parser, Debug, Default)]
 #[command(name = "kv-indexer", version, about, long_about = None)]
 pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     /// YAML file with any of the settings below (snake_case keys).
     #[arg(long, env = "KV_INDEXER_CONFIG")]
     pub config: Option<PathBuf>,
@@ -152,6 +155,20 @@ pub struct Args {
     pub model_key_mode: Vec<String>,
 }
 
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Run the service with a built-in publisher that behaves like a few
+    /// vLLM pods serving conversations; prints how the scores move.
+    Demo {
+        /// Fake pods.
+        #[arg(long, default_value_t = 3)]
+        pods: usize,
+        /// Stop after this many turns (0 = until Ctrl-C).
+        #[arg(long, default_value_t = 0)]
+        turns: u32,
+    },
+}
+
 /// The `--config` file: the same settings, snake_case keys.
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
@@ -258,7 +275,8 @@ fn invalid(
 
 impl Config {
     /// Merges flags/environment over the config file (if any) and validates.
-    pub fn load(args: Args) -> Result<Config, ConfigError> {
+    pub fn load(mut args: Args) -> Result<Config, ConfigError> {
+        args.command = None;
         let file = match &args.config {
             Some(path) => read_file(path)?,
             None => FileConfig::default(),

@@ -21,6 +21,7 @@ pub mod proto {
 
 pub mod app;
 pub mod config;
+pub mod demo;
 pub mod discovery;
 pub mod error;
 pub mod grpc;

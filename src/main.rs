@@ -1,11 +1,19 @@
 //! `kv-indexer`: the service binary.
 
 use clap::Parser;
-use kv_indexer::config::{Args, Config, LogFormat};
+use kv_indexer::config::{Args, Command, Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> std::process::ExitCode {
-    let config = match Config::load(Args::parse()) {
+    let mut args = Args::parse();
+    let command = args.command.take();
+    if matches!(command, Some(Command::Demo { .. })) {
+        // The demo's output is the point: keep the service's logs quiet.
+        args.log_level.get_or_insert_with(|| "warn".into());
+        args.zmq_bind
+            .get_or_insert_with(|| "tcp://127.0.0.1:5557".into());
+    }
+    let config = match Config::load(args) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kv-indexer: {e}");
@@ -23,7 +31,15 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(kv_indexer::app::run(config, shutdown_signal())) {
+    let run = async move {
+        match command {
+            Some(Command::Demo { pods, turns }) => {
+                kv_indexer::demo::run(config, pods.max(1), turns).await
+            }
+            None => kv_indexer::app::run(config, shutdown_signal()).await,
+        }
+    };
+    match runtime.block_on(run) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "fatal");

@@ -377,3 +377,42 @@ async fn two_replicas_on_the_same_stream_answer_identically() {
         assert_matches(&a, probe);
     }
 }
+
+/// `kv-indexer demo`: the real service plus a built-in publisher; prints the
+/// grpcurl command and scores that grow as conversations continue.
+#[test]
+fn demo_runs_publishes_and_shows_scores_growing() {
+    let (grpc, metrics, zmq) = (free_port(), free_port(), free_port());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
+        .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
+        .args(["--zmq-bind", &format!("tcp://127.0.0.1:{zmq}")])
+        .args(["demo", "--turns", "14"])
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .expect("run demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("grpcurl -plaintext"), "{stdout}");
+    assert_eq!(stdout.matches("routed to").count(), 14, "{stdout}");
+    // Continuing conversations find more than the shared 4-block system
+    // prompt cached on the pod that served them.
+    let best = stdout
+        .lines()
+        .filter_map(|l| l.split("cached blocks: pod-").nth(1))
+        .filter_map(|rest| {
+            rest.split_once('=')?
+                .1
+                .split('/')
+                .next()?
+                .parse::<u32>()
+                .ok()
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(best > 4, "{stdout}");
+}
