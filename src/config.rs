@@ -157,6 +157,9 @@ pub struct Args {
 
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
+    /// Validate the configuration (flags, environment, --config file),
+    /// print the effective settings and exit: 0 if valid, 2 if not.
+    Check,
     /// Run the service with a built-in publisher that behaves like a few
     /// vLLM pods serving conversations; prints how the scores move.
     Demo {

@@ -20,6 +20,10 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    if matches!(command, Some(Command::Check)) {
+        println!("configuration is valid:\n{config:#?}");
+        return std::process::ExitCode::SUCCESS;
+    }
     init_logging(&config);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -36,7 +40,7 @@ fn main() -> std::process::ExitCode {
             Some(Command::Demo { pods, turns }) => {
                 kv_indexer::demo::run(config, pods.max(1), turns).await
             }
-            None => kv_indexer::app::run(config, shutdown_signal()).await,
+            _ => kv_indexer::app::run(config, shutdown_signal()).await,
         }
     };
     match runtime.block_on(run) {
