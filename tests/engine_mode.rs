@@ -92,3 +92,60 @@ async fn a_wrong_engine_seed_is_detected_and_reported() {
     );
     assert!(service.logs().contains("block hashes differ from ours"));
 }
+
+/// After a publisher restart (seq back to 0: vLLM restarted, cache empty) the
+/// pod is never credited with a block, prefix closure or not.
+#[tokio::test]
+async fn nothing_is_claimed_for_a_pod_after_its_publisher_restarts() {
+    let (service, expected) = replay("qwen3-sha256-int", &["--key-mode", "engine"], 0).await;
+    let restarted = "pod-0";
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker-2").await;
+    let empty = rmp_serde::to_vec(&(0.0f64, Vec::<u8>::new(), 0u32)).unwrap();
+    publisher
+        .send(zmq_message(vec![
+            bytes::Bytes::from(format!("kv@{restarted}@{}", expected.model)),
+            bytes::Bytes::copy_from_slice(&0u64.to_be_bytes()),
+            bytes::Bytes::from(empty),
+        ]))
+        .await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let pods = service.list_pods(&expected.model).await;
+        if pods
+            .iter()
+            .any(|p| p.pod == restarted && p.publisher_restarts == 1)
+        {
+            assert_eq!(
+                pods.iter().find(|p| p.pod == restarted).unwrap().gpu_blocks,
+                0
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "restart not seen");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let mut client = service.client().await;
+    let mut others = 0;
+    for probe in &expected.probes {
+        let resp = client
+            .score(token_request(&expected.model, probe))
+            .await
+            .unwrap()
+            .into_inner();
+        for p in &resp.pods {
+            if p.pod == restarted {
+                assert_eq!(p.matched_blocks, 0, "probe {}", probe.id);
+            } else {
+                assert_eq!(
+                    Some(&p.matched_blocks),
+                    probe.expected.get(&p.pod),
+                    "probe {}",
+                    probe.id
+                );
+                others += 1;
+            }
+        }
+    }
+    assert!(others > 0);
+}

@@ -73,6 +73,8 @@ struct Progress {
     batches: u64,
     events: u64,
     seq_gaps: u64,
+    publisher_restarts: u64,
+    duplicate_batches: u64,
     last_event: Option<Instant>,
     applied: ApplyStats,
     skipped: DecodeSkips,
@@ -90,6 +92,10 @@ pub struct PodSummary {
     pub batches: u64,
     pub events: u64,
     pub seq_gaps: u64,
+    /// Times the pod's seq went backwards: vLLM restarted, its cache empty.
+    pub publisher_restarts: u64,
+    /// Batches seen twice (same seq as the last one), skipped.
+    pub duplicate_batches: u64,
     pub last_event_age: Option<Duration>,
     pub applied: ApplyStats,
     pub skipped: DecodeSkips,
@@ -198,14 +204,26 @@ impl Indexer {
     }
 
     /// Applies one decoded batch of `pod`'s events, published with `seq`.
+    ///
+    /// A pod's batches arrive in order over one connection, so a `seq` that
+    /// goes backwards means the publisher restarted (vLLM's cache starts
+    /// empty): the pod's blocks are dropped before the batch is applied. The
+    /// same `seq` twice is a duplicate and is skipped.
     pub fn apply(&self, pod: &Pod, seq: u64, batch: &EventBatch) -> ApplyStats {
         let mut stats = ApplyStats::default();
         let mut inner = self.lock(pod);
         let PodInner { state, progress } = &mut *inner;
-        if let Some(last) = progress.last_seq {
-            if seq != last.wrapping_add(1) {
-                progress.seq_gaps += 1;
+        match progress.last_seq {
+            Some(last) if seq == last => {
+                progress.duplicate_batches += 1;
+                return stats;
             }
+            Some(last) if seq < last => {
+                progress.publisher_restarts += 1;
+                state.clear(&self.blocks, &mut stats);
+            }
+            Some(last) if seq != last.wrapping_add(1) => progress.seq_gaps += 1,
+            _ => {}
         }
         progress.last_seq = Some(seq);
         progress.batches += 1;
@@ -385,6 +403,8 @@ impl Indexer {
                     batches: inner.progress.batches,
                     events: inner.progress.events,
                     seq_gaps: inner.progress.seq_gaps,
+                    publisher_restarts: inner.progress.publisher_restarts,
+                    duplicate_batches: inner.progress.duplicate_batches,
                     last_event_age: inner.progress.last_event.map(|t| now - t),
                     applied: inner.progress.applied,
                     skipped: inner.progress.skipped,
@@ -529,6 +549,40 @@ mod tests {
         );
         assert_eq!(q("other").pods[0].matched.matched_blocks, 1);
         assert!(q("nobody").pods.is_empty());
+    }
+
+    #[test]
+    fn a_publisher_restart_drops_the_pods_blocks_and_duplicates_are_skipped() {
+        let ix = Indexer::new(IndexerConfig::default());
+        let p = ix.pod("m", "p", None);
+        let tokens: Vec<u32> = (0..32).collect();
+        let q = ScoreQuery {
+            model: "m",
+            tokens: &tokens,
+            lora_name: None,
+            cache_salt: None,
+            pods: &[],
+        };
+        ix.apply(&p, 0, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+        ix.apply(
+            &p,
+            1,
+            &batch(vec![stored(&[2], Some(1), &tokens[16..], 16)]),
+        );
+        // The same batch again: skipped, no double count.
+        ix.apply(
+            &p,
+            1,
+            &batch(vec![stored(&[2], Some(1), &tokens[16..], 16)]),
+        );
+        assert_eq!(ix.score(&q).pods[0].matched.matched_blocks, 2);
+        // vLLM restarted: seq 0 again, cache empty, new blocks only.
+        let other: Vec<u32> = (100..116).collect();
+        ix.apply(&p, 0, &batch(vec![stored(&[9], None, &other, 16)]));
+        assert_eq!(ix.score(&q).pods[0].matched.matched_blocks, 0);
+        let s = &ix.list_pods(None)[0];
+        assert_eq!((s.publisher_restarts, s.duplicate_batches), (1, 1));
+        assert_eq!(s.blocks_per_tier, [1, 0, 0]);
     }
 
     #[test]
