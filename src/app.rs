@@ -79,15 +79,21 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     ready.store(true, Ordering::Relaxed);
 
     let (stop_rpc, rpc_stopped) = tokio::sync::oneshot::channel::<()>();
-    let service = Arc::new(KvIndexerService::new(indexer, tokenizers, metrics));
+    let service = Arc::new(KvIndexerService::new(
+        indexer,
+        tokenizers,
+        metrics,
+        config.limits.clone(),
+    ));
+    let max_message = config.limits.max_message_bytes;
     let llmd = crate::llmd::LlmdIndexerService::new(service.clone());
     let mut server = tokio::spawn(
         Server::builder()
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
-            .add_service(KvIndexerServer::from_arc(service))
-            .add_service(IndexerServiceServer::new(llmd))
+            .add_service(KvIndexerServer::from_arc(service).max_decoding_message_size(max_message))
+            .add_service(IndexerServiceServer::new(llmd).max_decoding_message_size(max_message))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = rpc_stopped.await;
             }),

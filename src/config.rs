@@ -91,6 +91,27 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_LOG_LEVEL")]
     pub log_level: Option<String>,
 
+    /// Largest gRPC request accepted, e.g. `16MiB` [default: 16MiB].
+    #[arg(long, env = "KV_INDEXER_MAX_MESSAGE")]
+    pub max_message: Option<String>,
+
+    /// Largest text prompt or chat request accepted, in bytes [default: 8MiB].
+    #[arg(long, env = "KV_INDEXER_MAX_PROMPT")]
+    pub max_prompt: Option<String>,
+
+    /// Most tokens a prompt may have [default: 1048576].
+    #[arg(long, env = "KV_INDEXER_MAX_PROMPT_TOKENS")]
+    pub max_prompt_tokens: Option<usize>,
+
+    /// Most candidate pods in one request [default: 4096].
+    #[arg(long, env = "KV_INDEXER_MAX_CANDIDATE_PODS")]
+    pub max_candidate_pods: Option<usize>,
+
+    /// Scoring requests (Score, Tokenize, GetPodScores) in flight at once;
+    /// more are refused at once with RESOURCE_EXHAUSTED [default: 256].
+    #[arg(long, env = "KV_INDEXER_MAX_INFLIGHT")]
+    pub max_inflight: Option<usize>,
+
     /// Threads applying events to the index; a pod's events always go to the
     /// same one, in order [default: number of CPUs].
     #[arg(long, env = "KV_INDEXER_INGEST_WORKERS")]
@@ -194,6 +215,11 @@ pub struct FileConfig {
     pub log_format: Option<String>,
     pub log_level: Option<String>,
     pub ingest_workers: Option<usize>,
+    pub max_message: Option<String>,
+    pub max_prompt: Option<String>,
+    pub max_prompt_tokens: Option<usize>,
+    pub max_candidate_pods: Option<usize>,
+    pub max_inflight: Option<usize>,
     pub key_mode: Option<String>,
     pub engine_hash_algo: Option<String>,
     pub engine_hash_seed: Option<String>,
@@ -219,6 +245,17 @@ pub enum LogFormat {
     Json,
 }
 
+/// What one request may ask for. Each bound exists so that one client
+/// cannot take the service's memory or CPU from everyone else.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub max_message_bytes: usize,
+    pub max_prompt_bytes: usize,
+    pub max_prompt_tokens: usize,
+    pub max_candidate_pods: usize,
+    pub max_inflight: usize,
+}
+
 /// A pod to dial: its PUB endpoint and, if known, its replay endpoint.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct DialTarget {
@@ -239,6 +276,7 @@ pub struct Config {
     pub log_format: LogFormat,
     pub log_level: String,
     pub ingest_workers: usize,
+    pub limits: Limits,
     pub tokenizers: tokenizer::load::Sources,
     /// Tokenization cache bytes, per model.
     pub tokenization_cache_bytes: usize,
@@ -483,6 +521,37 @@ impl Config {
             },
         })?;
 
+        let size = |setting: &'static str, raw: Option<String>, default: &str| {
+            let raw = raw.unwrap_or_else(|| default.to_owned());
+            parse_bytes(&raw)
+                .filter(|n| *n > 0)
+                .ok_or_else(|| invalid(setting, &raw, "want a positive size, e.g. 16MiB"))
+        };
+        let positive =
+            |setting: &'static str, v: Option<usize>, default: usize| match v.unwrap_or(default) {
+                0 => Err(invalid(setting, "0", "must be at least 1")),
+                n => Ok(n),
+            };
+        let limits = Limits {
+            max_message_bytes: size(
+                "max_message",
+                args.max_message.or(file.max_message),
+                "16MiB",
+            )?,
+            max_prompt_bytes: size("max_prompt", args.max_prompt.or(file.max_prompt), "8MiB")?,
+            max_prompt_tokens: positive(
+                "max_prompt_tokens",
+                args.max_prompt_tokens.or(file.max_prompt_tokens),
+                1 << 20,
+            )?,
+            max_candidate_pods: positive(
+                "max_candidate_pods",
+                args.max_candidate_pods.or(file.max_candidate_pods),
+                4096,
+            )?,
+            max_inflight: positive("max_inflight", args.max_inflight.or(file.max_inflight), 256)?,
+        };
+
         let mut tokenizers = tokenizer::load::Sources::from_env();
         tokenizers.explicit = if args.tokenizer.is_empty() {
             file.tokenizers.into_iter().collect()
@@ -534,6 +603,7 @@ impl Config {
             log_format,
             log_level,
             ingest_workers,
+            limits,
             tokenizers,
             tokenization_cache_bytes,
         })
@@ -861,6 +931,9 @@ mod tests {
             (&["--tokenizer", "m"], "tokenizer"),
             (&["--tokenizer", "m=/no/such/dir"], "tokenizer"),
             (&["--tokenization-cache", "lots"], "tokenization_cache"),
+            (&["--max-message", "0"], "max_message"),
+            (&["--max-inflight", "0"], "max_inflight"),
+            (&["--max-prompt-tokens", "0"], "max_prompt_tokens"),
         ];
         for (flags, setting) in cases {
             let err = Config::merge(args(flags), FileConfig::default()).unwrap_err();

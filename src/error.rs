@@ -21,6 +21,18 @@ pub enum ApiError {
     /// The chat request is malformed, or its template refused it.
     #[error("{0}")]
     BadChat(String),
+    /// A request over one of the configured limits.
+    #[error("{what} is {got}, over the limit of {limit} (--{flag})")]
+    TooLarge {
+        what: &'static str,
+        got: usize,
+        limit: usize,
+        flag: &'static str,
+    },
+    #[error("too many scoring requests in flight (limit {0}, --max-inflight): retry later")]
+    Overloaded(usize),
+    #[error("the request's deadline passed before {0}")]
+    DeadlineExceeded(&'static str),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -64,6 +76,9 @@ impl ApiError {
             }
             ApiError::TokenizerNotFound(_) => Code::NotFound,
             ApiError::TokenizerUnusable(_) => Code::FailedPrecondition,
+            ApiError::TooLarge { .. } => Code::InvalidArgument,
+            ApiError::Overloaded(_) => Code::ResourceExhausted,
+            ApiError::DeadlineExceeded(_) => Code::DeadlineExceeded,
             ApiError::Internal(_) => Code::Internal,
         }
     }

@@ -1,7 +1,10 @@
 //! The `kvindexer.v1.KvIndexer` gRPC service over the core `Indexer`.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use indexer::event::Tier;
 use indexer::keys::BlockKey;
@@ -10,6 +13,7 @@ use tokenizer::chat::ChatRequest;
 use tokenizer::Registry;
 use tonic::{Request, Response, Status};
 
+use crate::config::Limits;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::proto::kvindexer::v1 as pb;
@@ -19,15 +23,85 @@ pub struct KvIndexerService {
     indexer: Arc<Indexer>,
     tokenizers: Arc<Registry>,
     metrics: Arc<Metrics>,
+    limits: Limits,
+    /// Admission control: one permit per scoring request in flight.
+    inflight: Arc<Semaphore>,
+}
+
+/// When a request stops being worth answering (`grpc-timeout`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deadline(Option<Instant>);
+
+impl Deadline {
+    /// Fails if the deadline has passed: work that cannot be used is not started.
+    fn check(self, before: &'static str) -> Result<(), ApiError> {
+        match self.0 {
+            Some(d) if Instant::now() >= d => Err(ApiError::DeadlineExceeded(before)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `grpc-timeout`: digits then H, M, S, m (ms), u (us) or n (ns).
+fn parse_grpc_timeout(v: &str) -> Option<Duration> {
+    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = num.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 impl KvIndexerService {
-    pub fn new(indexer: Arc<Indexer>, tokenizers: Arc<Registry>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        indexer: Arc<Indexer>,
+        tokenizers: Arc<Registry>,
+        metrics: Arc<Metrics>,
+        limits: Limits,
+    ) -> Self {
         KvIndexerService {
             indexer,
             tokenizers,
             metrics,
+            inflight: Arc::new(Semaphore::new(limits.max_inflight)),
+            limits,
         }
+    }
+
+    /// Admits a scoring request or refuses it at once: under overload the
+    /// answer is RESOURCE_EXHAUSTED now, not a queue that grows. Event
+    /// ingestion runs on its own threads and is never slowed by queries.
+    pub(crate) fn admit(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<(OwnedSemaphorePermit, Deadline), ApiError> {
+        let permit = self.inflight.clone().try_acquire_owned().map_err(|_| {
+            self.metrics.rejected_overload.inc();
+            ApiError::Overloaded(self.limits.max_inflight)
+        })?;
+        let deadline = metadata
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout)
+            .map(|d| Instant::now() + d);
+        Ok((permit, Deadline(deadline)))
+    }
+
+    fn check_tokens(&self, n: usize) -> Result<(), ApiError> {
+        if n > self.limits.max_prompt_tokens {
+            return Err(ApiError::TooLarge {
+                what: "the prompt's token count",
+                got: n,
+                limit: self.limits.max_prompt_tokens,
+                flag: "max-prompt-tokens",
+            });
+        }
+        Ok(())
     }
 
     /// Tokenizes text or chat input with the model's tokenizer (LoRA
@@ -38,7 +112,20 @@ impl KvIndexerService {
         model: &str,
         input: TextInput,
         add_special_tokens: Option<bool>,
+        deadline: Deadline,
     ) -> Result<Tokenized, ApiError> {
+        let bytes = match &input {
+            TextInput::Prompt(t) | TextInput::Chat(t) => t.len(),
+        };
+        if bytes > self.limits.max_prompt_bytes {
+            return Err(ApiError::TooLarge {
+                what: "the prompt's size in bytes",
+                got: bytes,
+                limit: self.limits.max_prompt_bytes,
+                flag: "max-prompt",
+            });
+        }
+        deadline.check("tokenization")?;
         let registry = self.tokenizers.clone();
         let model = model.to_owned();
         let kind = input.kind();
@@ -63,26 +150,47 @@ impl KvIndexerService {
             }
         })
         .await
-        .map_err(|e| ApiError::Internal(format!("tokenization task failed: {e}")))?;
+        .map_err(|e| {
+            if e.is_panic() {
+                self.metrics.handler_panics.inc();
+            }
+            ApiError::Internal(format!("tokenization task failed: {e}"))
+        })?;
         self.metrics.observe_tokenize(kind, started.elapsed());
-        out
+        let out = out?;
+        self.check_tokens(out.ids.len())?;
+        Ok(out)
     }
 
     /// Scores a request; also used by the llm-d API.
     pub(crate) async fn score_outcome(
         &self,
         req: pb::ScoreRequest,
+        deadline: Deadline,
     ) -> Result<(indexer::ScoreOutcome, usize), ApiError> {
         require_model(&req.model)?;
+        if req.pods.len() > self.limits.max_candidate_pods {
+            return Err(ApiError::TooLarge {
+                what: "the number of candidate pods",
+                got: req.pods.len(),
+                limit: self.limits.max_candidate_pods,
+                flag: "max-candidate-pods",
+            });
+        }
         let tokens = match req.input {
-            Some(pb::score_request::Input::TokenIds(t)) => t.ids,
+            Some(pb::score_request::Input::TokenIds(t)) => {
+                self.check_tokens(t.ids.len())?;
+                t.ids
+            }
             Some(pb::score_request::Input::Prompt(text)) => {
-                self.tokenize_input(&req.model, TextInput::Prompt(text), req.add_special_tokens)
+                let input = TextInput::Prompt(text);
+                self.tokenize_input(&req.model, input, req.add_special_tokens, deadline)
                     .await?
                     .ids
             }
             Some(pb::score_request::Input::ChatCompletionJson(body)) => {
-                self.tokenize_input(&req.model, TextInput::Chat(body), req.add_special_tokens)
+                let input = TextInput::Chat(body);
+                self.tokenize_input(&req.model, input, req.add_special_tokens, deadline)
                     .await?
                     .ids
             }
@@ -92,6 +200,7 @@ impl KvIndexerService {
                 ))
             }
         };
+        deadline.check("scoring")?;
         let out = self.indexer.score(&ScoreQuery {
             model: &req.model,
             tokens: &tokens,
@@ -109,8 +218,12 @@ impl KvIndexerService {
         Ok((out, tokens.len()))
     }
 
-    async fn score_inner(&self, req: pb::ScoreRequest) -> Result<pb::ScoreResponse, ApiError> {
-        let (out, tokens) = self.score_outcome(req).await?;
+    async fn score_inner(
+        &self,
+        req: pb::ScoreRequest,
+        deadline: Deadline,
+    ) -> Result<pb::ScoreResponse, ApiError> {
+        let (out, tokens) = self.score_outcome(req, deadline).await?;
         Ok(pb::ScoreResponse {
             block_size: out.block_size,
             total_blocks: out.total_blocks,
@@ -148,7 +261,9 @@ impl TextInput {
 }
 
 impl KvIndexerService {
-    /// Runs a scoring future inside its span, recording latency and outcome.
+    /// Runs a scoring future inside its span, recording latency and
+    /// outcome. A panic in the work becomes INTERNAL (and is counted): one
+    /// bad request never takes the server down.
     pub(crate) async fn observed<T>(
         &self,
         kind: &'static str,
@@ -156,7 +271,21 @@ impl KvIndexerService {
         work: impl std::future::Future<Output = Result<T, ApiError>>,
     ) -> Result<T, ApiError> {
         let started = Instant::now();
-        let result = tracing::Instrument::instrument(work, span.clone()).await;
+        let result = tracing::Instrument::instrument(
+            std::panic::AssertUnwindSafe(work).catch_unwind(),
+            span.clone(),
+        )
+        .await
+        .unwrap_or_else(|panic| {
+            self.metrics.handler_panics.inc();
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(panic = %what, "request handler panicked");
+            Err(ApiError::Internal("the request handler panicked".into()))
+        });
         let code = result
             .as_ref()
             .map_or_else(ApiError::code, |_| tonic::Code::Ok);
@@ -212,6 +341,7 @@ impl KvIndexer for KvIndexerService {
         &self,
         request: Request<pb::ScoreRequest>,
     ) -> Result<Response<pb::ScoreResponse>, Status> {
+        let admitted = self.admit(request.metadata());
         let req = request.into_inner();
         let kind = input_kind(&req.input);
         let span = tracing::debug_span!(
@@ -222,7 +352,11 @@ impl KvIndexer for KvIndexerService {
             blocks = tracing::field::Empty,
             best = tracing::field::Empty,
         );
-        let result = self.observed(kind, span, self.score_inner(req)).await;
+        let work = async move {
+            let (_permit, deadline) = admitted?;
+            self.score_inner(req, deadline).await
+        };
+        let result = self.observed(kind, span, work).await;
         result.map(Response::new).map_err(Status::from)
     }
 
@@ -273,6 +407,7 @@ impl KvIndexer for KvIndexerService {
         &self,
         request: Request<pb::TokenizeRequest>,
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let (_permit, deadline) = self.admit(request.metadata())?;
         let req = request.into_inner();
         require_model(&req.model)?;
         let input = match req.input {
@@ -281,7 +416,7 @@ impl KvIndexer for KvIndexerService {
             None => return Err(ApiError::MissingInput("`prompt` or `chat_completion_json`").into()),
         };
         let out = self
-            .tokenize_input(&req.model, input, req.add_special_tokens)
+            .tokenize_input(&req.model, input, req.add_special_tokens, deadline)
             .await?;
         let block_size = self.indexer.model_block_size(&req.model);
         let keys = self.indexer.request_keys(
@@ -310,6 +445,7 @@ impl KvIndexer for KvIndexerService {
             }
             Some(pb::lookup_blocks_request::Input::TokenIds(t)) => {
                 require_model(&req.model)?;
+                self.check_tokens(t.ids.len())?;
                 let block_size = match req.block_size {
                     0 => self.indexer.model_block_size(&req.model),
                     bs => bs,
@@ -341,5 +477,86 @@ impl KvIndexer for KvIndexerService {
             })
             .collect();
         Ok(Response::new(pb::LookupBlocksResponse { blocks }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(max_inflight: usize) -> KvIndexerService {
+        KvIndexerService::new(
+            Arc::new(Indexer::new(Default::default())),
+            Arc::new(Registry::new(Default::default(), 1 << 20)),
+            Arc::new(Metrics::new()),
+            Limits {
+                max_message_bytes: 1 << 20,
+                max_prompt_bytes: 1 << 20,
+                max_prompt_tokens: 1 << 20,
+                max_candidate_pods: 16,
+                max_inflight,
+            },
+        )
+    }
+
+    #[test]
+    fn grpc_timeouts_parse() {
+        assert_eq!(parse_grpc_timeout("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(parse_grpc_timeout("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_grpc_timeout("5u"), Some(Duration::from_micros(5)));
+        assert_eq!(parse_grpc_timeout("x"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
+        assert_eq!(parse_grpc_timeout("10Q"), None);
+    }
+
+    #[tokio::test]
+    async fn a_panicking_handler_answers_internal_and_is_counted() {
+        let svc = service(4);
+        let work = async { panic!("boom") };
+        let result: Result<(), ApiError> =
+            svc.observed("token_ids", tracing::Span::none(), work).await;
+        assert_eq!(result.unwrap_err().code(), tonic::Code::Internal);
+        assert_eq!(svc.metrics.handler_panics.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn expired_deadlines_stop_work_before_it_starts() {
+        let svc = service(4);
+        let mut md = tonic::metadata::MetadataMap::new();
+        md.insert("grpc-timeout", "50m".parse().unwrap());
+        let (_permit, deadline) = svc.admit(&md).unwrap();
+        assert!(deadline.0.is_some());
+        assert!(deadline.check("anything").is_ok());
+        let past = Deadline(Some(Instant::now() - Duration::from_millis(1)));
+        let req = pb::ScoreRequest {
+            model: "m".into(),
+            input: Some(pb::score_request::Input::Prompt("hi".into())),
+            ..Default::default()
+        };
+        let err = svc.score_outcome(req.clone(), past).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+        assert!(err.to_string().contains("tokenization"), "{err}");
+        let ids = pb::ScoreRequest {
+            input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+                ids: vec![1; 32],
+            })),
+            ..req
+        };
+        let err = svc.score_outcome(ids.clone(), past).await.unwrap_err();
+        assert!(err.to_string().contains("scoring"), "{err}");
+        assert!(svc.score_outcome(ids, Deadline(None)).await.is_ok());
+    }
+
+    #[test]
+    fn admission_refuses_beyond_the_limit_and_frees_permits() {
+        let svc = service(1);
+        let md = tonic::metadata::MetadataMap::new();
+        let first = svc.admit(&md).unwrap();
+        let refused = svc.admit(&md).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        drop(first);
+        assert!(svc.admit(&md).is_ok());
+        assert_eq!(svc.metrics.rejected_overload.get(), 1);
     }
 }

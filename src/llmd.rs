@@ -34,6 +34,7 @@ impl llmd::indexer_service_server::IndexerService for LlmdIndexerService {
         &self,
         request: Request<llmd::GetPodScoresRequest>,
     ) -> Result<Response<llmd::GetPodScoresResponse>, Status> {
+        let admitted = self.inner.admit(request.metadata());
         let req = request.into_inner();
         let span = tracing::debug_span!(
             "score",
@@ -50,10 +51,11 @@ impl llmd::indexer_service_server::IndexerService for LlmdIndexerService {
             pods: req.pod_identifiers,
             ..Default::default()
         };
-        let (out, _) = self
-            .inner
-            .observed("prompt", span, self.inner.score_outcome(score))
-            .await?;
+        let work = async move {
+            let (_permit, deadline) = admitted?;
+            self.inner.score_outcome(score, deadline).await
+        };
+        let (out, _) = self.inner.observed("prompt", span, work).await?;
         let mut scores: Vec<llmd::PodScore> = out
             .pods
             .into_iter()

@@ -45,6 +45,10 @@ pub struct Metrics {
     pub score_seconds: Family<Labels, Histogram>,
     /// Tokenization (and chat rendering) latency in seconds, by input kind.
     pub tokenize_seconds: Family<Labels, Histogram>,
+    /// Scoring requests refused because too many were in flight.
+    pub rejected_overload: Counter,
+    /// Request handlers that panicked (answered INTERNAL).
+    pub handler_panics: Counter,
 }
 
 fn latency_buckets() -> Histogram {
@@ -68,6 +72,8 @@ impl Metrics {
             score_requests: Family::default(),
             score_seconds: Family::new_with_constructor(latency_buckets),
             tokenize_seconds: Family::new_with_constructor(latency_buckets),
+            rejected_overload: Counter::default(),
+            handler_panics: Counter::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -130,6 +136,16 @@ impl Metrics {
             "tokenize_seconds",
             "Tokenization (with chat rendering) latency by input kind",
             m.tokenize_seconds.clone(),
+        );
+        r.register(
+            "rejected_overload",
+            "Scoring requests refused with RESOURCE_EXHAUSTED (too many in flight)",
+            m.rejected_overload.clone(),
+        );
+        r.register(
+            "handler_panics",
+            "Request handlers that panicked (answered INTERNAL)",
+            m.handler_panics.clone(),
         );
         let build: Family<Labels, Gauge> = Family::default();
         build
