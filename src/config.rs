@@ -70,6 +70,21 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_DISCOVERY_INTERVAL")]
     pub discovery_interval: Option<String>,
 
+    /// Replay endpoint of a pod that connects to us (bind mode), by the pod
+    /// name in its topic: `POD=tcp://host:port`. Repeatable. (Dial targets
+    /// carry theirs in --zmq-connect.)
+    #[arg(long, env = "KV_INDEXER_REPLAY_ENDPOINT", value_delimiter = ' ')]
+    pub replay_endpoint: Vec<String>,
+
+    /// How long one replay request may take, e.g. `2s` [default: 2s].
+    #[arg(long, env = "KV_INDEXER_REPLAY_TIMEOUT")]
+    pub replay_timeout: Option<String>,
+
+    /// Pods with gaps replay could not fill: `score` them anyway (their
+    /// matches may be low) or `drop` them (score 0, flagged) [default: score].
+    #[arg(long, env = "KV_INDEXER_INCOMPLETE_PODS")]
+    pub incomplete_pods: Option<String>,
+
     /// Topic prefix to subscribe to [default: kv@].
     #[arg(long, env = "KV_INDEXER_TOPIC_FILTER")]
     pub topic_filter: Option<String>,
@@ -203,6 +218,11 @@ pub struct FileConfig {
     #[serde(default)]
     pub zmq_connect: Vec<String>,
     pub pods_file: Option<PathBuf>,
+    /// `{pod-name: tcp://host:port}`
+    #[serde(default)]
+    pub replay_endpoints: BTreeMap<String, String>,
+    pub replay_timeout: Option<String>,
+    pub incomplete_pods: Option<String>,
     #[serde(default)]
     pub discover_dns: Vec<String>,
     pub dns_server: Option<String>,
@@ -271,6 +291,8 @@ pub struct Config {
     pub zmq_bind: Option<String>,
     pub zmq_connect: Vec<DialTarget>,
     pub discovery: crate::discovery::DiscoveryConfig,
+    pub replay_endpoints: HashMap<String, String>,
+    pub replay_timeout: std::time::Duration,
     pub topic_filter: String,
     pub indexer: IndexerConfig,
     pub log_format: LogFormat,
@@ -399,6 +421,40 @@ impl Config {
             dns,
             dns_server,
             interval,
+        };
+
+        let replay_endpoints: HashMap<String, String> = if args.replay_endpoint.is_empty() {
+            file.replay_endpoints.into_iter().collect()
+        } else {
+            args.replay_endpoint
+                .iter()
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| {
+                    s.split_once('=')
+                        .map(|(p, e)| (p.to_owned(), e.to_owned()))
+                        .ok_or_else(|| invalid("replay_endpoint", s, "want POD=tcp://host:port"))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        for endpoint in replay_endpoints.values() {
+            tcp_endpoint("replay_endpoint", endpoint)?;
+        }
+        let replay_raw = args
+            .replay_timeout
+            .or(file.replay_timeout)
+            .unwrap_or_else(|| "2s".into());
+        let replay_timeout = parse_duration(&replay_raw)
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| invalid("replay_timeout", &replay_raw, "want e.g. 2s or 500ms"))?;
+        let drop_incomplete = match args
+            .incomplete_pods
+            .or(file.incomplete_pods)
+            .as_deref()
+            .unwrap_or("score")
+        {
+            "score" => false,
+            "drop" => true,
+            other => return Err(invalid("incomplete_pods", other, "want score or drop")),
         };
 
         let topic_filter = args
@@ -594,11 +650,14 @@ impl Config {
             zmq_bind,
             zmq_connect,
             discovery,
+            replay_endpoints,
+            replay_timeout,
             topic_filter,
             indexer: IndexerConfig {
                 default_block_size: block_size,
                 tier_weights: weights,
                 keys,
+                drop_incomplete,
             },
             log_format,
             log_level,
@@ -903,6 +962,10 @@ mod tests {
             (&["--discover-dns", "svc:1,replay=2"], "discover_dns"),
             (&["--dns-server", "x"], "dns_server"),
             (&["--discovery-interval", "5"], "discovery_interval"),
+            (&["--replay-endpoint", "p"], "replay_endpoint"),
+            (&["--replay-endpoint", "p=udp://x:1"], "replay_endpoint"),
+            (&["--replay-timeout", "0s"], "replay_timeout"),
+            (&["--incomplete-pods", "ignore"], "incomplete_pods"),
             (&["--zmq-bind", "udp://x:1"], "zmq_bind"),
             (&["--zmq-connect", "tcp://a"], "zmq_connect"),
             (&["--zmq-connect", "tcp://a:1,foo=bar"], "zmq_connect"),

@@ -240,6 +240,7 @@ impl KvIndexerService {
                     storage_blocks: p.matched.blocks_per_tier[Tier::Storage.index()],
                     block_size: p.block_size,
                     total_blocks: p.total_blocks,
+                    incomplete: p.incomplete,
                 })
                 .collect(),
         })
@@ -398,6 +399,8 @@ impl KvIndexer for KvIndexerService {
                 key_mode: p.key_mode.into(),
                 publisher_restarts: p.publisher_restarts,
                 duplicate_batches: p.duplicate_batches,
+                unrecovered_batches: p.unrecovered_batches,
+                incomplete: p.incomplete,
             })
             .collect();
         Ok(Response::new(pb::ListPodsResponse { pods }))

@@ -10,19 +10,19 @@
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use indexer::topic::parse_topic;
-use indexer::wire::decode_batch;
-use indexer::{Indexer, Pod};
+use indexer::Indexer;
 use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
 
 use crate::config::{Config, DialTarget};
 use crate::metrics::Metrics;
 use crate::ratelimit::RateLimited;
+use crate::worker::{Frame, Work, Worker, WorkerConfig};
 
 /// Why a ZeroMQ message was not used. Counted, logged (rate-limited), skipped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,13 +44,6 @@ impl FrameProblem {
     }
 }
 
-/// A message that passed the shape checks, on its way to a worker.
-struct Frame {
-    topic: Bytes,
-    seq: u64,
-    payload: Bytes,
-}
-
 /// Checks `[topic, seq (8-byte big-endian), payload]`.
 fn check_frames(msg: ZmqMessage) -> Result<Frame, FrameProblem> {
     let mut frames = msg.into_vec();
@@ -66,28 +59,30 @@ fn check_frames(msg: ZmqMessage) -> Result<Frame, FrameProblem> {
         topic,
         seq: u64::from_be_bytes(seq),
         payload,
+        replay: None,
     })
 }
 
 /// Routes frames to workers by topic, so a pod always lands on the same one.
 #[derive(Clone)]
 struct Dispatcher {
-    workers: Arc<Vec<flume::Sender<Frame>>>,
+    workers: Arc<Vec<flume::Sender<Work>>>,
     metrics: Arc<Metrics>,
     warn: Arc<RateLimited>,
 }
 
 impl Dispatcher {
-    fn dispatch(&self, msg: ZmqMessage, source: &str) {
+    fn dispatch(&self, msg: ZmqMessage, source: &str, replay: Option<&Arc<str>>) {
         self.metrics.messages_received.inc();
         match check_frames(msg) {
-            Ok(frame) => {
+            Ok(mut frame) => {
+                frame.replay = replay.cloned();
                 let mut h = std::collections::hash_map::DefaultHasher::new();
                 frame.topic.hash(&mut h);
                 let worker = (h.finish() % self.workers.len() as u64) as usize;
                 // Unbounded: the socket loop must never wait on index work.
                 // Fails only when shutting down.
-                let _ = self.workers[worker].send(frame);
+                let _ = self.workers[worker].send(Work::Live(frame));
             }
             Err(problem) => {
                 self.metrics.skip_message(problem.label());
@@ -102,6 +97,7 @@ impl Dispatcher {
 /// Running ingestion; dropping it stops the sockets and workers.
 pub struct Ingest {
     tasks: Vec<JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
     workers: Vec<std::thread::JoinHandle<()>>,
     /// The endpoint the SUB socket actually bound (port 0 resolved).
     pub bound: Option<String>,
@@ -130,14 +126,24 @@ impl Ingest {
     ) -> Result<Ingest, IngestError> {
         let mut senders = Vec::with_capacity(config.ingest_workers);
         let mut workers = Vec::with_capacity(config.ingest_workers);
+        let stop = Arc::new(AtomicBool::new(false));
+        let worker_config = Arc::new(WorkerConfig {
+            replay_endpoints: config.replay_endpoints.clone(),
+            replay_timeout: config.replay_timeout,
+        });
         for i in 0..config.ingest_workers {
             let (tx, rx) = flume::unbounded();
-            senders.push(tx);
+            senders.push(tx.clone());
             let indexer = indexer.clone();
             let metrics = metrics.clone();
+            let stop = stop.clone();
+            let worker_config = worker_config.clone();
+            let runtime = tokio::runtime::Handle::current();
             let handle = std::thread::Builder::new()
                 .name(format!("ingest-{i}"))
-                .spawn(move || apply_loop(rx, &indexer, &metrics))
+                .spawn(move || {
+                    Worker::new(&indexer, &metrics, &worker_config, runtime, tx).run(rx, &stop)
+                })
                 .map_err(IngestError::Thread)?;
             workers.push(handle);
         }
@@ -166,7 +172,7 @@ impl Ingest {
             bound = Some(actual.to_string());
             let d = dispatcher.clone();
             let source = actual.to_string();
-            tasks.push(tokio::spawn(recv_loop(socket, source, d)));
+            tasks.push(tokio::spawn(recv_loop(socket, source, d, None)));
         }
         let mut dialer = Dialer {
             running: HashMap::new(),
@@ -191,6 +197,7 @@ impl Ingest {
         }
         Ok(Ingest {
             tasks,
+            stop,
             workers,
             bound,
         })
@@ -202,7 +209,8 @@ impl Ingest {
             task.abort();
         }
         drop(self.tasks);
-        // Workers exit once every sender (held by the aborted tasks) is gone.
+        // Workers drain what they have queued, then exit.
+        self.stop.store(true, Ordering::Relaxed);
         for worker in self.workers {
             let _ = worker.join();
         }
@@ -269,14 +277,20 @@ async fn dial(target: DialTarget, topic_filter: String, dispatcher: Dispatcher) 
         }
     }
     tracing::info!(endpoint = %target.endpoint, replay = ?target.replay, "connected to pod");
-    recv_loop(socket, target.endpoint, dispatcher).await;
+    let replay: Option<Arc<str>> = target.replay.as_deref().map(Arc::from);
+    recv_loop(socket, target.endpoint, dispatcher, replay).await;
 }
 
-async fn recv_loop(mut socket: SubSocket, source: String, dispatcher: Dispatcher) {
+async fn recv_loop(
+    mut socket: SubSocket,
+    source: String,
+    dispatcher: Dispatcher,
+    replay: Option<Arc<str>>,
+) {
     let warn = RateLimited::new(Duration::from_secs(10));
     loop {
         match socket.recv().await {
-            Ok(msg) => dispatcher.dispatch(msg, &source),
+            Ok(msg) => dispatcher.dispatch(msg, &source, replay.as_ref()),
             Err(e) => {
                 // A peer's broken stream; the socket drops that peer and goes on.
                 dispatcher.metrics.receive_errors.inc();
@@ -289,78 +303,10 @@ async fn recv_loop(mut socket: SubSocket, source: String, dispatcher: Dispatcher
     }
 }
 
-/// One worker: decodes and applies the batches of the pods hashed to it.
-fn apply_loop(rx: flume::Receiver<Frame>, indexer: &Indexer, metrics: &Metrics) {
-    let warn = RateLimited::new(Duration::from_secs(10));
-    // Pod handles by (topic, DP rank): no table lookup per batch.
-    let mut pods: HashMap<(Bytes, Option<u32>), Arc<Pod>> = HashMap::new();
-    // Pods already warned about engine-hash mismatches: once each is enough.
-    let mut mismatch_warned: std::collections::HashSet<u32> = Default::default();
-    while let Ok(frame) = rx.recv() {
-        let batch = match decode_batch(&frame.payload) {
-            Ok(batch) => batch,
-            Err(e) => {
-                metrics.skip_message(FrameProblem::Decode.label());
-                let topic = String::from_utf8_lossy(&frame.topic).into_owned();
-                warn.warn(|suppressed| {
-                    tracing::warn!(%topic, seq = frame.seq, error = %e, suppressed, "skipping undecodable event batch")
-                });
-                continue;
-            }
-        };
-        let pod = pods
-            .entry((frame.topic.clone(), batch.data_parallel_rank))
-            .or_insert_with(|| {
-                // Checked by the receive loop.
-                let topic = parse_topic(&frame.topic).unwrap_or(indexer::topic::Topic {
-                    pod: "?",
-                    model: "?",
-                });
-                let pod = indexer.pod(topic.model, topic.pod, batch.data_parallel_rank);
-                tracing::info!(pod = %pod.name, model = %pod.model, "new pod");
-                pod
-            });
-        let stats = indexer.apply(pod, frame.seq, &batch);
-        if stats.engine_hash_mismatches > 0 && mismatch_warned.insert(pod.id.0) {
-            tracing::warn!(
-                pod = %pod.name,
-                model = %pod.model,
-                "this pod's block hashes differ from ours: set --engine-hash-algo, --engine-hash-seed \
-                 and --engine-extra-keys to the pods' --prefix-caching-hash-algo, PYTHONHASHSEED and vLLM \
-                 release, or use --key-mode token; until then its blocks will not match"
-            );
-        }
-        let skipped = batch.skipped;
-        metrics.batches_applied.inc();
-        metrics.events_applied.inc_by(batch.events.len() as u64);
-        metrics.blocks_stored.inc_by(stats.stored_blocks);
-        metrics.blocks_removed.inc_by(stats.removed_blocks);
-        metrics
-            .engine_hash_mismatches
-            .inc_by(stats.engine_hash_mismatches);
-        for (reason, n) in [
-            ("unknown_event_type", u64::from(skipped.unknown_event_types)),
-            ("malformed_event", u64::from(skipped.malformed_events)),
-            ("parent_unknown_block", stats.parent_unknown_blocks),
-            ("unknown_removal", stats.unknown_removals),
-            ("unkeyable_block", stats.unkeyable_blocks),
-            ("non_full_attention", stats.non_full_attention_events),
-            ("malformed_store", stats.malformed_stores),
-        ] {
-            metrics.skip_events(reason, n);
-        }
-        let n_skipped = u64::from(skipped.unknown_event_types + skipped.malformed_events);
-        if n_skipped > 0 {
-            warn.warn(|suppressed| {
-                tracing::warn!(pod = %pod.name, ?skipped, suppressed, "skipped events in a batch")
-            });
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
 
     fn msg(frames: Vec<&[u8]>) -> ZmqMessage {
         ZmqMessage::try_from(

@@ -29,3 +29,5 @@ pub mod ingest;
 pub mod llmd;
 pub mod metrics;
 mod ratelimit;
+pub mod replay;
+mod worker;

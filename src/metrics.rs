@@ -45,6 +45,12 @@ pub struct Metrics {
     pub score_seconds: Family<Labels, Histogram>,
     /// Tokenization (and chat rendering) latency in seconds, by input kind.
     pub tokenize_seconds: Family<Labels, Histogram>,
+    /// Replays requested from pods' replay sockets (gaps and catch-up).
+    pub replays_requested: Counter,
+    /// Batches recovered through replay.
+    pub replay_batches: Counter,
+    /// Gaps that replay could not fill (the pod is marked incomplete).
+    pub unrecoverable_gaps: Counter,
     /// Scoring requests refused because too many were in flight.
     pub rejected_overload: Counter,
     /// Request handlers that panicked (answered INTERNAL).
@@ -72,6 +78,9 @@ impl Metrics {
             score_requests: Family::default(),
             score_seconds: Family::new_with_constructor(latency_buckets),
             tokenize_seconds: Family::new_with_constructor(latency_buckets),
+            replays_requested: Counter::default(),
+            replay_batches: Counter::default(),
+            unrecoverable_gaps: Counter::default(),
             rejected_overload: Counter::default(),
             handler_panics: Counter::default(),
             registry: Registry::default(),
@@ -136,6 +145,21 @@ impl Metrics {
             "tokenize_seconds",
             "Tokenization (with chat rendering) latency by input kind",
             m.tokenize_seconds.clone(),
+        );
+        r.register(
+            "replays_requested",
+            "Replays requested from pods' replay sockets (seq gaps, catch-up on start)",
+            m.replays_requested.clone(),
+        );
+        r.register(
+            "replay_batches",
+            "Batches recovered through replay",
+            m.replay_batches.clone(),
+        );
+        r.register(
+            "unrecoverable_gaps",
+            "Seq gaps replay could not fill (the pod is marked incomplete)",
+            m.unrecoverable_gaps.clone(),
         );
         r.register(
             "rejected_overload",

@@ -5,7 +5,7 @@
 //! sharded. Readers (`score`, `lookup`) never take a pod lock.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,8 @@ pub struct IndexerConfig {
     pub tier_weights: TierWeights,
     /// Token or engine keys, per model.
     pub keys: KeySchemes,
+    /// Pods with unrepaired gaps score 0 instead of what the index shows.
+    pub drop_incomplete: bool,
 }
 
 impl Default for IndexerConfig {
@@ -34,6 +36,7 @@ impl Default for IndexerConfig {
             default_block_size: 16,
             tier_weights: TierWeights::default(),
             keys: KeySchemes::default(),
+            drop_incomplete: false,
         }
     }
 }
@@ -59,6 +62,9 @@ pub struct Pod {
     mode: KeyMode,
     /// Learned block size; 0 until the first store.
     block_size: AtomicU32,
+    /// Events were lost beyond repair since the pod (re)started: its
+    /// answers may be too low. Cleared when its publisher restarts.
+    incomplete: AtomicBool,
     inner: Mutex<PodInner>,
 }
 
@@ -75,6 +81,7 @@ struct Progress {
     seq_gaps: u64,
     publisher_restarts: u64,
     duplicate_batches: u64,
+    unrecovered_batches: u64,
     last_event: Option<Instant>,
     applied: ApplyStats,
     skipped: DecodeSkips,
@@ -96,6 +103,10 @@ pub struct PodSummary {
     pub publisher_restarts: u64,
     /// Batches seen twice (same seq as the last one), skipped.
     pub duplicate_batches: u64,
+    /// Batches lost beyond repair (replay could not fill the gap).
+    pub unrecovered_batches: u64,
+    /// Lost batches since the last (re)start: answers may be too low.
+    pub incomplete: bool,
     pub last_event_age: Option<Duration>,
     pub applied: ApplyStats,
     pub skipped: DecodeSkips,
@@ -121,6 +132,8 @@ pub struct PodScore {
     pub score: f64,
     pub block_size: u32,
     pub total_blocks: u32,
+    /// The pod lost events beyond repair; see `IndexerConfig::drop_incomplete`.
+    pub incomplete: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -190,6 +203,7 @@ impl Indexer {
             dp_rank,
             mode: self.config.keys.for_model(model).clone(),
             block_size: AtomicU32::new(0),
+            incomplete: AtomicBool::new(false),
             inner: Mutex::new(PodInner {
                 state: PodState::new(id, model),
                 progress: Progress::default(),
@@ -221,6 +235,8 @@ impl Indexer {
             Some(last) if seq < last => {
                 progress.publisher_restarts += 1;
                 state.clear(&self.blocks, &mut stats);
+                // A fresh cache is fully known again.
+                pod.incomplete.store(false, Ordering::Relaxed);
             }
             Some(last) if seq != last.wrapping_add(1) => progress.seq_gaps += 1,
             _ => {}
@@ -248,6 +264,12 @@ impl Indexer {
             }
         }
         stats
+    }
+
+    /// Records `missing` batches lost beyond repair.
+    pub fn mark_incomplete(&self, pod: &Pod, missing: u64) {
+        self.lock(pod).progress.unrecovered_batches += missing;
+        pod.incomplete.store(true, Ordering::Relaxed);
     }
 
     fn lock<'a>(&self, pod: &'a Pod) -> parking_lot::MutexGuard<'a, PodInner> {
@@ -322,15 +344,21 @@ impl Indexer {
         for (pos, (name, pod)) in candidates.iter().enumerate() {
             let bs = self.pod_block_size(pod.as_deref(), q.model);
             let total = (q.tokens.len() / bs as usize) as u32;
+            let incomplete = pod
+                .as_ref()
+                .is_some_and(|p| p.incomplete.load(Ordering::Relaxed));
             scores.push(PodScore {
                 pod: name.clone(),
                 matched: PrefixMatch::default(),
                 score: 0.0,
                 block_size: bs,
                 total_blocks: total,
+                incomplete,
             });
-            if let Some(pod) = pod {
-                by_size.entry(bs).or_default().push((pod.id, pos));
+            match pod {
+                Some(_) if incomplete && self.config.drop_incomplete => {}
+                Some(pod) => by_size.entry(bs).or_default().push((pod.id, pos)),
+                None => {}
             }
         }
         let mode = self.config.keys.for_model(q.model);
@@ -405,6 +433,8 @@ impl Indexer {
                     seq_gaps: inner.progress.seq_gaps,
                     publisher_restarts: inner.progress.publisher_restarts,
                     duplicate_batches: inner.progress.duplicate_batches,
+                    unrecovered_batches: inner.progress.unrecovered_batches,
+                    incomplete: p.incomplete.load(Ordering::Relaxed),
                     last_event_age: inner.progress.last_event.map(|t| now - t),
                     applied: inner.progress.applied,
                     skipped: inner.progress.skipped,

@@ -1,0 +1,337 @@
+//! An ingest worker: decodes the batches of the pods hashed to it and
+//! applies them in seq order, repairing gaps through the pods' replay
+//! sockets.
+//!
+//! Per stream (topic and DP rank) the worker knows the next seq it expects.
+//! A batch further ahead (a gap: ZeroMQ PUB drops on overflow), or a first
+//! batch with seq > 0 (the indexer started after the pod), starts a repair
+//! when the pod's replay endpoint is known: live batches are buffered, the
+//! missing range is fetched (bounded retries with backoff), replayed and
+//! buffered batches are merged by seq and applied once each, in order. What
+//! the pod's buffer no longer has is counted and the pod marked incomplete.
+//! Without a replay endpoint, batches are applied as they come and gaps are
+//! counted.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use indexer::event::EventBatch;
+use indexer::topic::parse_topic;
+use indexer::wire::decode_batch;
+use indexer::{Indexer, Pod};
+
+use crate::metrics::Metrics;
+use crate::ratelimit::RateLimited;
+use crate::replay::{self, Replayed};
+
+/// A message that passed the shape checks, on its way to a worker.
+pub struct Frame {
+    pub topic: Bytes,
+    pub seq: u64,
+    pub payload: Bytes,
+    /// The replay endpoint of the socket it came from (dial mode).
+    pub replay: Option<Arc<str>>,
+}
+
+pub enum Work {
+    Live(Frame),
+    Replayed {
+        stream: StreamKey,
+        attempt: u32,
+        result: Result<Vec<Replayed>, String>,
+    },
+}
+
+/// A pod's topic and DP rank: one seq space.
+pub type StreamKey = (Bytes, Option<u32>);
+
+/// Replay fetches per repair before giving up on the missing range.
+const MAX_ATTEMPTS: u32 = 4;
+
+pub struct WorkerConfig {
+    /// Replay endpoints for pods that connect to us (bind mode), by pod name.
+    pub replay_endpoints: HashMap<String, String>,
+    pub replay_timeout: Duration,
+}
+
+struct Stream {
+    pod: Arc<Pod>,
+    replay: Option<Arc<str>>,
+    /// The next seq expected; `None` before the first batch.
+    next: Option<u64>,
+    repair: Option<Repair>,
+}
+
+struct Repair {
+    from: u64,
+    attempt: u32,
+    /// Live batches that arrived meanwhile.
+    buffered: BTreeMap<u64, EventBatch>,
+}
+
+pub struct Worker<'a> {
+    indexer: &'a Indexer,
+    metrics: &'a Metrics,
+    config: &'a WorkerConfig,
+    runtime: tokio::runtime::Handle,
+    /// To send replay results back to this worker.
+    tx: flume::Sender<Work>,
+    streams: HashMap<StreamKey, Stream>,
+    warn: RateLimited,
+    mismatch_warned: HashSet<u32>,
+}
+
+impl<'a> Worker<'a> {
+    pub fn new(
+        indexer: &'a Indexer,
+        metrics: &'a Metrics,
+        config: &'a WorkerConfig,
+        runtime: tokio::runtime::Handle,
+        tx: flume::Sender<Work>,
+    ) -> Self {
+        Worker {
+            indexer,
+            metrics,
+            config,
+            runtime,
+            tx,
+            streams: HashMap::new(),
+            warn: RateLimited::new(Duration::from_secs(10)),
+            mismatch_warned: HashSet::new(),
+        }
+    }
+
+    /// Runs until `stop` is set and the queue is drained. (`self.tx` keeps
+    /// the channel open for replay results, so closing alone cannot end it.)
+    pub fn run(mut self, rx: flume::Receiver<Work>, stop: &AtomicBool) {
+        loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(Work::Live(frame)) => self.live(frame),
+                Ok(Work::Replayed {
+                    stream,
+                    attempt,
+                    result,
+                }) => self.replayed(stream, attempt, result),
+                Err(flume::RecvTimeoutError::Disconnected) => return,
+                Err(flume::RecvTimeoutError::Timeout) => {}
+            }
+            if stop.load(Ordering::Relaxed) && rx.is_empty() {
+                return;
+            }
+        }
+    }
+
+    fn decode(&self, topic: &Bytes, seq: u64, payload: &[u8]) -> Option<EventBatch> {
+        match decode_batch(payload) {
+            Ok(batch) => Some(batch),
+            Err(e) => {
+                self.metrics.skip_message("decode");
+                let topic = String::from_utf8_lossy(topic).into_owned();
+                self.warn.warn(|suppressed| {
+                    tracing::warn!(%topic, seq, error = %e, suppressed, "skipping undecodable event batch")
+                });
+                None
+            }
+        }
+    }
+
+    fn live(&mut self, frame: Frame) {
+        let Some(batch) = self.decode(&frame.topic, frame.seq, &frame.payload) else {
+            return;
+        };
+        let key = (frame.topic.clone(), batch.data_parallel_rank);
+        if !self.streams.contains_key(&key) {
+            let stream = self.new_stream(&frame, batch.data_parallel_rank);
+            self.streams.insert(key.clone(), stream);
+        }
+        let seq = frame.seq;
+        let Some(stream) = self.streams.get_mut(&key) else {
+            return;
+        };
+        if let Some(repair) = &mut stream.repair {
+            repair.buffered.insert(seq, batch);
+            return;
+        }
+        let gap_from = match stream.next {
+            None if seq > 0 => Some(0),
+            Some(next) if seq > next => Some(next),
+            _ => None,
+        };
+        match (gap_from, stream.replay.clone()) {
+            (Some(from), Some(endpoint)) => {
+                let mut buffered = BTreeMap::new();
+                buffered.insert(seq, batch);
+                stream.repair = Some(Repair {
+                    from,
+                    attempt: 1,
+                    buffered,
+                });
+                tracing::info!(pod = %stream.pod.name, from, to = seq, %endpoint, "seq gap: requesting replay");
+                self.metrics.replays_requested.inc();
+                self.fetch(key, endpoint, from, 1, Duration::ZERO);
+            }
+            _ => self.apply(&key, seq, &batch),
+        }
+    }
+
+    fn new_stream(&self, frame: &Frame, rank: Option<u32>) -> Stream {
+        // Checked by the receive loop.
+        let topic = parse_topic(&frame.topic).unwrap_or(indexer::topic::Topic {
+            pod: "?",
+            model: "?",
+        });
+        let pod = self.indexer.pod(topic.model, topic.pod, rank);
+        let replay = frame.replay.clone().or_else(|| {
+            self.config
+                .replay_endpoints
+                .get(topic.pod)
+                .map(|e| Arc::from(e.as_str()))
+        });
+        tracing::info!(pod = %pod.name, model = %pod.model, replay = ?replay, "new pod");
+        Stream {
+            pod,
+            replay,
+            next: None,
+            repair: None,
+        }
+    }
+
+    fn fetch(
+        &self,
+        stream: StreamKey,
+        endpoint: Arc<str>,
+        from: u64,
+        attempt: u32,
+        delay: Duration,
+    ) {
+        let tx = self.tx.clone();
+        let timeout = self.config.replay_timeout;
+        self.runtime.spawn(async move {
+            tokio::time::sleep(delay).await;
+            let result = replay::fetch(&endpoint, from, timeout).await;
+            let _ = tx.send(Work::Replayed {
+                stream,
+                attempt,
+                result,
+            });
+        });
+    }
+
+    fn replayed(&mut self, key: StreamKey, attempt: u32, result: Result<Vec<Replayed>, String>) {
+        let Some(stream) = self.streams.get_mut(&key) else {
+            return;
+        };
+        let Some(repair) = stream.repair.as_mut().filter(|r| r.attempt == attempt) else {
+            return;
+        };
+        let items = match result {
+            Ok(items) => items,
+            Err(e) if attempt < MAX_ATTEMPTS => {
+                let delay = Duration::from_millis(200) * 2u32.pow(attempt - 1);
+                tracing::warn!(pod = %stream.pod.name, attempt, error = %e, retry_in = ?delay, "replay failed; retrying");
+                repair.attempt += 1;
+                let (endpoint, from) = (stream.replay.clone(), repair.from);
+                if let Some(endpoint) = endpoint {
+                    self.fetch(key, endpoint, from, attempt + 1, delay);
+                }
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(pod = %stream.pod.name, error = %e, "replay failed for good");
+                Vec::new()
+            }
+        };
+        let Some(repair) = stream.repair.take() else {
+            return;
+        };
+        // Replayed batches past the newest buffered live one are still on
+        // their way live; applying them now would make their live copies
+        // look like a publisher restart.
+        let upto = repair
+            .buffered
+            .keys()
+            .next_back()
+            .copied()
+            .unwrap_or(repair.from);
+        let mut merged: BTreeMap<u64, EventBatch> = BTreeMap::new();
+        for item in items {
+            if item.seq < repair.from
+                || item.seq > upto
+                || item.topic.as_ref().is_some_and(|t| *t != key.0)
+            {
+                continue;
+            }
+            if let Some(batch) = self.decode(&key.0, item.seq, &item.payload) {
+                if batch.data_parallel_rank == key.1 {
+                    merged.insert(item.seq, batch);
+                }
+            }
+        }
+        let recovered = merged.len() as u64;
+        for (seq, batch) in repair.buffered {
+            merged.entry(seq).or_insert(batch);
+        }
+        let mut expected = repair.from;
+        let mut missing = 0;
+        for (seq, batch) in merged {
+            missing += seq.saturating_sub(expected);
+            self.apply(&key, seq, &batch);
+            expected = seq + 1;
+        }
+        self.metrics.replay_batches.inc_by(recovered);
+        if let Some(stream) = self.streams.get(&key) {
+            if missing > 0 {
+                self.metrics.unrecoverable_gaps.inc();
+                self.indexer.mark_incomplete(&stream.pod, missing);
+                tracing::warn!(pod = %stream.pod.name, missing, "batches lost for good: this pod's answers may be incomplete");
+            } else {
+                tracing::info!(pod = %stream.pod.name, recovered, "seq gap repaired");
+            }
+        }
+    }
+
+    fn apply(&mut self, key: &StreamKey, seq: u64, batch: &EventBatch) {
+        let Some(stream) = self.streams.get_mut(key) else {
+            return;
+        };
+        stream.next = Some(seq.wrapping_add(1));
+        let pod = stream.pod.clone();
+        let stats = self.indexer.apply(&pod, seq, batch);
+        if stats.engine_hash_mismatches > 0 && self.mismatch_warned.insert(pod.id.0) {
+            tracing::warn!(
+                pod = %pod.name,
+                model = %pod.model,
+                "this pod's block hashes differ from ours: set --engine-hash-algo, --engine-hash-seed \
+                 and --engine-extra-keys to the pods' --prefix-caching-hash-algo, PYTHONHASHSEED and vLLM \
+                 release, or use --key-mode token; until then its blocks will not match"
+            );
+        }
+        let m = self.metrics;
+        let skipped = batch.skipped;
+        m.batches_applied.inc();
+        m.events_applied.inc_by(batch.events.len() as u64);
+        m.blocks_stored.inc_by(stats.stored_blocks);
+        m.blocks_removed.inc_by(stats.removed_blocks);
+        m.engine_hash_mismatches
+            .inc_by(stats.engine_hash_mismatches);
+        for (reason, n) in [
+            ("unknown_event_type", u64::from(skipped.unknown_event_types)),
+            ("malformed_event", u64::from(skipped.malformed_events)),
+            ("parent_unknown_block", stats.parent_unknown_blocks),
+            ("unknown_removal", stats.unknown_removals),
+            ("unkeyable_block", stats.unkeyable_blocks),
+            ("non_full_attention", stats.non_full_attention_events),
+            ("malformed_store", stats.malformed_stores),
+        ] {
+            m.skip_events(reason, n);
+        }
+        if skipped.unknown_event_types + skipped.malformed_events > 0 {
+            self.warn.warn(|suppressed| {
+                tracing::warn!(pod = %pod.name, ?skipped, suppressed, "skipped events in a batch")
+            });
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! Gaps and late starts repaired through vLLM's replay protocol, against a
+//! pyzmq (libzmq) stand-in for vLLM's publisher: PUB for live batches, ROUTER
+//! answering replay requests from its buffer (tests/helpers/vllm_publisher.py).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use common::*;
+
+struct PyPublisher {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    pub target: String,
+}
+
+/// pyzmq and msgspec are installed by .ci/run; elsewhere, skip loudly.
+fn python_ready() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import zmq, msgspec"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "pyzmq and msgspec are required on CI"
+        );
+        eprintln!("SKIPPED: pip install pyzmq msgspec");
+    }
+    ok
+}
+
+impl PyPublisher {
+    fn start(stream: &str, pod: &str, extra: &[&str]) -> PyPublisher {
+        let (p, r) = (free_port(), free_port());
+        let frames = fixtures_dir().join(format!("vllm-events/{stream}.frames.jsonl"));
+        let mut child = Command::new("python3")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/helpers/vllm_publisher.py"
+            ))
+            .args(["--pub", &format!("tcp://127.0.0.1:{p}")])
+            .args(["--router", &format!("tcp://127.0.0.1:{r}")])
+            .args(["--frames", frames.to_str().unwrap(), "--pod", pod])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ready");
+        PyPublisher {
+            child,
+            stdin,
+            stdout,
+            target: format!("tcp://127.0.0.1:{p},replay=tcp://127.0.0.1:{r}"),
+        }
+    }
+
+    fn cmd(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").unwrap();
+        let mut reply = String::new();
+        self.stdout.read_line(&mut reply).unwrap();
+        assert_eq!(reply.trim(), "ok", "{line}");
+    }
+
+    async fn wait_subscribed(&mut self, service: &Service, marker: &str) {
+        for _ in 0..200 {
+            self.cmd(&format!("marker {marker}"));
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            if service
+                .list_pods(WARMUP_MODEL)
+                .await
+                .iter()
+                .any(|p| p.pod == marker)
+            {
+                return;
+            }
+        }
+        panic!("subscription never arrived");
+    }
+}
+
+impl Drop for PyPublisher {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Every 5th batch of each pod never arrives live (PUB dropped it); each
+/// gap is noticed on the next batch and filled from the replay socket.
+#[tokio::test]
+async fn dropped_batches_are_replayed_and_the_state_is_exact() {
+    if !python_ready() {
+        return;
+    }
+    let stream = "qwen3-sha256-int";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let per_pod = batches_per_pod(&frames);
+    let mut pubs: Vec<(String, PyPublisher)> = expected
+        .pods
+        .iter()
+        .enumerate()
+        .map(|(i, pod)| {
+            // One pod answers in the older two-frame replay form.
+            let extra: &[&str] = if i == 2 { &["--old-format"] } else { &[] };
+            (pod.clone(), PyPublisher::start(stream, pod, extra))
+        })
+        .collect();
+    let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
+    let service = Service::start_dialing(&targets, &[]).await;
+    for (pod, p) in &mut pubs {
+        p.wait_subscribed(&service, &format!("m-{pod}")).await;
+    }
+    for (pod, p) in &mut pubs {
+        let n = per_pod[pod.as_str()];
+        // Drop every 5th seq live, but never the last one (a gap shows on
+        // the next batch).
+        let skip: Vec<String> = (1..n - 1)
+            .filter(|s| s % 5 == 0)
+            .map(|s| s.to_string())
+            .collect();
+        p.cmd(&format!("publish 0 {n} skip {}", skip.join(",")));
+    }
+    service.wait_applied(&expected.model, &per_pod).await;
+    check_probes(&service, &expected).await;
+    for pod in service.list_pods(&expected.model).await {
+        assert!(!pod.incomplete, "{pod:?}");
+        assert_eq!(pod.seq_gaps, 0, "applied in order after repair: {pod:?}");
+    }
+    let (_, m) = service.http_get("/metrics");
+    assert!(!m.contains("kv_indexer_replays_requested_total 0\n"), "{m}");
+}
+
+/// The indexer starts after the pods published half their batches: their
+/// first live batch (seq > 0) triggers a catch-up from seq 0.
+#[tokio::test]
+async fn an_indexer_that_starts_late_catches_up_from_the_replay_buffers() {
+    if !python_ready() {
+        return;
+    }
+    let stream = "qwen3-sha256cbor-bytes";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let per_pod = batches_per_pod(&frames);
+    let mut pubs: Vec<(String, PyPublisher)> = expected
+        .pods
+        .iter()
+        .map(|pod| (pod.clone(), PyPublisher::start(stream, pod, &[])))
+        .collect();
+    // Before any indexer exists: published into the void (and the buffer).
+    for (pod, p) in &mut pubs {
+        p.cmd(&format!("publish 0 {}", per_pod[pod.as_str()] / 2));
+    }
+    let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
+    let service = Service::start_dialing(&targets, &[]).await;
+    for (pod, p) in &mut pubs {
+        p.wait_subscribed(&service, &format!("m-{pod}")).await;
+    }
+    for (pod, p) in &mut pubs {
+        let n = per_pod[pod.as_str()];
+        p.cmd(&format!("publish {} {n}", n / 2));
+    }
+    service.wait_applied(&expected.model, &per_pod).await;
+    check_probes(&service, &expected).await;
+    assert!(service
+        .list_pods(&expected.model)
+        .await
+        .iter()
+        .all(|p| !p.incomplete && p.unrecovered_batches == 0));
+}
+
+/// A gap longer than the pod's replay buffer cannot be filled: the pod is
+/// flagged incomplete (ListPods, Score) and, with --incomplete-pods drop,
+/// gets no credit.
+#[tokio::test]
+async fn a_gap_beyond_the_replay_buffer_marks_the_pod_incomplete() {
+    if !python_ready() {
+        return;
+    }
+    let stream = "qwen3-lora-salt";
+    let expected = load_expected(stream);
+    let mut p = PyPublisher::start(stream, "pod-1", &["--buffer", "1"]);
+    let service = Service::start_dialing(
+        std::slice::from_ref(&p.target),
+        &["--incomplete-pods", "drop"],
+    )
+    .await;
+    p.wait_subscribed(&service, "m").await;
+    // seqs 1 and 2 lost live; only seq 3 is still buffered by then.
+    p.cmd("publish 0 4 skip 1,2");
+    let mut info = None;
+    for _ in 0..200 {
+        let pods = service.list_pods(&expected.model).await;
+        if let Some(pod) = pods
+            .into_iter()
+            .find(|p| p.pod == "pod-1" && p.batches == 2)
+        {
+            info = Some(pod);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let info = info.expect("pod-1 applied its batches");
+    assert!(info.incomplete, "{info:?}");
+    assert_eq!(info.unrecovered_batches, 2, "{info:?}");
+    let probe = expected
+        .probes
+        .iter()
+        .find(|p| p.id == "plain:same")
+        .unwrap();
+    let resp = service
+        .client()
+        .await
+        .score(token_request(&expected.model, probe))
+        .await
+        .unwrap()
+        .into_inner();
+    let pod1 = resp.pods.iter().find(|p| p.pod == "pod-1").unwrap();
+    assert!(pod1.incomplete);
+    assert_eq!(pod1.matched_blocks, 0, "dropped while incomplete");
+}
