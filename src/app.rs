@@ -87,8 +87,21 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     ));
     let max_message = config.limits.max_message_bytes;
     let llmd = crate::llmd::LlmdIndexerService::new(service.clone());
+    let mut builder = Server::builder();
+    if let Some(tls) = &config.tls {
+        let mut tls_config = tonic::transport::ServerTlsConfig::new().identity(
+            tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem),
+        );
+        if let Some(ca) = &tls.client_ca_pem {
+            tls_config = tls_config.client_ca_root(tonic::transport::Certificate::from_pem(ca));
+        }
+        builder = builder
+            .tls_config(tls_config)
+            .map_err(|e| anyhow::anyhow!("invalid TLS configuration: {e}"))?;
+        tracing::info!(mtls = tls.client_ca_pem.is_some(), "gRPC over TLS");
+    }
     let mut server = tokio::spawn(
-        Server::builder()
+        builder
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)

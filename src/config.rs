@@ -32,6 +32,18 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_GRPC_ADDR")]
     pub grpc_addr: Option<String>,
 
+    /// PEM certificate (chain) for gRPC over TLS; with --tls-key.
+    #[arg(long, env = "KV_INDEXER_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key for --tls-cert.
+    #[arg(long, env = "KV_INDEXER_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA certificate(s): require and verify client certificates (mTLS).
+    #[arg(long, env = "KV_INDEXER_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
+
     /// HTTP address for `/metrics`, `/healthz` and `/readyz`; `none`
     /// disables [default: 0.0.0.0:9090].
     #[arg(long, env = "KV_INDEXER_METRICS_ADDR")]
@@ -213,6 +225,9 @@ pub enum Command {
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     pub grpc_addr: Option<String>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_client_ca: Option<PathBuf>,
     pub metrics_addr: Option<String>,
     pub zmq_bind: Option<String>,
     #[serde(default)]
@@ -265,6 +280,23 @@ pub enum LogFormat {
     Json,
 }
 
+/// PEM material for gRPC TLS, read at start.
+#[derive(Clone)]
+pub struct TlsConfig {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+    pub client_ca_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for TlsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print key material.
+        f.debug_struct("TlsConfig")
+            .field("mtls", &self.client_ca_pem.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 /// What one request may ask for. Each bound exists so that one client
 /// cannot take the service's memory or CPU from everyone else.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -287,6 +319,8 @@ pub struct DialTarget {
 #[derive(Clone, Debug)]
 pub struct Config {
     pub grpc_addr: SocketAddr,
+    /// gRPC over TLS (and mTLS when a client CA is given).
+    pub tls: Option<TlsConfig>,
     pub metrics_addr: Option<SocketAddr>,
     pub zmq_bind: Option<String>,
     pub zmq_connect: Vec<DialTarget>,
@@ -355,6 +389,42 @@ impl Config {
         let grpc_addr = grpc_addr_raw
             .parse()
             .map_err(|e| invalid("grpc_addr", &grpc_addr_raw, format!("{e} (want IP:PORT)")))?;
+
+        let read_pem = |setting: &'static str, path: &Path| -> Result<Vec<u8>, ConfigError> {
+            let pem = std::fs::read(path)
+                .map_err(|e| invalid(setting, path.display().to_string(), e.to_string()))?;
+            if !pem.windows(10).any(|w| w == b"-----BEGIN") {
+                return Err(invalid(
+                    setting,
+                    path.display().to_string(),
+                    "not a PEM file",
+                ));
+            }
+            Ok(pem)
+        };
+        let tls = match (
+            args.tls_cert.or(file.tls_cert),
+            args.tls_key.or(file.tls_key),
+            args.tls_client_ca.or(file.tls_client_ca),
+        ) {
+            (None, None, None) => None,
+            (Some(cert), Some(key), ca) => Some(TlsConfig {
+                cert_pem: read_pem("tls_cert", &cert)?,
+                key_pem: read_pem("tls_key", &key)?,
+                client_ca_pem: ca.map(|ca| read_pem("tls_client_ca", &ca)).transpose()?,
+            }),
+            (cert, _, _) => {
+                return Err(invalid(
+                    if cert.is_some() {
+                        "tls_key"
+                    } else {
+                        "tls_cert"
+                    },
+                    "",
+                    "TLS needs both --tls-cert and --tls-key (--tls-client-ca adds mTLS)",
+                ))
+            }
+        };
 
         let metrics_raw = args
             .metrics_addr
@@ -646,6 +716,7 @@ impl Config {
 
         Ok(Config {
             grpc_addr,
+            tls,
             metrics_addr,
             zmq_bind,
             zmq_connect,
@@ -958,6 +1029,11 @@ mod tests {
         let cases: &[(&[&str], &str)] = &[
             (&["--grpc-addr", "nope"], "grpc_addr"),
             (&["--metrics-addr", "nope"], "metrics_addr"),
+            (&["--tls-cert", "/etc/hostname"], "tls_key"),
+            (
+                &["--tls-cert", "/etc/hostname", "--tls-key", "/etc/hostname"],
+                "tls_cert",
+            ),
             (&["--discover-dns", "svc"], "discover_dns"),
             (&["--discover-dns", "svc:1,replay=2"], "discover_dns"),
             (&["--dns-server", "x"], "dns_server"),

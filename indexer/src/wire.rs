@@ -74,7 +74,16 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, WireError> {
     Ok(batch)
 }
 
+/// vLLM events nest at most five deep (event, extra_keys, a block's keys, a
+/// tuple, its items); anything much deeper is hostile, and serde would
+/// recurse once per level.
+const MAX_EVENT_DEPTH: usize = 16;
+
 fn decode_event(span: &[u8], batch: &mut EventBatch) {
+    if nesting_depth(span) > MAX_EVENT_DEPTH {
+        batch.skipped.malformed_events += 1;
+        return;
+    }
     match rmp_serde::from_slice::<WireEvent>(span) {
         Ok(WireEvent {
             event: Some(event),
@@ -86,6 +95,60 @@ fn decode_event(span: &[u8], batch: &mut EventBatch) {
         Ok(WireEvent { event: None, .. }) => batch.skipped.unknown_event_types += 1,
         Err(_) => batch.skipped.malformed_events += 1,
     }
+}
+
+/// How deeply containers nest in `span` (a value `skip_value` accepted),
+/// measured without recursion. Stops counting past `MAX_EVENT_DEPTH`.
+fn nesting_depth(span: &[u8]) -> usize {
+    // Items still to read in each open container, innermost last.
+    let mut open: Vec<usize> = Vec::new();
+    let mut deepest = 0;
+    let mut pos = 0;
+    loop {
+        let Ok(children) = skip_header(span, &mut pos) else {
+            return usize::MAX;
+        };
+        // The value just read fills one slot of its parent.
+        if let Some(left) = open.last_mut() {
+            *left -= 1;
+        }
+        if children > 0 {
+            open.push(children);
+            deepest = deepest.max(open.len());
+            if deepest > MAX_EVENT_DEPTH {
+                return deepest;
+            }
+        }
+        while open.last() == Some(&0) {
+            open.pop();
+        }
+        if open.is_empty() {
+            return deepest;
+        }
+    }
+}
+
+/// Reads one msgpack header at `pos`, skipping scalar payloads; returns how
+/// many child values follow it (0 for scalars).
+fn skip_header(buf: &[u8], pos: &mut usize) -> Result<usize, WireError> {
+    let marker = *buf.get(*pos).ok_or(WireError::Truncated(*pos))?;
+    let at = *pos;
+    *pos += 1;
+    let (skip, children) = match marker {
+        0x80..=0x8f => (0, 2 * usize::from(marker & 0x0f)),
+        0x90..=0x9f => (0, usize::from(marker & 0x0f)),
+        0xdc => (0, read_len(buf, pos, 2, at)?),
+        0xdd => (0, read_len(buf, pos, 4, at)?),
+        0xde => (0, 2 * read_len(buf, pos, 2, at)?),
+        0xdf => (0, 2 * read_len(buf, pos, 4, at)?),
+        _ => {
+            // A scalar: reuse the full walker for its size.
+            *pos = skip_value(buf, at)?;
+            (0, 0)
+        }
+    };
+    *pos += skip;
+    Ok(children)
 }
 
 /// Walks one msgpack value starting at `pos` and returns the offset just past
@@ -752,6 +815,41 @@ mod tests {
             decode_batch(&payload),
             Err(WireError::Truncated(_))
         ));
+    }
+
+    /// 60,000 nested arrays inside an event's extra keys (the most a
+    /// 64 KiB message can hold): an error for that event, never a stack
+    /// overflow.
+    #[test]
+    fn nesting_depth_counts_containers() {
+        let v = rmp_serde::to_vec(&(1, vec![vec![2u8]], ("a", vec![Vec::<u8>::new()]))).unwrap();
+        assert_eq!(nesting_depth(&v), 3);
+        assert_eq!(nesting_depth(&rmp_serde::to_vec(&7u8).unwrap()), 0);
+        assert_eq!(
+            nesting_depth(&rmp_serde::to_vec(&Vec::<u8>::new()).unwrap()),
+            0
+        );
+    }
+
+    #[test]
+    fn deeply_nested_values_are_rejected_without_exhausting_the_stack() {
+        let depth = 60_000;
+        let mut payload = vec![0x92, 0x00, 0x91, 0x82];
+        payload.extend_from_slice(&[0xa4, b't', b'y', b'p', b'e']);
+        payload.extend_from_slice(&[0xab]);
+        payload.extend_from_slice(b"BlockStored");
+        payload.extend_from_slice(&[0xaa]);
+        payload.extend_from_slice(b"extra_keys");
+        payload.extend(std::iter::repeat_n(0x91, depth));
+        payload.push(0xc0);
+        let batch = decode_batch(&payload).unwrap();
+        assert!(batch.events.is_empty());
+        assert_eq!(batch.skipped.malformed_events, 1);
+        // Regression inputs found by fuzzing live in fuzz/regressions/.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/regressions");
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let _ = decode_batch(&std::fs::read(entry.path()).unwrap());
+        }
     }
 
     #[test]

@@ -102,7 +102,11 @@ impl Service {
             zmq_bind,
             log,
         };
-        service.wait_serving().await;
+        if args.contains(&"--tls-cert") {
+            service.wait_ready_http().await;
+        } else {
+            service.wait_serving().await;
+        }
         service
     }
 
@@ -142,6 +146,28 @@ impl Service {
         KvIndexerClient::connect(format!("http://{}", self.grpc_addr()))
             .await
             .expect("connect gRPC")
+    }
+
+    /// Readiness over plain HTTP (`/readyz`), for services that speak TLS.
+    pub async fn wait_ready_http(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let port = self.metrics_port;
+            let ready = tokio::task::spawn_blocking(move || {
+                std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            })
+            .await
+            .unwrap_or(false);
+            if ready && self.http_get("/readyz").0 == 200 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not ready; logs:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     async fn wait_serving(&self) {
