@@ -143,6 +143,10 @@ impl<'a> Worker<'a> {
             return;
         };
         let key = (frame.topic.clone(), batch.data_parallel_rank);
+        // A pod an admin removed starts over as a new pod.
+        if self.streams.get(&key).is_some_and(|s| s.pod.is_removed()) {
+            self.streams.remove(&key);
+        }
         if !self.streams.contains_key(&key) {
             let stream = self.new_stream(&frame, batch.data_parallel_rank);
             self.streams.insert(key.clone(), stream);

@@ -416,3 +416,90 @@ fn demo_runs_publishes_and_shows_scores_growing() {
         .unwrap_or(0);
     assert!(best > 4, "{stdout}");
 }
+
+#[tokio::test]
+async fn an_admin_can_remove_a_pod_and_it_returns_fresh_if_it_publishes_again() {
+    let stream = "qwen3-lora-salt";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let service = Service::start(&[]).await;
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    publisher.publish_all(&frames).await;
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    let mut client = service.client().await;
+    let resp = client
+        .remove_pod(pb::RemovePodRequest {
+            model: expected.model.clone(),
+            pod: "pod-1".into(),
+        })
+        .await
+        .expect("RemovePod")
+        .into_inner();
+    assert!(resp.removed);
+    assert_eq!(resp.removed_blocks, 62);
+    let pods = service.list_pods(&expected.model).await;
+    assert_eq!(
+        pods.iter().map(|p| p.pod.as_str()).collect::<Vec<_>>(),
+        vec!["pod-0"]
+    );
+    let probe = expected
+        .probes
+        .iter()
+        .find(|p| p.id == "plain:same")
+        .unwrap();
+    let scored = client
+        .score(token_request(&expected.model, probe))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(scored.pods.iter().all(|p| p.pod != "pod-1"));
+    // Unknown pods: removed = false.
+    let none = client
+        .remove_pod(pb::RemovePodRequest {
+            model: expected.model.clone(),
+            pod: "pod-9".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!none.removed);
+    // pod-1 publishes again (its first batch): it is back, fresh.
+    publisher
+        .send(
+            frames
+                .iter()
+                .find(|f| f.pod() == "pod-1")
+                .unwrap()
+                .message(),
+        )
+        .await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let pods = service.list_pods(&expected.model).await;
+        if let Some(p) = pods.iter().find(|p| p.pod == "pod-1") {
+            assert_eq!(p.batches, 1);
+            assert_eq!(p.gpu_blocks, 30);
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// The zeromq crate's reconnect, verified: a dialed pod's publisher dies
+/// and comes back on the same endpoint; its batches arrive again.
+#[tokio::test]
+async fn a_dialed_publisher_that_restarts_is_reconnected() {
+    let port = free_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let (mut first, _) = Publisher::bind_on(&endpoint).await;
+    let service = Service::start_dialing(std::slice::from_ref(&endpoint), &[]).await;
+    first.wait_subscribed(&service, "before-restart").await;
+    drop(first);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let (mut second, _) = Publisher::bind_on(&endpoint).await;
+    second.wait_subscribed(&service, "after-restart").await;
+}

@@ -65,6 +65,9 @@ pub struct Pod {
     /// Events were lost beyond repair since the pod (re)started: its
     /// answers may be too low. Cleared when its publisher restarts.
     incomplete: AtomicBool,
+    /// Removed by an admin: no longer a candidate; holders of this handle
+    /// must look the pod up again.
+    removed: AtomicBool,
     inner: Mutex<PodInner>,
 }
 
@@ -167,6 +170,13 @@ pub struct Indexer {
     models: RwLock<BTreeMap<String, ModelEntry>>,
 }
 
+impl Pod {
+    /// Removed by `Indexer::remove_pod`: get a fresh handle with `Indexer::pod`.
+    pub fn is_removed(&self) -> bool {
+        self.removed.load(Ordering::Relaxed)
+    }
+}
+
 impl Indexer {
     pub fn new(config: IndexerConfig) -> Self {
         Indexer {
@@ -204,6 +214,7 @@ impl Indexer {
             mode: self.config.keys.for_model(model).clone(),
             block_size: AtomicU32::new(0),
             incomplete: AtomicBool::new(false),
+            removed: AtomicBool::new(false),
             inner: Mutex::new(PodInner {
                 state: PodState::new(id, model),
                 progress: Progress::default(),
@@ -264,6 +275,22 @@ impl Indexer {
             }
         }
         stats
+    }
+
+    /// Forgets a pod: drops its blocks and takes it out of the candidates.
+    /// Returns the blocks it held (all tiers), or `None` if unknown.
+    pub fn remove_pod(&self, model: &str, name: &str) -> Option<u64> {
+        let (_, id) = self.by_name.remove(&(model.to_owned(), name.to_owned()))?;
+        let pod = self.pods.read()[id.0 as usize].clone();
+        pod.removed.store(true, Ordering::Relaxed);
+        if let Some(m) = self.models.write().get_mut(model) {
+            m.pods.retain(|p| *p != id);
+        }
+        let mut inner = self.lock(&pod);
+        let held: u64 = inner.state.held_per_tier().iter().sum();
+        let mut stats = ApplyStats::default();
+        inner.state.clear(&self.blocks, &mut stats);
+        Some(held)
     }
 
     /// Records `missing` batches lost beyond repair.
@@ -418,7 +445,7 @@ impl Indexer {
         let now = Instant::now();
         let mut out: Vec<PodSummary> = pods
             .iter()
-            .filter(|p| model.is_none_or(|m| p.model == m))
+            .filter(|p| !p.is_removed() && model.is_none_or(|m| p.model == m))
             .map(|p| {
                 let inner = self.lock(p);
                 PodSummary {
@@ -613,6 +640,22 @@ mod tests {
         let s = &ix.list_pods(None)[0];
         assert_eq!((s.publisher_restarts, s.duplicate_batches), (1, 1));
         assert_eq!(s.blocks_per_tier, [1, 0, 0]);
+    }
+
+    #[test]
+    fn removed_pods_drop_their_blocks_and_come_back_fresh() {
+        let ix = Indexer::new(IndexerConfig::default());
+        let tokens: Vec<u32> = (0..16).collect();
+        let p = ix.pod("m", "p", None);
+        ix.apply(&p, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
+        assert_eq!(ix.remove_pod("m", "p"), Some(1));
+        assert_eq!(ix.remove_pod("m", "p"), None);
+        assert!(p.is_removed());
+        assert!(ix.list_pods(None).is_empty());
+        assert_eq!(ix.indexed_keys(), 0);
+        let again = ix.pod("m", "p", None);
+        assert!(!again.is_removed());
+        assert_eq!(ix.list_pods(None)[0].batches, 0);
     }
 
     #[test]
