@@ -228,3 +228,44 @@ async fn a_gap_beyond_the_replay_buffer_marks_the_pod_incomplete() {
     assert!(pod1.incomplete);
     assert_eq!(pod1.matched_blocks, 0, "dropped while incomplete");
 }
+
+/// The indexer is killed (-9) mid-stream and started again while the pods
+/// keep publishing: the new process catches up from the pods' replay
+/// buffers and ends with the exact state.
+#[tokio::test]
+async fn an_indexer_killed_mid_stream_recovers_the_exact_state_on_restart() {
+    if !python_ready() {
+        return;
+    }
+    let stream = "qwen3-sha256-int";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let per_pod = batches_per_pod(&frames);
+    let mut pubs: Vec<(String, PyPublisher)> = expected
+        .pods
+        .iter()
+        .map(|pod| (pod.clone(), PyPublisher::start(stream, pod, &[])))
+        .collect();
+    let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
+    let first = Service::start_dialing(&targets, &[]).await;
+    for (pod, p) in &mut pubs {
+        p.wait_subscribed(&first, &format!("m1-{pod}")).await;
+        p.cmd(&format!("publish 0 {}", per_pod[pod.as_str()] / 3));
+    }
+    first.kill9();
+    // Published while no indexer runs.
+    for (pod, p) in &mut pubs {
+        let n = per_pod[pod.as_str()];
+        p.cmd(&format!("publish {} {}", n / 3, 2 * n / 3));
+    }
+    let second = Service::start_dialing(&targets, &[]).await;
+    for (pod, p) in &mut pubs {
+        p.wait_subscribed(&second, &format!("m2-{pod}")).await;
+    }
+    for (pod, p) in &mut pubs {
+        let n = per_pod[pod.as_str()];
+        p.cmd(&format!("publish {} {n}", 2 * n / 3));
+    }
+    second.wait_applied(&expected.model, &per_pod).await;
+    check_probes(&second, &expected).await;
+}

@@ -231,6 +231,12 @@ impl Service {
         }
     }
 
+    /// SIGKILL: no shutdown, no cleanup, as a crash.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// Exit status after SIGTERM.
     pub async fn terminate(mut self) -> std::process::ExitStatus {
         let _ = Command::new("kill")
