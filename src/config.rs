@@ -118,6 +118,16 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_LOG_LEVEL")]
     pub log_level: Option<String>,
 
+    /// Most (pod, block) entries the index holds; beyond, the largest pods
+    /// lose their least recently stored blocks [default: unbounded].
+    #[arg(long, env = "KV_INDEXER_MAX_BLOCKS")]
+    pub max_blocks: Option<usize>,
+
+    /// Memory budget for the index, e.g. `4GiB`: converted to entries at
+    /// about 160 bytes each (with --max-blocks, the smaller wins).
+    #[arg(long, env = "KV_INDEXER_MAX_MEMORY")]
+    pub max_memory: Option<String>,
+
     /// Largest gRPC request accepted, e.g. `16MiB` [default: 16MiB].
     #[arg(long, env = "KV_INDEXER_MAX_MESSAGE")]
     pub max_message: Option<String>,
@@ -250,6 +260,8 @@ pub struct FileConfig {
     pub log_format: Option<String>,
     pub log_level: Option<String>,
     pub ingest_workers: Option<usize>,
+    pub max_blocks: Option<usize>,
+    pub max_memory: Option<String>,
     pub max_message: Option<String>,
     pub max_prompt: Option<String>,
     pub max_prompt_tokens: Option<usize>,
@@ -516,6 +528,19 @@ impl Config {
         let replay_timeout = parse_duration(&replay_raw)
             .filter(|d| !d.is_zero())
             .ok_or_else(|| invalid("replay_timeout", &replay_raw, "want e.g. 2s or 500ms"))?;
+        let by_memory = match args.max_memory.or(file.max_memory) {
+            None => None,
+            Some(raw) => Some(
+                parse_bytes(&raw)
+                    .filter(|b| *b >= BYTES_PER_ENTRY)
+                    .ok_or_else(|| invalid("max_memory", &raw, "want a size, e.g. 4GiB"))?
+                    / BYTES_PER_ENTRY,
+            ),
+        };
+        let max_entries = match (args.max_blocks.or(file.max_blocks), by_memory) {
+            (Some(0), _) => return Err(invalid("max_blocks", "0", "must be at least 1")),
+            (a, b) => a.into_iter().chain(b).min(),
+        };
         let drop_incomplete = match args
             .incomplete_pods
             .or(file.incomplete_pods)
@@ -729,6 +754,7 @@ impl Config {
                 tier_weights: weights,
                 keys,
                 drop_incomplete,
+                max_entries,
             },
             log_format,
             log_level,
@@ -820,6 +846,10 @@ fn key_schemes(k: &KeyArgs) -> Result<KeySchemes, ConfigError> {
     }
     Ok(KeySchemes { default, per_model })
 }
+
+/// Memory one (pod, block) entry costs, all structures included (measured
+/// by tests/memory.rs; see the README).
+pub const BYTES_PER_ENTRY: usize = 160;
 
 /// `1234`, `64KiB`, `256MiB`, `2GiB` (also `K`/`M`/`G`, `KB`/`MB`/`GB` as
 /// powers of 1024).
@@ -1071,6 +1101,8 @@ mod tests {
             (&["--tokenizer", "m=/no/such/dir"], "tokenizer"),
             (&["--tokenization-cache", "lots"], "tokenization_cache"),
             (&["--max-message", "0"], "max_message"),
+            (&["--max-blocks", "0"], "max_blocks"),
+            (&["--max-memory", "12"], "max_memory"),
             (&["--max-inflight", "0"], "max_inflight"),
             (&["--max-prompt-tokens", "0"], "max_prompt_tokens"),
         ];

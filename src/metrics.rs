@@ -307,6 +307,20 @@ impl Collector for StateCollector {
         )?;
         family(
             &mut encoder,
+            "index_entries",
+            "(pod, block) entries held, the unit of --max-blocks",
+            MetricType::Gauge,
+            vec![(vec![], ConstGauge::new(self.indexer.entries() as i64))],
+        )?;
+        family(
+            &mut encoder,
+            "evictions",
+            "Blocks evicted to stay within --max-blocks / --max-memory",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(self.indexer.evictions()))],
+        )?;
+        family(
+            &mut encoder,
             "seq_gaps",
             "Batches whose seq did not follow the pod's previous one",
             MetricType::Counter,

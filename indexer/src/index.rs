@@ -60,13 +60,22 @@ impl Holder {
 /// Holders of a key, sorted by pod id so scoring can intersect in one pass.
 pub type Holders = SmallVec<[Holder; 2]>;
 
-/// Keys are already uniformly distributed xxh3 values: hash them as is.
+/// Hasher for 64-bit keys: one finalizer round (murmur3's fmix64) instead
+/// of SipHash. Our keys are xxh3 values, but engine hashes come from the
+/// pods: whatever their distribution, every bit of the result must depend on
+/// every bit of the key (DashMap picks shards and hashbrown tags slots from
+/// the top bits; sequential ints would otherwise all land in one shard).
 #[derive(Default)]
 pub struct KeyHasher(u64);
 
 impl Hasher for KeyHasher {
     fn finish(&self) -> u64 {
-        self.0
+        let mut x = self.0;
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        x ^ (x >> 33)
     }
 
     fn write(&mut self, bytes: &[u8]) {
@@ -90,6 +99,19 @@ pub struct BlockIndex {
 impl BlockIndex {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An index that will hold at most `max_keys` keys. Sized at twice that
+    /// up front: a hash table churning above half its capacity resizes
+    /// (doubles) instead of rehashing in place, so this is what keeps memory
+    /// flat at capacity.
+    pub fn with_max_keys(max_keys: usize) -> Self {
+        BlockIndex {
+            map: DashMap::with_capacity_and_hasher(
+                max_keys.saturating_mul(2),
+                KeyBuildHasher::default(),
+            ),
+        }
     }
 
     /// Records one more reference of `pod` holding `key` on `tier`.
@@ -174,6 +196,15 @@ mod tests {
         index.release(k, PodId(2), Tier::Cpu);
         index.release(k, PodId(1), Tier::Gpu);
         assert!(index.is_empty());
+    }
+
+    #[test]
+    fn sequential_keys_spread_over_the_top_bits() {
+        use std::hash::BuildHasher;
+        let top: std::collections::HashSet<u64> = (0..1000u64)
+            .map(|k| KeyBuildHasher::default().hash_one(k) >> 56)
+            .collect();
+        assert!(top.len() > 200, "{}", top.len());
     }
 
     #[test]

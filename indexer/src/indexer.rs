@@ -5,7 +5,7 @@
 //! sharded. Readers (`score`, `lookup`) never take a pod lock.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,9 @@ pub struct IndexerConfig {
     pub keys: KeySchemes,
     /// Pods with unrepaired gaps score 0 instead of what the index shows.
     pub drop_incomplete: bool,
+    /// Most (pod, block) entries held; beyond it the largest pods lose
+    /// their least recently stored blocks. `None`: unbounded.
+    pub max_entries: Option<usize>,
 }
 
 impl Default for IndexerConfig {
@@ -37,6 +40,7 @@ impl Default for IndexerConfig {
             tier_weights: TierWeights::default(),
             keys: KeySchemes::default(),
             drop_incomplete: false,
+            max_entries: None,
         }
     }
 }
@@ -68,6 +72,8 @@ pub struct Pod {
     /// Removed by an admin: no longer a candidate; holders of this handle
     /// must look the pod up again.
     removed: AtomicBool,
+    /// Distinct blocks held (the pod's share of the capacity).
+    entries: AtomicU64,
     inner: Mutex<PodInner>,
 }
 
@@ -165,6 +171,11 @@ struct ModelEntry {
 pub struct Indexer {
     config: IndexerConfig,
     blocks: BlockIndex,
+    /// (pod, block) entries held, summed over pods.
+    entries: AtomicU64,
+    evictions: AtomicU64,
+    /// One evictor at a time; others skip (the capacity is soft by a batch).
+    evicting: Mutex<()>,
     pods: RwLock<Vec<Arc<Pod>>>,
     by_name: DashMap<(String, String), PodId>,
     models: RwLock<BTreeMap<String, ModelEntry>>,
@@ -179,9 +190,15 @@ impl Pod {
 
 impl Indexer {
     pub fn new(config: IndexerConfig) -> Self {
+        let blocks = config
+            .max_entries
+            .map_or_else(BlockIndex::new, BlockIndex::with_max_keys);
         Indexer {
             config,
-            blocks: BlockIndex::new(),
+            blocks,
+            entries: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
+            evicting: Mutex::new(()),
             pods: RwLock::new(Vec::new()),
             by_name: DashMap::new(),
             models: RwLock::new(BTreeMap::new()),
@@ -215,8 +232,13 @@ impl Indexer {
             block_size: AtomicU32::new(0),
             incomplete: AtomicBool::new(false),
             removed: AtomicBool::new(false),
+            entries: AtomicU64::new(0),
             inner: Mutex::new(PodInner {
-                state: PodState::new(id, model),
+                state: if self.config.max_entries.is_some() {
+                    PodState::new(id, model).bounded()
+                } else {
+                    PodState::new(id, model)
+                },
                 progress: Progress::default(),
             }),
         });
@@ -267,6 +289,7 @@ impl Indexer {
             }
         }
         progress.applied.add(&stats);
+        self.account(pod, state.entries());
         if let Some(bs) = state.block_size() {
             if pod.block_size.swap(bs, Ordering::Relaxed) != bs {
                 if let Some(m) = self.models.write().get_mut(&pod.model) {
@@ -274,7 +297,69 @@ impl Indexer {
                 }
             }
         }
+        drop(inner);
+        self.enforce_capacity();
         stats
+    }
+
+    /// Updates the entry counts after `pod` now holds `now` entries.
+    fn account(&self, pod: &Pod, now: usize) {
+        let before = pod.entries.swap(now as u64, Ordering::Relaxed);
+        if now as u64 >= before {
+            self.entries
+                .fetch_add(now as u64 - before, Ordering::Relaxed);
+        } else {
+            self.entries
+                .fetch_sub(before - now as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Over capacity: evict down to 95% of it, always from the pod holding
+    /// the most entries (so a pod's share shrinks only when it is the
+    /// largest: fair), its least recently stored blocks first. Evicting
+    /// only ever lowers a pod's match: answers stay conservative.
+    fn enforce_capacity(&self) {
+        let Some(cap) = self.config.max_entries else {
+            return;
+        };
+        if self.entries.load(Ordering::Relaxed) as usize <= cap {
+            return;
+        }
+        let Some(_guard) = self.evicting.try_lock() else {
+            return;
+        };
+        let target = cap - cap / 20;
+        while self.entries.load(Ordering::Relaxed) as usize > target {
+            let victim = self
+                .pods
+                .read()
+                .iter()
+                .filter(|p| !p.is_removed())
+                .max_by_key(|p| p.entries.load(Ordering::Relaxed))
+                .cloned();
+            let Some(victim) = victim else { break };
+            let excess = self.entries.load(Ordering::Relaxed) as usize - target;
+            let mut inner = self.lock(&victim);
+            // Chunks keep each pod lock short and the choice fair.
+            let evicted = inner.state.evict_oldest(&self.blocks, excess.min(4096));
+            let now = inner.state.entries();
+            drop(inner);
+            self.account(&victim, now);
+            self.evictions.fetch_add(evicted as u64, Ordering::Relaxed);
+            if evicted == 0 {
+                break;
+            }
+        }
+    }
+
+    /// Blocks evicted to stay within capacity, so far.
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(Ordering::Relaxed)
+    }
+
+    /// (pod, block) entries held.
+    pub fn entries(&self) -> u64 {
+        self.entries.load(Ordering::Relaxed)
     }
 
     /// Forgets a pod: drops its blocks and takes it out of the candidates.
@@ -290,6 +375,8 @@ impl Indexer {
         let held: u64 = inner.state.held_per_tier().iter().sum();
         let mut stats = ApplyStats::default();
         inner.state.clear(&self.blocks, &mut stats);
+        drop(inner);
+        self.account(&pod, 0);
         Some(held)
     }
 
@@ -656,6 +743,68 @@ mod tests {
         let again = ix.pod("m", "p", None);
         assert!(!again.is_removed());
         assert_eq!(ix.list_pods(None)[0].batches, 0);
+    }
+
+    #[test]
+    fn capacity_evicts_from_the_largest_pod_oldest_first() {
+        let ix = Indexer::new(IndexerConfig {
+            max_entries: Some(100),
+            ..Default::default()
+        });
+        let big = ix.pod("m", "big", None);
+        let small = ix.pod("m", "small", None);
+        let tokens: Vec<u32> = (0..16).collect();
+        let block = |h: u64| -> Vec<u32> { tokens.iter().map(|x| x + h as u32 * 100).collect() };
+        for h in 0..20u64 {
+            ix.apply(
+                &small,
+                h,
+                &batch(vec![stored(&[h], None, &block(1000 + h), 16)]),
+            );
+        }
+        for h in 0..150u64 {
+            ix.apply(&big, h, &batch(vec![stored(&[h], None, &block(h), 16)]));
+        }
+        assert!(ix.entries() <= 100, "{}", ix.entries());
+        assert!(ix.evictions() >= 70, "{}", ix.evictions());
+        let pods = ix.list_pods(None);
+        let held = |n: &str| pods.iter().find(|p| p.pod == n).unwrap().blocks_per_tier[0];
+        // Only the largest pod paid.
+        assert_eq!(held("small"), 20);
+        assert_eq!(held("big") + 20, ix.entries());
+        // The most recent blocks survive.
+        let last = block(149);
+        let q = ScoreQuery {
+            model: "m",
+            tokens: &last,
+            lora_name: None,
+            cache_salt: None,
+            pods: &[],
+        };
+        let out = ix.score(&q);
+        assert_eq!(
+            out.pods
+                .iter()
+                .find(|p| p.pod == "big")
+                .unwrap()
+                .matched
+                .matched_blocks,
+            1
+        );
+        let first = block(0);
+        let out = ix.score(&ScoreQuery {
+            tokens: &first,
+            ..q
+        });
+        assert_eq!(
+            out.pods
+                .iter()
+                .find(|p| p.pod == "big")
+                .unwrap()
+                .matched
+                .matched_blocks,
+            0
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! - a block whose parent is unknown cannot be keyed. It is counted and
 //!   skipped; nothing else is touched.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 
 use crate::event::{
@@ -24,6 +24,8 @@ use crate::scheme::{EngineKeys, KeyMode};
 struct HeldBlock {
     key: BlockKey,
     counts: [u32; TIERS],
+    /// When it was last stored (the pod's store clock), for eviction.
+    stamp: u64,
 }
 
 /// What applying events did, for metrics and `ListPods`.
@@ -75,6 +77,14 @@ pub struct PodState {
     /// Engine mode: stores eligible for the hash self-check seen so far.
     checkable_stores: u64,
     check_buf: Vec<u8>,
+    /// Store clock, and (hash, stamp) in store order for eviction. An
+    /// entry whose stamp no longer matches was re-stored or removed since:
+    /// skipped, and compacted away when they pile up.
+    clock: u64,
+    order: VecDeque<(EngineHash, u64)>,
+    /// Under a capacity limit: keep `by_hash` at most half full, so churn at
+    /// capacity rehashes in place instead of doubling the table.
+    half_full: bool,
 }
 
 /// Every pod's first stores are checked, then one in `self_check_every`.
@@ -91,6 +101,22 @@ impl PodState {
             held_per_tier: [0; TIERS],
             checkable_stores: 0,
             check_buf: Vec::new(),
+            clock: 0,
+            order: VecDeque::new(),
+            half_full: false,
+        }
+    }
+
+    /// For a capacity-bounded index (see `half_full`).
+    pub fn bounded(mut self) -> Self {
+        self.half_full = true;
+        self
+    }
+
+    /// Room for one more entry, growing early when bounded.
+    fn reserve_one(&mut self) {
+        if self.half_full && (self.by_hash.len() + 1) * 2 > self.by_hash.capacity() {
+            self.by_hash.reserve(self.by_hash.len() + 1);
         }
     }
 
@@ -129,11 +155,13 @@ impl PodState {
             // Offload to another tier: token mode needs the blocks known by
             // hash already; engine mode keys them by hash alone.
             for hash in &ev.block_hashes {
+                self.reserve_one();
                 let held = match (self.by_hash.get_mut(hash), engine) {
                     (Some(held), _) => held,
                     (None, Some(_)) => self.by_hash.entry(*hash).or_insert(HeldBlock {
                         key: BlockKey(hash.0),
                         counts: [0; TIERS],
+                        stamp: 0,
                     }),
                     (None, None) => {
                         stats.unkeyable_blocks += 1;
@@ -142,6 +170,7 @@ impl PodState {
                 };
                 Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
                 stats.stored_blocks += 1;
+                self.touch(*hash);
             }
             return;
         }
@@ -158,12 +187,15 @@ impl PodState {
         if let Some(engine) = engine {
             self.self_check(ev, block_size, engine, stats);
             for hash in &ev.block_hashes {
+                self.reserve_one();
                 let held = self.by_hash.entry(*hash).or_insert(HeldBlock {
                     key: BlockKey(hash.0),
                     counts: [0; TIERS],
+                    stamp: 0,
                 });
                 Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
                 stats.stored_blocks += 1;
+                self.touch(*hash);
             }
             return;
         }
@@ -208,12 +240,15 @@ impl PodState {
                 key = fold_extras(key, &extras_of(i));
             }
             prev = key.0;
+            self.reserve_one();
             let held = self.by_hash.entry(*hash).or_insert(HeldBlock {
                 key,
                 counts: [0; TIERS],
+                stamp: 0,
             });
             Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
             stats.stored_blocks += 1;
+            self.touch(*hash);
         }
     }
 
@@ -248,6 +283,54 @@ impl PodState {
         }
     }
 
+    /// Distinct blocks (engine hashes) held, any tier: this pod's share of
+    /// the index's capacity.
+    pub fn entries(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    /// Marks `hash` as just stored.
+    fn touch(&mut self, hash: EngineHash) {
+        self.clock += 1;
+        if let Some(held) = self.by_hash.get_mut(&hash) {
+            held.stamp = self.clock;
+            self.order.push_back((hash, self.clock));
+        }
+        // Re-stores and removals leave stale order entries: rebuild before
+        // they outnumber the live ones (keeps this O(1) amortised).
+        if self.order.len() > 2 * self.by_hash.len() + 64 {
+            let mut live: Vec<(u64, EngineHash)> =
+                self.by_hash.iter().map(|(h, b)| (b.stamp, *h)).collect();
+            live.sort_unstable();
+            self.order = live.into_iter().map(|(s, h)| (h, s)).collect();
+        }
+    }
+
+    /// Evicts up to `n` least recently stored blocks (every tier of each).
+    /// Returns how many were evicted.
+    pub fn evict_oldest(&mut self, index: &BlockIndex, n: usize) -> usize {
+        let mut evicted = 0;
+        while evicted < n {
+            let Some((hash, stamp)) = self.order.pop_front() else {
+                break;
+            };
+            let current = self.by_hash.get(&hash).is_some_and(|b| b.stamp == stamp);
+            if !current {
+                continue;
+            }
+            if let Some(held) = self.by_hash.remove(&hash) {
+                for tier in Tier::ALL {
+                    if held.counts[tier.index()] > 0 {
+                        index.release(held.key, self.id, tier);
+                        self.held_per_tier[tier.index()] -= 1;
+                    }
+                }
+                evicted += 1;
+            }
+        }
+        evicted
+    }
+
     /// Drops every block of this pod: O(blocks of this pod).
     pub fn clear(&mut self, index: &BlockIndex, stats: &mut ApplyStats) {
         for (_, held) in self.by_hash.drain() {
@@ -258,6 +341,7 @@ impl PodState {
             }
         }
         self.held_per_tier = [0; TIERS];
+        self.order.clear();
         stats.clears += 1;
     }
 
@@ -456,6 +540,37 @@ mod tests {
         pod.remove(&index, &removed(&[1]), &mut stats);
         assert_eq!(stats.unknown_removals, 1);
         assert!(index.is_empty());
+    }
+
+    #[test]
+    fn eviction_drops_the_least_recently_stored_blocks_first() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        for h in 1..=5u64 {
+            pod.store_t(
+                &index,
+                &store(&[h], None, &tokens(4, h as u32 * 10)),
+                &mut stats,
+            );
+        }
+        // Re-storing 1 makes it the most recent.
+        pod.store_t(&index, &store(&[1], None, &tokens(4, 10)), &mut stats);
+        pod.remove(&index, &removed(&[3]), &mut stats);
+        assert_eq!(pod.evict_oldest(&index, 2), 2); // 2 and 4 (3 is gone)
+        let left: Vec<u64> = {
+            let mut v: Vec<u64> = pod.by_hash.keys().map(|h| h.0).collect();
+            v.sort_unstable();
+            v
+        };
+        assert_eq!(left, vec![1, 5]);
+        assert_eq!(index.len(), 2);
+        assert_eq!(pod.held_per_tier(), [2, 0, 0]);
+        // Many re-stores do not grow the order queue without bound.
+        for _ in 0..1000 {
+            pod.store_t(&index, &store(&[5], None, &tokens(4, 50)), &mut stats);
+        }
+        assert!(pod.order.len() <= 2 * pod.entries() + 64);
     }
 
     #[test]

@@ -231,6 +231,17 @@ impl Service {
         }
     }
 
+    /// Resident memory of the service process, in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    }
+
     /// SIGKILL: no shutdown, no cleanup, as a crash.
     pub fn kill9(mut self) {
         let _ = self.child.kill();
