@@ -29,8 +29,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         config.tokenizers.clone(),
         config.tokenization_cache_bytes,
     ));
+    let last_snapshot: crate::snapshots::LastSnapshot = Default::default();
+    if let Some(dir) = &config.snapshot_dir {
+        // Before any socket opens: readiness means the snapshot is in.
+        crate::snapshots::load(dir, &indexer, &last_snapshot);
+    }
     let mut metrics = Metrics::new();
-    metrics.register_state(indexer.clone(), tokenizers.clone());
+    metrics.register_state(indexer.clone(), tokenizers.clone(), last_snapshot.clone());
     let metrics = Arc::new(metrics);
     let ready = Arc::new(AtomicBool::new(false));
 
@@ -61,6 +66,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         None => None,
     };
     let ingest = Ingest::start(&config, indexer.clone(), metrics.clone()).await?;
+    let snapshotter = config.snapshot_dir.clone().map(|dir| {
+        tokio::spawn(crate::snapshots::every(
+            dir,
+            config.snapshot_interval,
+            indexer.clone(),
+            last_snapshot.clone(),
+        ))
+    });
 
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
@@ -80,7 +93,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
 
     let (stop_rpc, rpc_stopped) = tokio::sync::oneshot::channel::<()>();
     let service = Arc::new(KvIndexerService::new(
-        indexer,
+        indexer.clone(),
         tokenizers,
         metrics,
         config.limits.clone(),
@@ -121,6 +134,18 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         .set_not_serving::<KvIndexerServer<KvIndexerService>>()
         .await;
     tokio::task::spawn_blocking(move || ingest.shutdown()).await?;
+    if let (Some(dir), Some(task)) = (config.snapshot_dir.clone(), snapshotter) {
+        task.abort();
+        // Ingestion has stopped: this is the final state.
+        let (indexer, last) = (indexer.clone(), last_snapshot.clone());
+        match tokio::task::spawn_blocking(move || crate::snapshots::write(&dir, &indexer, &last))
+            .await
+        {
+            Ok(Ok(())) => tracing::info!("final snapshot written"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "cannot write the final snapshot"),
+            Err(e) => tracing::warn!(error = %e, "final snapshot task failed"),
+        }
+    }
     let _ = stop_rpc.send(());
     // Clients such as an EPP keep HTTP/2 connections open; do not wait on
     // them forever once in-flight calls had their chance.

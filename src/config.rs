@@ -128,6 +128,15 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_MAX_MEMORY")]
     pub max_memory: Option<String>,
 
+    /// Directory for index snapshots: written every --snapshot-interval and
+    /// on shutdown, loaded at start [default: none].
+    #[arg(long, env = "KV_INDEXER_SNAPSHOT_DIR")]
+    pub snapshot_dir: Option<PathBuf>,
+
+    /// How often to write a snapshot, e.g. `60s` [default: 60s].
+    #[arg(long, env = "KV_INDEXER_SNAPSHOT_INTERVAL")]
+    pub snapshot_interval: Option<String>,
+
     /// Largest gRPC request accepted, e.g. `16MiB` [default: 16MiB].
     #[arg(long, env = "KV_INDEXER_MAX_MESSAGE")]
     pub max_message: Option<String>,
@@ -262,6 +271,8 @@ pub struct FileConfig {
     pub ingest_workers: Option<usize>,
     pub max_blocks: Option<usize>,
     pub max_memory: Option<String>,
+    pub snapshot_dir: Option<PathBuf>,
+    pub snapshot_interval: Option<String>,
     pub max_message: Option<String>,
     pub max_prompt: Option<String>,
     pub max_prompt_tokens: Option<usize>,
@@ -345,6 +356,8 @@ pub struct Config {
     pub log_level: String,
     pub ingest_workers: usize,
     pub limits: Limits,
+    pub snapshot_dir: Option<PathBuf>,
+    pub snapshot_interval: std::time::Duration,
     pub tokenizers: tokenizer::load::Sources,
     /// Tokenization cache bytes, per model.
     pub tokenization_cache_bytes: usize,
@@ -541,6 +554,14 @@ impl Config {
             (Some(0), _) => return Err(invalid("max_blocks", "0", "must be at least 1")),
             (a, b) => a.into_iter().chain(b).min(),
         };
+        let snapshot_raw = args
+            .snapshot_interval
+            .or(file.snapshot_interval)
+            .unwrap_or_else(|| "60s".into());
+        let snapshot_interval = parse_duration(&snapshot_raw)
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| invalid("snapshot_interval", &snapshot_raw, "want e.g. 60s or 5m"))?;
+        let snapshot_dir = args.snapshot_dir.or(file.snapshot_dir);
         let drop_incomplete = match args
             .incomplete_pods
             .or(file.incomplete_pods)
@@ -760,6 +781,8 @@ impl Config {
             log_level,
             ingest_workers,
             limits,
+            snapshot_dir,
+            snapshot_interval,
             tokenizers,
             tokenization_cache_bytes,
         })
@@ -1104,6 +1127,7 @@ mod tests {
             (&["--tokenization-cache", "lots"], "tokenization_cache"),
             (&["--max-message", "0"], "max_message"),
             (&["--max-blocks", "0"], "max_blocks"),
+            (&["--snapshot-interval", "often"], "snapshot_interval"),
             (&["--max-memory", "12"], "max_memory"),
             (&["--max-inflight", "0"], "max_inflight"),
             (&["--max-prompt-tokens", "0"], "max_prompt_tokens"),

@@ -30,4 +30,5 @@ pub mod llmd;
 pub mod metrics;
 mod ratelimit;
 pub mod replay;
+pub mod snapshots;
 mod worker;

@@ -212,10 +212,16 @@ impl Metrics {
     }
 
     /// Adds the scrape-time collector over the index and tokenizers.
-    pub fn register_state(&mut self, indexer: Arc<Indexer>, tokenizers: Arc<tokenizer::Registry>) {
+    pub fn register_state(
+        &mut self,
+        indexer: Arc<Indexer>,
+        tokenizers: Arc<tokenizer::Registry>,
+        last_snapshot: crate::snapshots::LastSnapshot,
+    ) {
         self.registry.register_collector(Box::new(StateCollector {
             indexer,
             tokenizers,
+            last_snapshot,
         }));
     }
 
@@ -238,6 +244,7 @@ impl Default for Metrics {
 struct StateCollector {
     indexer: Arc<Indexer>,
     tokenizers: Arc<tokenizer::Registry>,
+    last_snapshot: crate::snapshots::LastSnapshot,
 }
 
 impl std::fmt::Debug for StateCollector {
@@ -304,6 +311,16 @@ impl Collector for StateCollector {
             "Distinct block keys held by at least one pod",
             MetricType::Gauge,
             vec![(vec![], ConstGauge::new(self.indexer.indexed_keys() as i64))],
+        )?;
+        family(
+            &mut encoder,
+            "snapshot_age_seconds",
+            "Seconds since the last snapshot was written or loaded (-1: none)",
+            MetricType::Gauge,
+            vec![(
+                vec![],
+                ConstGauge::new(crate::snapshots::age_seconds(&self.last_snapshot)),
+            )],
         )?;
         family(
             &mut encoder,

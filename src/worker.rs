@@ -194,11 +194,13 @@ impl<'a> Worker<'a> {
                 .get(topic.pod)
                 .map(|e| Arc::from(e.as_str()))
         });
-        tracing::info!(pod = %pod.name, model = %pod.model, replay = ?replay, "new pod");
+        // A pod restored from a snapshot continues after its last seq.
+        let next = self.indexer.last_seq(&pod).map(|s| s.wrapping_add(1));
+        tracing::info!(pod = %pod.name, model = %pod.model, replay = ?replay, ?next, "new pod");
         Stream {
             pod,
             replay,
-            next: None,
+            next,
             repair: None,
         }
     }

@@ -18,6 +18,7 @@ use crate::keys::BlockKey;
 use crate::pod::{ApplyStats, PodState};
 use crate::scheme::{KeyMode, KeySchemes};
 use crate::score::{extend_prefix_closed, walk, PrefixMatch, TierWeights};
+use crate::snapshot::{PodSnapshot, Snapshot, SnapshotError};
 
 #[derive(Clone, Debug)]
 pub struct IndexerConfig {
@@ -61,6 +62,8 @@ pub struct Pod {
     /// `pod_id(pod, dp_rank)`.
     pub name: String,
     pub model: String,
+    /// The pod name from the topic (`name` without the DP rank suffix).
+    pub topic_pod: String,
     pub dp_rank: Option<u32>,
     /// The model's key mode, resolved once.
     mode: KeyMode,
@@ -227,6 +230,7 @@ impl Indexer {
             id,
             name: key.1.clone(),
             model: model.to_owned(),
+            topic_pod: pod.to_owned(),
             dp_rank,
             mode: self.config.keys.for_model(model).clone(),
             block_size: AtomicU32::new(0),
@@ -360,6 +364,81 @@ impl Indexer {
     /// (pod, block) entries held.
     pub fn entries(&self) -> u64 {
         self.entries.load(Ordering::Relaxed)
+    }
+
+    /// The last seq applied for `pod` (restored from a snapshot too).
+    pub fn last_seq(&self, pod: &Pod) -> Option<u64> {
+        self.lock(pod).progress.last_seq
+    }
+
+    /// Fingerprint of the key configuration: keys in a snapshot are only
+    /// valid under the configuration that computed them.
+    fn keys_fingerprint(&self) -> u64 {
+        let mut per_model: Vec<String> = self
+            .config
+            .keys
+            .per_model
+            .iter()
+            .map(|(m, k)| format!("{m}={k:?}"))
+            .collect();
+        per_model.sort();
+        let text = format!("{:?}|{}", self.config.keys.default, per_model.join(","));
+        xxhash_rust::xxh3::xxh3_64(text.as_bytes())
+    }
+
+    /// Everything needed to restart where we are (each pod locked briefly).
+    pub fn export(&self) -> Snapshot {
+        let pods: Vec<Arc<Pod>> = self.pods.read().clone();
+        let pods = pods
+            .iter()
+            .filter(|p| !p.is_removed())
+            .map(|p| {
+                let inner = self.lock(p);
+                let (blocks, non_full_groups) = inner.state.export();
+                PodSnapshot {
+                    model: p.model.clone(),
+                    pod: p.topic_pod.clone(),
+                    dp_rank: p.dp_rank,
+                    block_size: inner.state.block_size(),
+                    last_seq: inner.progress.last_seq,
+                    incomplete: p.incomplete.load(Ordering::Relaxed),
+                    non_full_groups,
+                    blocks,
+                }
+            })
+            .collect();
+        Snapshot {
+            keys_fingerprint: self.keys_fingerprint(),
+            pods,
+        }
+    }
+
+    /// Restores a snapshot into this (empty) indexer. Returns the pods
+    /// restored.
+    pub fn import(&self, snapshot: &Snapshot) -> Result<usize, SnapshotError> {
+        if snapshot.keys_fingerprint != self.keys_fingerprint() {
+            return Err(SnapshotError::KeysChanged);
+        }
+        for ps in &snapshot.pods {
+            let pod = self.pod(&ps.model, &ps.pod, ps.dp_rank);
+            let mut inner = self.lock(&pod);
+            inner
+                .state
+                .import(&self.blocks, &ps.blocks, &ps.non_full_groups, ps.block_size);
+            inner.progress.last_seq = ps.last_seq;
+            let entries = inner.state.entries();
+            drop(inner);
+            pod.incomplete.store(ps.incomplete, Ordering::Relaxed);
+            if let Some(bs) = ps.block_size {
+                pod.block_size.store(bs, Ordering::Relaxed);
+                if let Some(m) = self.models.write().get_mut(&ps.model) {
+                    m.block_size = bs;
+                }
+            }
+            self.account(&pod, entries);
+        }
+        self.enforce_capacity();
+        Ok(snapshot.pods.len())
     }
 
     /// Forgets a pod: drops its blocks and takes it out of the candidates.
@@ -805,6 +884,69 @@ mod tests {
                 .matched_blocks,
             0
         );
+    }
+
+    #[test]
+    fn a_snapshot_restores_every_pod_exactly() {
+        let ix = Indexer::new(IndexerConfig::default());
+        let tokens: Vec<u32> = (0..48).collect();
+        let a = ix.pod("m", "a", None);
+        let b = ix.pod("m", "b", Some(1));
+        ix.apply(&a, 4, &batch(vec![stored(&[1, 2, 3], None, &tokens, 16)]));
+        ix.apply(&b, 9, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+        ix.apply(&b, 10, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+        let bytes = crate::snapshot::encode(&ix.export());
+        let restored = Indexer::new(IndexerConfig::default());
+        let snap = crate::snapshot::decode(&bytes).unwrap();
+        assert_eq!(restored.import(&snap).unwrap(), 2);
+        let q = ScoreQuery {
+            model: "m",
+            tokens: &tokens,
+            lora_name: None,
+            cache_salt: None,
+            pods: &[],
+        };
+        assert_eq!(ix.score(&q), restored.score(&q));
+        let rb = restored.pod("m", "b", Some(1));
+        assert_eq!(restored.last_seq(&rb), Some(10));
+        // Counts survive: b stored hash 1 twice, so one removal keeps it.
+        restored.apply(
+            &rb,
+            11,
+            &batch(vec![KvEvent::Removed(crate::event::BlockRemoved {
+                block_hashes: vec![EngineHash(1)],
+                ..Default::default()
+            })]),
+        );
+        assert_eq!(
+            restored
+                .score(&q)
+                .pods
+                .iter()
+                .find(|p| p.pod == "b#dp1")
+                .unwrap()
+                .matched
+                .matched_blocks,
+            1
+        );
+        // Another key configuration cannot use these keys.
+        let engine = Indexer::new(IndexerConfig {
+            keys: KeySchemes {
+                default: KeyMode::Engine(Box::new(crate::scheme::EngineKeys {
+                    hasher: crate::engine_hash::EngineHasher::new(
+                        crate::engine_hash::HashAlgo::Sha256,
+                        "x",
+                        crate::engine_hash::ExtraKeyStyle::Tagged,
+                    ),
+                    lora_paths: Default::default(),
+                    assume_prefix_closed: true,
+                    self_check_every: 0,
+                })),
+                per_model: Default::default(),
+            },
+            ..Default::default()
+        });
+        assert_eq!(engine.import(&snap), Err(SnapshotError::KeysChanged));
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod keys;
 pub mod pod;
 pub mod scheme;
 pub mod score;
+pub mod snapshot;
 pub mod topic;
 pub mod wire;
 

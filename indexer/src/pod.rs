@@ -283,6 +283,56 @@ impl PodState {
         }
     }
 
+    /// Blocks as (hash, key, counts), least recently stored first, and the
+    /// groups known not to be full attention: what a snapshot keeps.
+    pub fn export(&self) -> (Vec<(u64, u64, [u32; TIERS])>, Vec<u32>) {
+        let mut blocks: Vec<(u64, u64, u64, [u32; TIERS])> = self
+            .by_hash
+            .iter()
+            .map(|(h, b)| (b.stamp, h.0, b.key.0, b.counts))
+            .collect();
+        blocks.sort_unstable();
+        let mut groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
+        groups.sort_unstable();
+        (
+            blocks.into_iter().map(|(_, h, k, c)| (h, k, c)).collect(),
+            groups,
+        )
+    }
+
+    /// Restores what `export` returned, into an empty pod.
+    pub fn import(
+        &mut self,
+        index: &BlockIndex,
+        blocks: &[(u64, u64, [u32; TIERS])],
+        non_full_groups: &[u32],
+        block_size: Option<u32>,
+    ) {
+        self.block_size = block_size;
+        self.non_full_groups = non_full_groups.iter().copied().collect();
+        for (hash, key, counts) in blocks {
+            if counts.iter().all(|c| *c == 0) {
+                continue;
+            }
+            self.reserve_one();
+            self.by_hash.insert(
+                EngineHash(*hash),
+                HeldBlock {
+                    key: BlockKey(*key),
+                    counts: *counts,
+                    stamp: 0,
+                },
+            );
+            for tier in Tier::ALL {
+                if counts[tier.index()] > 0 {
+                    index.acquire(BlockKey(*key), self.id, tier);
+                    self.held_per_tier[tier.index()] += 1;
+                }
+            }
+            self.touch(EngineHash(*hash));
+        }
+    }
+
     /// Distinct blocks (engine hashes) held, any tier: this pod's share of
     /// the index's capacity.
     pub fn entries(&self) -> usize {
