@@ -19,6 +19,7 @@ use crate::event::{
 use crate::index::{BlockIndex, KeyHasher, PodId};
 use crate::keys::{chain, fold_extras, BlockKey, KeyScope};
 use crate::scheme::{EngineKeys, KeyMode};
+use crate::snapshot::SnapshotBlock;
 
 #[derive(Clone, Copy, Debug)]
 struct HeldBlock {
@@ -285,7 +286,7 @@ impl PodState {
 
     /// Blocks as (hash, key, counts), least recently stored first, and the
     /// groups known not to be full attention: what a snapshot keeps.
-    pub fn export(&self) -> (Vec<(u64, u64, [u32; TIERS])>, Vec<u32>) {
+    pub fn export(&self) -> (Vec<SnapshotBlock>, Vec<u32>) {
         let mut blocks: Vec<(u64, u64, u64, [u32; TIERS])> = self
             .by_hash
             .iter()
@@ -304,7 +305,7 @@ impl PodState {
     pub fn import(
         &mut self,
         index: &BlockIndex,
-        blocks: &[(u64, u64, [u32; TIERS])],
+        blocks: &[SnapshotBlock],
         non_full_groups: &[u32],
         block_size: Option<u32>,
     ) {

@@ -12,6 +12,9 @@ use xxhash_rust::xxh3::xxh3_64;
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
 pub const VERSION: u32 = 1;
 
+/// One held block: (engine hash, key, count per tier).
+pub type SnapshotBlock = (u64, u64, [u32; crate::event::TIERS]);
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Snapshot {
     /// Fingerprint of the key configuration the keys were computed with.
@@ -30,7 +33,7 @@ pub struct PodSnapshot {
     pub incomplete: bool,
     pub non_full_groups: Vec<u32>,
     /// (engine hash, key, counts per tier), least recently stored first.
-    pub blocks: Vec<(u64, u64, [u32; crate::event::TIERS])>,
+    pub blocks: Vec<SnapshotBlock>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
