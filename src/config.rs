@@ -88,6 +88,12 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_REPLAY_ENDPOINT", value_delimiter = ' ')]
     pub replay_endpoint: Vec<String>,
 
+    /// Dial mode: forget a pod whose connection has been down and that has
+    /// published nothing for this long (silence alone proves nothing);
+    /// `off` disables [default: 10m].
+    #[arg(long, env = "KV_INDEXER_POD_EXPIRY")]
+    pub pod_expiry: Option<String>,
+
     /// How long one replay request may take, e.g. `2s` [default: 2s].
     #[arg(long, env = "KV_INDEXER_REPLAY_TIMEOUT")]
     pub replay_timeout: Option<String>,
@@ -256,6 +262,7 @@ pub struct FileConfig {
     #[serde(default)]
     pub replay_endpoints: BTreeMap<String, String>,
     pub replay_timeout: Option<String>,
+    pub pod_expiry: Option<String>,
     pub incomplete_pods: Option<String>,
     #[serde(default)]
     pub discover_dns: Vec<String>,
@@ -350,6 +357,8 @@ pub struct Config {
     pub discovery: crate::discovery::DiscoveryConfig,
     pub replay_endpoints: HashMap<String, String>,
     pub replay_timeout: std::time::Duration,
+    /// Dial mode: expiry of silent, disconnected pods (`None`: never).
+    pub pod_expiry: Option<std::time::Duration>,
     pub topic_filter: String,
     pub indexer: IndexerConfig,
     pub log_format: LogFormat,
@@ -562,6 +571,19 @@ impl Config {
             .filter(|d| !d.is_zero())
             .ok_or_else(|| invalid("snapshot_interval", &snapshot_raw, "want e.g. 60s or 5m"))?;
         let snapshot_dir = args.snapshot_dir.or(file.snapshot_dir);
+        let expiry_raw = args
+            .pod_expiry
+            .or(file.pod_expiry)
+            .unwrap_or_else(|| "10m".into());
+        let pod_expiry = if expiry_raw.eq_ignore_ascii_case("off") {
+            None
+        } else {
+            Some(
+                parse_duration(&expiry_raw)
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| invalid("pod_expiry", &expiry_raw, "want e.g. 10m, or off"))?,
+            )
+        };
         let drop_incomplete = match args
             .incomplete_pods
             .or(file.incomplete_pods)
@@ -769,6 +791,7 @@ impl Config {
             discovery,
             replay_endpoints,
             replay_timeout,
+            pod_expiry,
             topic_filter,
             indexer: IndexerConfig {
                 default_block_size: block_size,
@@ -1096,6 +1119,7 @@ mod tests {
             (&["--replay-endpoint", "p"], "replay_endpoint"),
             (&["--replay-endpoint", "p=udp://x:1"], "replay_endpoint"),
             (&["--replay-timeout", "0s"], "replay_timeout"),
+            (&["--pod-expiry", "soon"], "pod_expiry"),
             (&["--incomplete-pods", "ignore"], "incomplete_pods"),
             (&["--zmq-bind", "udp://x:1"], "zmq_bind"),
             (&["--zmq-connect", "tcp://a"], "zmq_connect"),

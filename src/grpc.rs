@@ -443,22 +443,10 @@ impl KvIndexer for KvIndexerService {
     ) -> Result<Response<pb::RemovePodResponse>, Status> {
         let req = request.into_inner();
         require_model(&req.model)?;
-        // A pod and all its DP ranks.
-        let prefix = format!("{}#dp", req.pod);
-        let names: Vec<String> = self
-            .indexer
-            .list_pods(Some(&req.model))
-            .into_iter()
-            .map(|p| p.pod)
-            .filter(|p| *p == req.pod || p.starts_with(&prefix))
-            .collect();
-        let mut removed_blocks = 0;
-        for name in &names {
-            removed_blocks += self.indexer.remove_pod(&req.model, name).unwrap_or(0);
-        }
-        tracing::info!(model = %req.model, pod = %req.pod, domains = names.len(), removed_blocks, "pod removed by admin");
+        let (domains, removed_blocks) = self.indexer.remove_pod_domains(&req.model, &req.pod);
+        tracing::info!(model = %req.model, pod = %req.pod, domains, removed_blocks, "pod removed by admin");
         Ok(Response::new(pb::RemovePodResponse {
-            removed: !names.is_empty(),
+            removed: domains > 0,
             removed_blocks,
         }))
     }

@@ -178,6 +178,10 @@ impl Ingest {
             running: HashMap::new(),
             topic_filter: config.topic_filter.clone(),
             dispatcher: dispatcher.clone(),
+            expiry: config.pod_expiry.map(|after| Expiry {
+                after,
+                indexer: indexer.clone(),
+            }),
         };
         if config.discovery.is_enabled() {
             let discovery = config.discovery.clone();
@@ -222,6 +226,14 @@ struct Dialer {
     running: HashMap<DialTarget, JoinHandle<()>>,
     topic_filter: String,
     dispatcher: Dispatcher,
+    expiry: Option<Expiry>,
+}
+
+/// Forgetting dialed pods that are gone: silent and disconnected.
+#[derive(Clone)]
+struct Expiry {
+    after: Duration,
+    indexer: Arc<Indexer>,
 }
 
 impl Dialer {
@@ -242,6 +254,7 @@ impl Dialer {
                     target.clone(),
                     self.topic_filter.clone(),
                     self.dispatcher.clone(),
+                    self.expiry.clone(),
                 ));
                 self.running.insert(target.clone(), task);
             }
@@ -259,8 +272,14 @@ impl Drop for Dialer {
 
 /// Connects to one pod's PUB socket, retrying until it answers; the socket
 /// then reconnects by itself if the pod goes away and comes back.
-async fn dial(target: DialTarget, topic_filter: String, dispatcher: Dispatcher) {
+async fn dial(
+    target: DialTarget,
+    topic_filter: String,
+    dispatcher: Dispatcher,
+    expiry: Option<Expiry>,
+) {
     let mut socket = SubSocket::new();
+    let monitor = socket.monitor();
     if let Err(e) = socket.subscribe(&topic_filter).await {
         tracing::error!(endpoint = %target.endpoint, error = %e, "cannot subscribe");
         return;
@@ -278,7 +297,71 @@ async fn dial(target: DialTarget, topic_filter: String, dispatcher: Dispatcher) 
     }
     tracing::info!(endpoint = %target.endpoint, replay = ?target.replay, "connected to pod");
     let replay: Option<Arc<str>> = target.replay.as_deref().map(Arc::from);
-    recv_loop(socket, target.endpoint, dispatcher, replay).await;
+    match expiry {
+        Some(expiry) => {
+            dialed_recv_loop(socket, monitor, target.endpoint, dispatcher, replay, expiry).await
+        }
+        None => recv_loop(socket, target.endpoint, dispatcher, replay).await,
+    }
+}
+
+/// A dialed pod's receive loop, which also forgets its pods once the
+/// connection has been down and nothing arrived for `expiry.after`.
+async fn dialed_recv_loop(
+    mut socket: SubSocket,
+    mut monitor: futures::channel::mpsc::Receiver<zeromq::SocketEvent>,
+    source: String,
+    dispatcher: Dispatcher,
+    replay: Option<Arc<str>>,
+    expiry: Expiry,
+) {
+    use futures::StreamExt;
+    let warn = RateLimited::new(Duration::from_secs(10));
+    // Topics seen on this socket (copied once each, not per message).
+    let mut seen: std::collections::HashSet<Vec<u8>> = Default::default();
+    let mut last_message = std::time::Instant::now();
+    let mut down_since: Option<std::time::Instant> = None;
+    let mut check = tokio::time::interval((expiry.after / 4).max(Duration::from_millis(100)));
+    loop {
+        tokio::select! {
+            msg = socket.recv() => match msg {
+                Ok(msg) => {
+                    last_message = std::time::Instant::now();
+                    if let Some(topic) = msg.get(0) {
+                        if !seen.contains(topic.as_ref()) {
+                            seen.insert(topic.to_vec());
+                        }
+                    }
+                    dispatcher.dispatch(msg, &source, replay.as_ref());
+                }
+                Err(e) => {
+                    dispatcher.metrics.receive_errors.inc();
+                    warn.warn(|suppressed| {
+                        tracing::warn!(%source, error = %e, suppressed, "ZeroMQ receive error")
+                    });
+                }
+            },
+            Some(event) = monitor.next() => match event {
+                zeromq::SocketEvent::Disconnected(_) => {
+                    down_since.get_or_insert_with(std::time::Instant::now);
+                }
+                zeromq::SocketEvent::Connected(..) => down_since = None,
+                _ => {}
+            },
+            _ = check.tick() => {
+                let gone = down_since.is_some_and(|t| t.elapsed() >= expiry.after)
+                    && last_message.elapsed() >= expiry.after;
+                if gone && !seen.is_empty() {
+                    for raw in seen.drain() {
+                        let Ok(topic) = parse_topic(&raw) else { continue };
+                        let (domains, blocks) =
+                            expiry.indexer.remove_pod_domains(topic.model, topic.pod);
+                        tracing::info!(%source, model = %topic.model, pod = %topic.pod, domains, blocks, "pod expired: disconnected and silent");
+                    }
+                }
+            }
+        }
+    }
 }
 
 async fn recv_loop(

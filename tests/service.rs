@@ -503,3 +503,49 @@ async fn a_dialed_publisher_that_restarts_is_reconnected() {
     let (mut second, _) = Publisher::bind_on(&endpoint).await;
     second.wait_subscribed(&service, "after-restart").await;
 }
+
+/// Dial mode: a pod that is gone (connection down) and silent for
+/// --pod-expiry is forgotten; a pod that is merely quiet is not.
+#[tokio::test]
+async fn dialed_pods_expire_only_when_disconnected_and_silent() {
+    let stream = "qwen3-lora-salt";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let (mut quiet, quiet_ep) = Publisher::bind().await;
+    let (mut gone, gone_ep) = Publisher::bind().await;
+    let service = Service::start_dialing(&[quiet_ep, gone_ep], &["--pod-expiry", "500ms"]).await;
+    quiet.wait_subscribed(&service, "quiet-marker").await;
+    gone.wait_subscribed(&service, "gone-marker").await;
+    for f in &frames {
+        let publisher = if f.pod() == "pod-0" {
+            &mut quiet
+        } else {
+            &mut gone
+        };
+        publisher.send(f.message()).await;
+    }
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    drop(gone); // pod-1's publisher dies
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let pods: Vec<String> = service
+            .list_pods(&expected.model)
+            .await
+            .into_iter()
+            .map(|p| p.pod)
+            .collect();
+        if pods == vec!["pod-0".to_string()] {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{pods:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // pod-0 stays quiet but connected, well past the expiry.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let pods = service.list_pods(&expected.model).await;
+    assert_eq!(pods.len(), 1);
+    assert!(service.logs().contains("pod expired"));
+    drop(quiet);
+}

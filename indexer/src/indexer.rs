@@ -459,6 +459,20 @@ impl Indexer {
         Some(held)
     }
 
+    /// Forgets a pod with all its DP ranks (ids `pod` and `pod#dp<r>`).
+    /// Returns (cache domains removed, blocks they held).
+    pub fn remove_pod_domains(&self, model: &str, pod: &str) -> (usize, u64) {
+        let names: Vec<String> = self
+            .pods
+            .read()
+            .iter()
+            .filter(|p| !p.is_removed() && p.model == model && p.topic_pod == pod)
+            .map(|p| p.name.clone())
+            .collect();
+        let blocks = names.iter().filter_map(|n| self.remove_pod(model, n)).sum();
+        (names.len(), blocks)
+    }
+
     /// Records `missing` batches lost beyond repair.
     pub fn mark_incomplete(&self, pod: &Pod, missing: u64) {
         self.lock(pod).progress.unrecovered_batches += missing;
