@@ -89,8 +89,7 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
         if sent == batches_at_capacity {
             rss_first_full = service.rss_kib();
         }
-        // After every entry stored at capacity was evicted once, the hash
-        // tables' reserved slots are resident: the steady state.
+        // After every entry stored at capacity was evicted once (printed).
         if sent == 3 * batches_at_capacity {
             rss_at_capacity = service.rss_kib();
         }

@@ -114,10 +114,25 @@ impl PodState {
         self
     }
 
-    /// Room for one more entry, growing early when bounded.
+    /// Room for one more entry, growing early when bounded: the table is
+    /// replaced by one twice the size whose every slot was touched once
+    /// (filled, then cleared: capacity stays, no tombstones), so its memory
+    /// is resident now rather than creeping in as churn reaches its pages.
     fn reserve_one(&mut self) {
         if self.half_full && (self.by_hash.len() + 1) * 2 > self.by_hash.capacity() {
-            self.by_hash.reserve(self.by_hash.len() + 1);
+            let mut fresh: HashMap<EngineHash, HeldBlock, BuildHasherDefault<KeyHasher>> =
+                HashMap::with_capacity_and_hasher(2 * self.by_hash.len() + 2, Default::default());
+            let filler = HeldBlock {
+                key: BlockKey(0),
+                counts: [0; TIERS],
+                stamp: 0,
+            };
+            for i in 0..fresh.capacity() as u64 {
+                fresh.insert(EngineHash(i), filler);
+            }
+            fresh.clear();
+            fresh.extend(self.by_hash.drain());
+            self.by_hash = fresh;
         }
     }
 
