@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use indexer::topic::parse_topic;
 use indexer::Indexer;
 use tokio::task::JoinHandle;
@@ -72,17 +73,41 @@ struct Dispatcher {
 }
 
 impl Dispatcher {
+    fn worker_for(&self, topic: &[u8]) -> &flume::Sender<Work> {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        topic.hash(&mut h);
+        &self.workers[(h.finish() % self.workers.len() as u64) as usize]
+    }
+
+    /// Hands a pod's replay buffer (fetched on connect) to the workers that
+    /// own its topics.
+    fn catch_up(&self, replay: &Arc<str>, items: Vec<crate::replay::Replayed>) {
+        let mut by_topic: HashMap<Bytes, Vec<crate::replay::Replayed>> = HashMap::new();
+        for item in items {
+            // The older two-frame form names no topic: the pod's first live
+            // batch triggers its catch-up instead.
+            if let Some(topic) = item.topic.clone() {
+                by_topic.entry(topic).or_default().push(item);
+            }
+        }
+        for (topic, items) in by_topic {
+            self.metrics.replays_requested.inc();
+            let _ = self.worker_for(&topic).send(Work::CatchUp {
+                topic,
+                replay: replay.clone(),
+                items,
+            });
+        }
+    }
+
     fn dispatch(&self, msg: ZmqMessage, source: &str, replay: Option<&Arc<str>>) {
         self.metrics.messages_received.inc();
         match check_frames(msg) {
             Ok(mut frame) => {
                 frame.replay = replay.cloned();
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                frame.topic.hash(&mut h);
-                let worker = (h.finish() % self.workers.len() as u64) as usize;
                 // Unbounded: the socket loop must never wait on index work.
                 // Fails only when shutting down.
-                let _ = self.workers[worker].send(Work::Live(frame));
+                let _ = self.worker_for(&frame.topic).send(Work::Live(frame));
             }
             Err(problem) => {
                 self.metrics.skip_message(problem.label());
@@ -297,6 +322,19 @@ async fn dial(
     }
     tracing::info!(endpoint = %target.endpoint, replay = ?target.replay, "connected to pod");
     let replay: Option<Arc<str>> = target.replay.as_deref().map(Arc::from);
+    if let Some(endpoint) = replay.clone() {
+        // Catch up with what the pod did before we connected (it may stay
+        // idle for a long time): its whole replay buffer.
+        let d = dispatcher.clone();
+        tokio::spawn(async move {
+            match crate::replay::fetch(&endpoint, 0, REPLAY_ON_CONNECT_TIMEOUT).await {
+                Ok(items) => d.catch_up(&endpoint, items),
+                Err(e) => {
+                    tracing::warn!(%endpoint, error = %e, "catch-up replay failed; relying on gap repair")
+                }
+            }
+        });
+    }
     match expiry {
         Some(expiry) => {
             dialed_recv_loop(socket, monitor, target.endpoint, dispatcher, replay, expiry).await
@@ -304,6 +342,9 @@ async fn dial(
         None => recv_loop(socket, target.endpoint, dispatcher, replay).await,
     }
 }
+
+/// A full replay buffer (10,000 batches by default) can take a while.
+const REPLAY_ON_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A dialed pod's receive loop, which also forgets its pods once the
 /// connection has been down and nothing arrived for `expiry.after`.
@@ -389,7 +430,6 @@ async fn recv_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
 
     fn msg(frames: Vec<&[u8]>) -> ZmqMessage {
         ZmqMessage::try_from(

@@ -38,6 +38,13 @@ pub struct Frame {
 
 pub enum Work {
     Live(Frame),
+    /// A dialed pod's replay buffer, fetched when the connection came up:
+    /// catch-up before (or without) any live batch.
+    CatchUp {
+        topic: Bytes,
+        replay: Arc<str>,
+        items: Vec<Replayed>,
+    },
     Replayed {
         stream: StreamKey,
         attempt: u32,
@@ -63,6 +70,9 @@ struct Stream {
     /// The next seq expected; `None` before the first batch.
     next: Option<u64>,
     repair: Option<Repair>,
+    /// Replay applied batches up to here that may still arrive live: live
+    /// copies at or below it are duplicates, not a publisher restart.
+    stale_upto: Option<u64>,
 }
 
 struct Repair {
@@ -110,6 +120,11 @@ impl<'a> Worker<'a> {
         loop {
             match rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(Work::Live(frame)) => self.live(frame),
+                Ok(Work::CatchUp {
+                    topic,
+                    replay,
+                    items,
+                }) => self.catch_up(topic, replay, items),
                 Ok(Work::Replayed {
                     stream,
                     attempt,
@@ -159,6 +174,11 @@ impl<'a> Worker<'a> {
             repair.buffered.insert(seq, batch);
             return;
         }
+        match stream.stale_upto {
+            Some(upto) if seq <= upto => return, // already applied from replay
+            Some(_) => stream.stale_upto = None,
+            None => {}
+        }
         let gap_from = match stream.next {
             None if seq > 0 => Some(0),
             Some(next) if seq > next => Some(next),
@@ -182,13 +202,17 @@ impl<'a> Worker<'a> {
     }
 
     fn new_stream(&self, frame: &Frame, rank: Option<u32>) -> Stream {
+        self.stream_for(&frame.topic, frame.replay.clone(), rank)
+    }
+
+    fn stream_for(&self, raw_topic: &Bytes, replay: Option<Arc<str>>, rank: Option<u32>) -> Stream {
         // Checked by the receive loop.
-        let topic = parse_topic(&frame.topic).unwrap_or(indexer::topic::Topic {
+        let topic = parse_topic(raw_topic).unwrap_or(indexer::topic::Topic {
             pod: "?",
             model: "?",
         });
         let pod = self.indexer.pod(topic.model, topic.pod, rank);
-        let replay = frame.replay.clone().or_else(|| {
+        let replay = replay.or_else(|| {
             self.config
                 .replay_endpoints
                 .get(topic.pod)
@@ -202,6 +226,7 @@ impl<'a> Worker<'a> {
             replay,
             next,
             repair: None,
+            stale_upto: None,
         }
     }
 
@@ -224,6 +249,61 @@ impl<'a> Worker<'a> {
                 result,
             });
         });
+    }
+
+    /// A connection's catch-up: the pod's buffered batches for `topic`,
+    /// applied from where each stream stands (seq 0, or after its snapshot
+    /// seq). A stream under repair takes them as extra buffered batches.
+    fn catch_up(&mut self, topic: Bytes, replay: Arc<str>, items: Vec<Replayed>) {
+        let mut by_stream: BTreeMap<Option<u32>, BTreeMap<u64, EventBatch>> = BTreeMap::new();
+        for item in items {
+            if item.topic.as_ref().is_some_and(|t| *t != topic) {
+                continue;
+            }
+            if let Some(batch) = self.decode(&topic, item.seq, &item.payload) {
+                by_stream
+                    .entry(batch.data_parallel_rank)
+                    .or_default()
+                    .insert(item.seq, batch);
+            }
+        }
+        for (rank, batches) in by_stream {
+            let key = (topic.clone(), rank);
+            if !self.streams.contains_key(&key) {
+                let stream = self.stream_for(&topic, Some(replay.clone()), rank);
+                self.streams.insert(key.clone(), stream);
+            }
+            let Some(stream) = self.streams.get_mut(&key) else {
+                continue;
+            };
+            if let Some(repair) = &mut stream.repair {
+                for (seq, batch) in batches {
+                    repair.buffered.entry(seq).or_insert(batch);
+                }
+                continue;
+            }
+            let from = stream.next.unwrap_or(0);
+            let mut expected = from;
+            let mut missing = 0;
+            let mut applied = 0u64;
+            let mut last = None;
+            for (seq, batch) in batches.range(from..) {
+                missing += seq - expected;
+                self.apply(&key, *seq, batch);
+                expected = seq + 1;
+                applied += 1;
+                last = Some(*seq);
+            }
+            self.metrics.replay_batches.inc_by(applied);
+            if let Some(stream) = self.streams.get_mut(&key) {
+                stream.stale_upto = last;
+                if missing > 0 {
+                    self.metrics.unrecoverable_gaps.inc();
+                    self.indexer.mark_incomplete(&stream.pod, missing);
+                }
+                tracing::info!(pod = %stream.pod.name, from, applied, missing, "caught up from the replay buffer");
+            }
+        }
     }
 
     fn replayed(&mut self, key: StreamKey, attempt: u32, result: Result<Vec<Replayed>, String>) {
