@@ -134,18 +134,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         .set_not_serving::<KvIndexerServer<KvIndexerService>>()
         .await;
     tokio::task::spawn_blocking(move || ingest.shutdown()).await?;
-    if let (Some(dir), Some(task)) = (config.snapshot_dir.clone(), snapshotter) {
-        task.abort();
-        // Ingestion has stopped: this is the final state.
-        let (indexer, last) = (indexer.clone(), last_snapshot.clone());
-        match tokio::task::spawn_blocking(move || crate::snapshots::write(&dir, &indexer, &last))
-            .await
-        {
-            Ok(Ok(())) => tracing::info!("final snapshot written"),
-            Ok(Err(e)) => tracing::warn!(error = %e, "cannot write the final snapshot"),
-            Err(e) => tracing::warn!(error = %e, "final snapshot task failed"),
-        }
-    }
     let _ = stop_rpc.send(());
     // Clients such as an EPP keep HTTP/2 connections open; do not wait on
     // them forever once in-flight calls had their chance.
@@ -153,6 +141,19 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         Ok(res) => res??,
         Err(_) => {
             tracing::warn!(timeout = ?DRAIN_TIMEOUT, "connections still open after drain timeout; exiting")
+        }
+    }
+    if let (Some(dir), Some(task)) = (config.snapshot_dir.clone(), snapshotter) {
+        task.abort();
+        // Ingestion stopped and in-flight RPCs (RemovePod too) are done:
+        // this is the final state.
+        let (indexer, last) = (indexer.clone(), last_snapshot.clone());
+        match tokio::task::spawn_blocking(move || crate::snapshots::write(&dir, &indexer, &last))
+            .await
+        {
+            Ok(Ok(())) => tracing::info!("final snapshot written"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "cannot write the final snapshot"),
+            Err(e) => tracing::warn!(error = %e, "final snapshot task failed"),
         }
     }
     let _ = stop_http.send(());
