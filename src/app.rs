@@ -8,6 +8,7 @@ use std::sync::Arc;
 use indexer::Indexer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::codegen::http;
 use tonic::transport::Server;
 
 use crate::config::Config;
@@ -17,6 +18,27 @@ use crate::metrics::{serve_http, Metrics};
 use crate::proto::kvindexer::v1::kv_indexer_server::KvIndexerServer;
 use crate::proto::llmd::v1::indexer_service_server::IndexerServiceServer;
 use crate::proto::FILE_DESCRIPTOR_SET;
+
+/// tonic refuses a request over `--max-message` with OUT_OF_RANGE; to a
+/// client that is a resource limit, RESOURCE_EXHAUSTED, like our other
+/// limits. (The refusal comes before any handler runs, as a trailers-only
+/// response: the status is in the headers.)
+fn oversize_is_resource_exhausted<B>(mut res: http::Response<B>) -> http::Response<B> {
+    let oversize = res.headers().get("grpc-status").is_some_and(|v| v == "11")
+        && res
+            .headers()
+            .get("grpc-message")
+            .and_then(|m| m.to_str().ok())
+            .is_some_and(|m| {
+                m.contains("message%20length%20too%20large")
+                    || m.contains("message length too large")
+            });
+    if oversize {
+        res.headers_mut()
+            .insert("grpc-status", http::HeaderValue::from_static("8"));
+    }
+    res
+}
 
 /// How long in-flight RPCs get to finish after a shutdown signal.
 const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -100,7 +122,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     ));
     let max_message = config.limits.max_message_bytes;
     let llmd = crate::llmd::LlmdIndexerService::new(service.clone());
-    let mut builder = Server::builder();
+    let mut builder = Server::builder().layer(tower::util::MapResponseLayer::new(
+        oversize_is_resource_exhausted,
+    ));
     if let Some(tls) = &config.tls {
         let mut tls_config = tonic::transport::ServerTlsConfig::new().identity(
             tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem),
