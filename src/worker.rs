@@ -283,24 +283,11 @@ impl<'a> Worker<'a> {
                 continue;
             }
             let from = stream.next.unwrap_or(0);
-            let mut expected = from;
-            let mut missing = 0;
-            let mut applied = 0u64;
-            let mut last = None;
-            for (seq, batch) in batches.range(from..) {
-                missing += seq - expected;
-                self.apply(&key, *seq, batch);
-                expected = seq + 1;
-                applied += 1;
-                last = Some(*seq);
-            }
+            let applied = batches.range(from..).count() as u64;
+            let (missing, last) = self.apply_from(&key, from, batches.into_iter());
             self.metrics.replay_batches.inc_by(applied);
             if let Some(stream) = self.streams.get_mut(&key) {
                 stream.stale_upto = last;
-                if missing > 0 {
-                    self.metrics.unrecoverable_gaps.inc();
-                    self.indexer.mark_incomplete(&stream.pod, missing);
-                }
                 tracing::info!(pod = %stream.pod.name, from, applied, missing, "caught up from the replay buffer");
             }
         }
@@ -360,23 +347,38 @@ impl<'a> Worker<'a> {
         for (seq, batch) in repair.buffered {
             merged.entry(seq).or_insert(batch);
         }
-        let mut expected = repair.from;
-        let mut missing = 0;
-        for (seq, batch) in merged {
-            missing += seq.saturating_sub(expected);
-            self.apply(&key, seq, &batch);
-            expected = seq + 1;
-        }
+        let (missing, _) = self.apply_from(&key, repair.from, merged.into_iter());
         self.metrics.replay_batches.inc_by(recovered);
-        if let Some(stream) = self.streams.get(&key) {
-            if missing > 0 {
+        if let (Some(stream), 0) = (self.streams.get(&key), missing) {
+            tracing::info!(pod = %stream.pod.name, recovered, "seq gap repaired");
+        }
+    }
+
+    /// Applies `batches` (sorted by seq) from seq `from` on, in order. Seqs
+    /// missing from that range are lost for good: counted, and the pod is
+    /// flagged incomplete. Returns (missing, last seq applied).
+    fn apply_from(
+        &mut self,
+        key: &StreamKey,
+        from: u64,
+        batches: impl Iterator<Item = (u64, EventBatch)>,
+    ) -> (u64, Option<u64>) {
+        let mut expected = from;
+        let (mut missing, mut last) = (0, None);
+        for (seq, batch) in batches.filter(|(seq, _)| *seq >= from) {
+            missing += seq - expected;
+            self.apply(key, seq, &batch);
+            expected = seq + 1;
+            last = Some(seq);
+        }
+        if missing > 0 {
+            if let Some(stream) = self.streams.get(key) {
                 self.metrics.unrecoverable_gaps.inc();
                 self.indexer.mark_incomplete(&stream.pod, missing);
                 tracing::warn!(pod = %stream.pod.name, missing, "batches lost for good: this pod's answers may be incomplete");
-            } else {
-                tracing::info!(pod = %stream.pod.name, recovered, "seq gap repaired");
             }
         }
+        (missing, last)
     }
 
     fn apply(&mut self, key: &StreamKey, seq: u64, batch: &EventBatch) {

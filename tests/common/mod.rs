@@ -504,24 +504,8 @@ impl Publisher {
     /// PUB drops everything until the subscription has arrived (ZeroMQ's
     /// "slow joiner"): publish a marker batch until the indexer has seen it.
     pub async fn wait_subscribed(&mut self, service: &Service, marker_pod: &str) {
-        let empty_batch = rmp_serde::to_vec(&(0.0f64, Vec::<u8>::new())).expect("encode");
         let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            self.send(zmq_message(vec![
-                Bytes::from(format!("kv@{marker_pod}@{WARMUP_MODEL}")),
-                Bytes::copy_from_slice(&0u64.to_be_bytes()),
-                Bytes::from(empty_batch.clone()),
-            ]))
-            .await;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            if service
-                .list_pods(WARMUP_MODEL)
-                .await
-                .iter()
-                .any(|p| p.pod == marker_pod)
-            {
-                return;
-            }
+        while !self.reaches(service, marker_pod).await {
             assert!(Instant::now() < deadline, "subscription never arrived");
         }
     }
