@@ -94,8 +94,22 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
             rss_at_capacity = service.rss_kib();
         }
     }
+    // Eviction runs just after the batch that crossed the capacity is
+    // counted: let it finish.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let m = loop {
+        let (_, m) = service.http_get("/metrics");
+        let settled = m
+            .lines()
+            .find(|l| l.starts_with("kv_indexer_index_entries "))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .is_some_and(|e| e <= CAPACITY);
+        if settled || std::time::Instant::now() > deadline {
+            break m;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
     let rss_at_10x = service.rss_kib();
-    let (_, m) = service.http_get("/metrics");
     let value = |name: &str| -> f64 {
         m.lines()
             .find(|l| l.starts_with(name))

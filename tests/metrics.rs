@@ -58,7 +58,18 @@ async fn metrics_count_ingestion_scoring_and_tokenization() {
     }
     let _ = client.score(pb::ScoreRequest::default()).await;
 
-    let (status, m) = service.http_get("/metrics");
+    // Worker counters are bumped just after a batch is counted as applied:
+    // wait until the last one is in.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let (status, m) = loop {
+        let (status, m) = service.http_get("/metrics");
+        if m.contains("kv_indexer_blocks_stored_total 124\n")
+            || std::time::Instant::now() > deadline
+        {
+            break (status, m);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     assert_eq!(status, 200);
     let marker_batches = sample(&m, "kv_indexer_batches_applied_total") - frames.len() as f64;
     assert!(marker_batches >= 1.0, "{m}");

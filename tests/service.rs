@@ -479,8 +479,8 @@ async fn an_admin_can_remove_a_pod_and_it_returns_fresh_if_it_publishes_again() 
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
         let pods = service.list_pods(&expected.model).await;
-        if let Some(p) = pods.iter().find(|p| p.pod == "pod-1") {
-            assert_eq!(p.batches, 1);
+        // Listed as soon as it is known; wait for its batch to be applied.
+        if let Some(p) = pods.iter().find(|p| p.pod == "pod-1" && p.batches == 1) {
             assert_eq!(p.gpu_blocks, 30);
             break;
         }
