@@ -202,7 +202,8 @@ async fn a_gap_beyond_the_replay_buffer_marks_the_pod_incomplete() {
         let pods = service.list_pods(&expected.model).await;
         if let Some(pod) = pods
             .into_iter()
-            .find(|p| p.pod == "pod-1" && p.batches == 2)
+            // The flag is set just after the last batch is applied.
+            .find(|p| p.pod == "pod-1" && p.batches == 2 && p.incomplete)
         {
             info = Some(pod);
             break;
@@ -337,9 +338,18 @@ async fn a_snapshot_restart_replays_only_what_came_after_it() {
         .map(|(p, n)| (p.clone(), 2 * n / 3 - n / 3))
         .collect();
     second.wait_applied(&expected.model, &caught_up).await;
-    let (_, m) = second.http_get("/metrics");
+    // The counter is bumped just after the replayed batches are applied.
+    let want = format!("kv_indexer_replay_batches_total {while_down}\n");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let m = loop {
+        let (_, m) = second.http_get("/metrics");
+        if m.contains(&want) || std::time::Instant::now() > deadline {
+            break m;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     assert!(
-        m.contains(&format!("kv_indexer_replay_batches_total {while_down}\n")),
+        m.contains(&want),
         "replayed exactly what came after the snapshot ({while_down}):\n{m}"
     );
     for (pod, p) in &mut pubs {
