@@ -90,7 +90,7 @@ async fn a_wrong_engine_seed_is_detected_and_reported() {
         pods.iter().all(|p| p.engine_hash_mismatches > 0),
         "{pods:?}"
     );
-    assert!(service.logs().contains("block hashes differ from ours"));
+    service.wait_log("block hashes differ from ours").await;
 }
 
 /// After a publisher restart (seq back to 0: vLLM restarted, cache empty) the

@@ -295,7 +295,7 @@ async fn idle_pods_are_caught_up_as_soon_as_the_indexer_connects() {
     // No live event batch is ever published from here on.
     service.wait_applied(&expected.model, &per_pod).await;
     check_probes(&service, &expected).await;
-    assert!(service.logs().contains("caught up from the replay buffer"));
+    service.wait_log("caught up from the replay buffer").await;
 }
 
 /// Snapshot + replay: after a graceful restart, each pod is replayed only

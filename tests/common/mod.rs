@@ -138,6 +138,20 @@ impl Service {
         (status, body)
     }
 
+    /// Waits until the log contains `needle` (lines can be written just
+    /// after the state they describe becomes visible).
+    pub async fn wait_log(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.logs().contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} in the log:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
