@@ -56,10 +56,12 @@ enum PodEntry {
     },
 }
 
-/// Parses a pods file (YAML; JSON is YAML too).
+/// Parses a pods file (YAML; JSON is YAML too). An empty file is an error,
+/// not "no pods": a file being rewritten in place is empty for a moment, and
+/// that must not disconnect every pod (write `[]` to remove them all).
 pub fn parse_pods_file(text: &str) -> Result<Vec<DialTarget>, String> {
     if text.trim().is_empty() {
-        return Ok(Vec::new());
+        return Err("the file is empty (write [] for no pods)".into());
     }
     let file: PodsFile = serde_norway::from_str(text).map_err(|e| e.to_string())?;
     let entries = match file {
@@ -204,7 +206,9 @@ mod tests {
             assert_eq!(t.len(), 2);
             assert_eq!(t[1].replay.as_deref(), Some("tcp://10.0.0.2:5558"));
         }
-        assert!(parse_pods_file("").unwrap().is_empty());
+        assert!(parse_pods_file("").is_err());
+        assert!(parse_pods_file("[]").unwrap().is_empty());
+        assert!(parse_pods_file("pods: []").unwrap().is_empty());
         assert!(parse_pods_file("pods: [udp://x:1]").is_err());
         assert!(parse_pods_file("{nope").is_err());
     }
