@@ -100,6 +100,13 @@ impl Dispatcher {
         }
     }
 
+    /// A peer's broken stream: counted and logged (rate-limited); the
+    /// socket drops that peer and goes on.
+    fn receive_error(&self, source: &str, error: &zeromq::ZmqError, warn: &RateLimited) {
+        self.metrics.receive_errors.inc();
+        warn.warn(|suppressed| tracing::warn!(%source, %error, suppressed, "ZeroMQ receive error"));
+    }
+
     fn dispatch(&self, msg: ZmqMessage, source: &str, replay: Option<&Arc<str>>) {
         self.metrics.messages_received.inc();
         match check_frames(msg) {
@@ -375,12 +382,7 @@ async fn dialed_recv_loop(
                     }
                     dispatcher.dispatch(msg, &source, replay.as_ref());
                 }
-                Err(e) => {
-                    dispatcher.metrics.receive_errors.inc();
-                    warn.warn(|suppressed| {
-                        tracing::warn!(%source, error = %e, suppressed, "ZeroMQ receive error")
-                    });
-                }
+                Err(e) => dispatcher.receive_error(&source, &e, &warn),
             },
             Some(event) = monitor.next() => match event {
                 zeromq::SocketEvent::Disconnected(_) => {
@@ -416,11 +418,7 @@ async fn recv_loop(
         match socket.recv().await {
             Ok(msg) => dispatcher.dispatch(msg, &source, replay.as_ref()),
             Err(e) => {
-                // A peer's broken stream; the socket drops that peer and goes on.
-                dispatcher.metrics.receive_errors.inc();
-                warn.warn(|suppressed| {
-                    tracing::warn!(%source, error = %e, suppressed, "ZeroMQ receive error")
-                });
+                dispatcher.receive_error(&source, &e, &warn);
                 tokio::task::yield_now().await;
             }
         }

@@ -86,6 +86,20 @@ impl PyPublisher {
     }
 }
 
+/// One publisher per pod of the stream; `extra(i)` gives pod i's flags.
+fn publishers(
+    stream: &str,
+    expected: &Expected,
+    extra: impl Fn(usize) -> &'static [&'static str],
+) -> Vec<(String, PyPublisher)> {
+    expected
+        .pods
+        .iter()
+        .enumerate()
+        .map(|(i, pod)| (pod.clone(), PyPublisher::start(stream, pod, extra(i))))
+        .collect()
+}
+
 impl Drop for PyPublisher {
     fn drop(&mut self) {
         let _ = writeln!(self.stdin, "quit");
@@ -105,16 +119,14 @@ async fn dropped_batches_are_replayed_and_the_state_is_exact() {
     let expected = load_expected(stream);
     let frames = load_frames(stream);
     let per_pod = batches_per_pod(&frames);
-    let mut pubs: Vec<(String, PyPublisher)> = expected
-        .pods
-        .iter()
-        .enumerate()
-        .map(|(i, pod)| {
-            // One pod answers in the older two-frame replay form.
-            let extra: &[&str] = if i == 2 { &["--old-format"] } else { &[] };
-            (pod.clone(), PyPublisher::start(stream, pod, extra))
-        })
-        .collect();
+    // One pod answers in the older two-frame replay form.
+    let mut pubs = publishers(stream, &expected, |i| {
+        if i == 2 {
+            &["--old-format"]
+        } else {
+            &[]
+        }
+    });
     let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
     let service = Service::start_dialing(&targets, &[]).await;
     for (pod, p) in &mut pubs {
@@ -151,11 +163,7 @@ async fn an_indexer_that_starts_late_catches_up_from_the_replay_buffers() {
     let expected = load_expected(stream);
     let frames = load_frames(stream);
     let per_pod = batches_per_pod(&frames);
-    let mut pubs: Vec<(String, PyPublisher)> = expected
-        .pods
-        .iter()
-        .map(|pod| (pod.clone(), PyPublisher::start(stream, pod, &[])))
-        .collect();
+    let mut pubs = publishers(stream, &expected, |_| &[]);
     // Before any indexer exists: published into the void (and the buffer).
     for (pod, p) in &mut pubs {
         p.cmd(&format!("publish 0 {}", per_pod[pod.as_str()] / 2));
@@ -242,11 +250,7 @@ async fn an_indexer_killed_mid_stream_recovers_the_exact_state_on_restart() {
     let expected = load_expected(stream);
     let frames = load_frames(stream);
     let per_pod = batches_per_pod(&frames);
-    let mut pubs: Vec<(String, PyPublisher)> = expected
-        .pods
-        .iter()
-        .map(|pod| (pod.clone(), PyPublisher::start(stream, pod, &[])))
-        .collect();
+    let mut pubs = publishers(stream, &expected, |_| &[]);
     let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
     let first = Service::start_dialing(&targets, &[]).await;
     for (pod, p) in &mut pubs {
@@ -282,11 +286,7 @@ async fn idle_pods_are_caught_up_as_soon_as_the_indexer_connects() {
     let expected = load_expected(stream);
     let frames = load_frames(stream);
     let per_pod = batches_per_pod(&frames);
-    let mut pubs: Vec<(String, PyPublisher)> = expected
-        .pods
-        .iter()
-        .map(|pod| (pod.clone(), PyPublisher::start(stream, pod, &[])))
-        .collect();
+    let mut pubs = publishers(stream, &expected, |_| &[]);
     for (pod, p) in &mut pubs {
         p.cmd(&format!("publish 0 {}", per_pod[pod.as_str()]));
     }
@@ -311,11 +311,7 @@ async fn a_snapshot_restart_replays_only_what_came_after_it() {
     let per_pod = batches_per_pod(&frames);
     let dir = tempfile::tempdir().unwrap();
     let snap = dir.path().to_str().unwrap();
-    let mut pubs: Vec<(String, PyPublisher)> = expected
-        .pods
-        .iter()
-        .map(|pod| (pod.clone(), PyPublisher::start(stream, pod, &[])))
-        .collect();
+    let mut pubs = publishers(stream, &expected, |_| &[]);
     let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
     let first = Service::start_dialing(&targets, &["--snapshot-dir", snap]).await;
     for (pod, p) in &mut pubs {
