@@ -25,13 +25,13 @@ use crate::metrics::Metrics;
 use crate::ratelimit::RateLimited;
 use crate::worker::{Frame, Work, Worker, WorkerConfig};
 
-/// Why a ZeroMQ message was not used. Counted, logged (rate-limited), skipped.
+/// Why a ZeroMQ message failed the shape checks. Counted, logged
+/// (rate-limited), skipped. (Undecodable payloads are counted by the worker.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FrameProblem {
     FrameCount,
     Topic,
     Seq,
-    Decode,
 }
 
 impl FrameProblem {
@@ -40,7 +40,6 @@ impl FrameProblem {
             FrameProblem::FrameCount => "frame_count",
             FrameProblem::Topic => "topic",
             FrameProblem::Seq => "seq",
-            FrameProblem::Decode => "decode",
         }
     }
 }
