@@ -57,6 +57,9 @@ pub type StreamKey = (Bytes, Option<u32>);
 
 /// Replay fetches per repair before giving up on the missing range.
 const MAX_ATTEMPTS: u32 = 4;
+/// Replay rounds per repair (each covers up to what the pod had published
+/// when it answered) before missing seqs are taken as lost.
+const MAX_ROUNDS: u32 = 8;
 
 pub struct WorkerConfig {
     /// Replay endpoints for pods that connect to us (bind mode), by pod name.
@@ -78,6 +81,9 @@ struct Stream {
 struct Repair {
     from: u64,
     attempt: u32,
+    /// Replay rounds so far: a reply only covers what the pod had published
+    /// when it answered, so live batches past it may need another round.
+    round: u32,
     /// Live batches that arrived meanwhile.
     buffered: BTreeMap<u64, EventBatch>,
 }
@@ -191,6 +197,7 @@ impl<'a> Worker<'a> {
                 stream.repair = Some(Repair {
                     from,
                     attempt: 1,
+                    round: 1,
                     buffered,
                 });
                 tracing::info!(pod = %stream.pod.name, from, to = seq, %endpoint, "seq gap: requesting replay");
@@ -330,11 +337,16 @@ impl<'a> Worker<'a> {
             .copied()
             .unwrap_or(repair.from);
         let mut merged: BTreeMap<u64, EventBatch> = BTreeMap::new();
+        // The newest seq the pod had when it answered: gaps up to it are
+        // really gone from its buffer; gaps past it were just not published
+        // yet at that moment.
+        let mut covered = None;
         for item in items {
-            if item.seq < repair.from
-                || item.seq > upto
-                || item.topic.as_ref().is_some_and(|t| *t != key.0)
-            {
+            if item.topic.as_ref().is_some_and(|t| *t != key.0) {
+                continue;
+            }
+            covered = covered.max(Some(item.seq));
+            if item.seq < repair.from || item.seq > upto {
                 continue;
             }
             if let Some(batch) = self.decode(&key.0, item.seq, &item.payload) {
@@ -347,10 +359,50 @@ impl<'a> Worker<'a> {
         for (seq, batch) in repair.buffered {
             merged.entry(seq).or_insert(batch);
         }
-        let (missing, _) = self.apply_from(&key, repair.from, merged.into_iter());
         self.metrics.replay_batches.inc_by(recovered);
-        if let (Some(stream), 0) = (self.streams.get(&key), missing) {
-            tracing::info!(pod = %stream.pod.name, recovered, "seq gap repaired");
+        // Apply up to the first gap past the reply's coverage; from there,
+        // ask again (a bounded number of rounds).
+        let covered = covered.unwrap_or(repair.from.saturating_sub(1));
+        let mut expected = repair.from;
+        let split = merged
+            .keys()
+            .find(|&&seq| {
+                let uncovered_gap = seq > expected && expected > covered;
+                expected = seq + 1;
+                uncovered_gap
+            })
+            .copied();
+        let (now, later) = match split {
+            Some(at) if repair.round < MAX_ROUNDS => {
+                let later = merged.split_off(&at);
+                (merged, Some(later))
+            }
+            _ => (merged, None),
+        };
+        let (missing, last) = self.apply_from(&key, repair.from, now.into_iter());
+        match later {
+            Some(buffered) => {
+                let from = last.map_or(repair.from, |l| l + 1);
+                let Some(stream) = self.streams.get_mut(&key) else {
+                    return;
+                };
+                stream.repair = Some(Repair {
+                    from,
+                    attempt: 1,
+                    round: repair.round + 1,
+                    buffered,
+                });
+                tracing::info!(pod = %stream.pod.name, from, round = repair.round + 1, "replay reply ended before the gap: asking again");
+                self.metrics.replays_requested.inc();
+                if let Some(endpoint) = stream.replay.clone() {
+                    self.fetch(key, endpoint, from, 1, Duration::ZERO);
+                }
+            }
+            None => {
+                if let (Some(stream), 0) = (self.streams.get(&key), missing) {
+                    tracing::info!(pod = %stream.pod.name, recovered, "seq gap repaired");
+                }
+            }
         }
     }
 
