@@ -21,11 +21,32 @@ pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
+/// A port to listen on, free when returned.
+///
+/// Not `bind(0)`: the kernel picks those from the ephemeral range, where any
+/// outgoing connection (a gRPC client, a ZeroMQ dial) may take the port
+/// between our release and the listener's bind. Ports below the ephemeral
+/// range (Linux: 32768+) are never handed to outgoing connections, and a
+/// per-process counter never hands one out twice; the start is spread by pid
+/// so test binaries running one after another do not reuse each other's.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        (std::process::id().wrapping_mul(2_654_435_761)) % SPAN,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..SPAN {
+        let port = (LOW + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {LOW}..{}", LOW + SPAN)
 }
 
 /// A running `kv-indexer` process, killed on drop.
