@@ -8,37 +8,15 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use bytes::Bytes;
-use serde::Serialize;
-use zeromq::{Socket, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketSend};
 
 use crate::config::Config;
 use crate::proto::kvindexer::v1 as pb;
+use crate::vllm_wire::{self, WireEvent};
 
 const MODEL: &str = "demo/model";
 const BLOCK: usize = 16;
 const POD_CAPACITY_BLOCKS: usize = 96;
-
-#[derive(Serialize)]
-struct Stored {
-    #[serde(rename = "type")]
-    ty: &'static str,
-    block_hashes: Vec<u64>,
-    parent_block_hash: Option<u64>,
-    token_ids: Vec<u32>,
-    block_size: usize,
-    lora_id: Option<u32>,
-    medium: &'static str,
-    lora_name: Option<String>,
-}
-
-#[derive(Serialize)]
-struct Removed {
-    #[serde(rename = "type")]
-    ty: &'static str,
-    block_hashes: Vec<u64>,
-    medium: &'static str,
-}
 
 /// A deterministic token stream per (conversation, turn).
 fn tokens(seed: u64, n: usize) -> Vec<u32> {
@@ -194,8 +172,8 @@ async fn publish_turn(
     conv: usize,
     prompt: &[u32],
 ) -> anyhow::Result<()> {
-    let mut events: Vec<Vec<u8>> = Vec::new();
     let hashes = block_hashes(prompt);
+    let mut evicted: Vec<u64> = Vec::new();
     // This conversation's earlier turn is a prefix of this one: release it.
     if let Some(i) = pod.lru.iter().position(|(c, _)| *c == conv) {
         if let Some((_, old)) = pod.lru.remove(i) {
@@ -216,11 +194,7 @@ async fn publish_turn(
                 *n -= 1;
                 if *n == 0 && !hashes.contains(h) {
                     pod.refs.remove(h);
-                    events.push(rmp_serde::to_vec_named(&Removed {
-                        ty: "BlockRemoved",
-                        block_hashes: vec![*h],
-                        medium: "GPU",
-                    })?);
+                    evicted.push(*h);
                 }
             }
         }
@@ -229,40 +203,24 @@ async fn publish_turn(
         .iter()
         .position(|h| !pod.refs.contains_key(h))
         .unwrap_or(hashes.len());
+    // One removal event per evicted block, deepest first, as vLLM frees them.
+    let mut events: Vec<WireEvent<'_>> = evicted
+        .chunks(1)
+        .map(|h| WireEvent::Removed { hashes: h })
+        .collect();
     if first_new < hashes.len() {
-        events.push(rmp_serde::to_vec_named(&Stored {
-            ty: "BlockStored",
-            block_hashes: hashes[first_new..].to_vec(),
-            parent_block_hash: first_new.checked_sub(1).map(|i| hashes[i]),
-            token_ids: prompt[first_new * BLOCK..hashes.len() * BLOCK].to_vec(),
+        events.push(WireEvent::Stored {
+            hashes: &hashes[first_new..],
+            parent: first_new.checked_sub(1).map(|i| hashes[i]),
+            tokens: &prompt[first_new * BLOCK..hashes.len() * BLOCK],
             block_size: BLOCK,
-            lora_id: None,
-            medium: "GPU",
-            lora_name: None,
-        })?);
+        });
     }
+    let msg = vllm_wire::frames(&pod.name, MODEL, pod.seq, vllm_wire::encode_batch(&events));
     for h in &hashes {
         *pod.refs.entry(*h).or_default() += 1;
     }
     pod.lru.push_back((conv, hashes));
-    let ts = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64());
-    // [ts, [event, ...], data_parallel_rank], events as vLLM >= 0.24 maps.
-    let mut payload = Vec::new();
-    rmp::encode::write_array_len(&mut payload, 3)?;
-    rmp::encode::write_f64(&mut payload, ts)?;
-    rmp::encode::write_array_len(&mut payload, events.len() as u32)?;
-    for e in events {
-        payload.extend_from_slice(&e);
-    }
-    rmp::encode::write_uint(&mut payload, 0)?;
-    let msg = ZmqMessage::try_from(vec![
-        Bytes::from(format!("kv@{}@{MODEL}", pod.name)),
-        Bytes::copy_from_slice(&pod.seq.to_be_bytes()),
-        Bytes::from(payload),
-    ])
-    .map_err(|_| anyhow::anyhow!("empty message"))?;
     pod.seq += 1;
     publisher.send(msg).await?;
     Ok(())

@@ -31,4 +31,5 @@ pub mod metrics;
 mod ratelimit;
 pub mod replay;
 pub mod snapshots;
+pub mod vllm_wire;
 mod worker;

@@ -603,6 +603,19 @@ impl Indexer {
         }
     }
 
+    /// The first-miss prefix match of every pod of `model` for a prompt
+    /// already turned into keys (`request_keys`, or engine hashes in engine
+    /// mode), in pod id order. No names, no sorting, no closure inference:
+    /// the index alone, as the comparison bench measures it against peers.
+    pub fn prefix_matches(&self, model: &str, keys: &[BlockKey]) -> Vec<(PodId, PrefixMatch)> {
+        let ids = match self.models.read().get(model) {
+            Some(m) => m.pods.clone(),
+            None => return Vec::new(),
+        };
+        let matches = walk(&self.blocks, keys, &ids, &self.config.tier_weights);
+        ids.into_iter().zip(matches).collect()
+    }
+
     /// Who holds each key (debugging).
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<KeyHolders> {
         let pods = self.pods.read();

@@ -1,0 +1,594 @@
+//! The three indexers behind one interface, each fed through its own public
+//! API in its own recommended configuration:
+//! - ours: `indexer::Indexer` (engine keys for pre-hashed input, token keys
+//!   from token ids), applied on the caller's thread as the service's
+//!   per-pod workers do;
+//! - dynamo: `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with 2 event
+//!   threads (its README's default backend; 2 is what its own tests and
+//!   services use), or `<PositionalIndexer>` (jump 32, its default search);
+//!   reads run inline on the caller's thread, as its `find_matches` does;
+//! - smg: `kv_index::ChainIndex` (2.0's index), applied on the caller's
+//!   thread with one `ChainBlockMap` per worker, as its lanes do.
+
+use std::sync::Arc;
+
+use dynamo_kv_router::protocols::{
+    BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
+    KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+};
+use dynamo_kv_router::{
+    compute_block_hash_for_seq, ConcurrentRadixTreeCompressed, PositionalIndexer, SyncIndexer,
+    ThreadPoolIndexer,
+};
+use indexer::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
+use indexer::keys::BlockKey;
+use indexer::scheme::{EngineKeys, KeyMode, KeySchemes};
+use indexer::{Indexer, IndexerConfig, Pod};
+use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
+use parking_lot::Mutex;
+
+use crate::trace::{Batch, Event, Nodes, Trace, BLOCK_SIZE};
+
+/// What the indexers are given: hashes computed up front (the index alone),
+/// or token ids they hash themselves (what a Score pays).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Input {
+    PreHashed,
+    Tokens,
+}
+
+impl Input {
+    pub fn name(self) -> &'static str {
+        match self {
+            Input::PreHashed => "pre-hashed",
+            Input::Tokens => "token ids",
+        }
+    }
+}
+
+pub trait Contender: Sync + Sized {
+    type Batch: Send;
+    type Query: Sync;
+    type Out;
+    fn name() -> &'static str;
+    fn new(trace: &Trace, input: Input) -> Self;
+    fn prepare_batch(&self, nodes: &Nodes, batch: &Batch) -> Self::Batch;
+    fn prepare_query(&self, nodes: &Nodes, path: &[u32]) -> Self::Query;
+    fn apply(&self, batch: Self::Batch);
+    /// Waits until everything applied so far is visible to readers.
+    fn flush(&self) {}
+    fn find(&self, query: &Self::Query) -> Self::Out;
+    /// (pod, leading blocks) for pods with at least one, sorted by pod.
+    fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)>;
+}
+
+fn tokens_of(nodes: &Nodes, path: &[u32]) -> Vec<u32> {
+    path.iter()
+        .flat_map(|n| nodes.tokens_of(*n).iter().copied())
+        .collect()
+}
+
+const MODEL: &str = "bench/model";
+
+// ---------------------------------------------------------------- ours
+
+pub struct Ours {
+    ix: Indexer,
+    pods: Vec<Arc<Pod>>,
+    input: Input,
+    seqs: Mutex<Vec<u64>>,
+}
+
+pub enum OursQuery {
+    Keys(Vec<BlockKey>),
+    Tokens(Vec<u32>),
+}
+
+impl Contender for Ours {
+    type Batch = (u32, EventBatch);
+    type Query = OursQuery;
+    type Out = Vec<(indexer::index::PodId, indexer::score::PrefixMatch)>;
+
+    fn name() -> &'static str {
+        "ours"
+    }
+
+    fn new(trace: &Trace, input: Input) -> Self {
+        let keys = match input {
+            // The engine's hashes are the keys: nothing to compute per block.
+            Input::PreHashed => KeySchemes {
+                default: KeyMode::Engine(Box::new(EngineKeys {
+                    hasher: indexer::engine_hash::EngineHasher::new(
+                        indexer::engine_hash::HashAlgo::Sha256,
+                        indexer::engine_hash::DEFAULT_SEED,
+                        indexer::engine_hash::ExtraKeyStyle::Tagged,
+                    ),
+                    lora_paths: Default::default(),
+                    assume_prefix_closed: false,
+                    self_check_every: 0,
+                })),
+                per_model: Default::default(),
+            },
+            Input::Tokens => KeySchemes::default(),
+        };
+        let ix = Indexer::new(IndexerConfig {
+            keys,
+            ..IndexerConfig::default()
+        });
+        // Pods in order, so pod i is PodId(i).
+        let pods = (0..trace.pods)
+            .map(|i| ix.pod(MODEL, &format!("pod-{i}"), None))
+            .collect();
+        Ours {
+            ix,
+            pods,
+            input,
+            seqs: Mutex::new(vec![0; trace.pods]),
+        }
+    }
+
+    fn prepare_batch(&self, nodes: &Nodes, batch: &Batch) -> Self::Batch {
+        let hashes = |ns: &[u32]| -> Vec<EngineHash> {
+            ns.iter()
+                .map(|n| EngineHash(nodes.engine[*n as usize]))
+                .collect()
+        };
+        let events = batch
+            .events
+            .iter()
+            .map(|e| match e {
+                Event::Stored { parent, nodes: ns } => KvEvent::Stored(BlockStored {
+                    block_hashes: hashes(ns),
+                    parent_block_hash: parent.map(|p| EngineHash(nodes.engine[p as usize])),
+                    token_ids: tokens_of(nodes, ns),
+                    block_size: Some(BLOCK_SIZE as u32),
+                    ..Default::default()
+                }),
+                Event::Removed { nodes: ns } => KvEvent::Removed(BlockRemoved {
+                    block_hashes: hashes(ns),
+                    ..Default::default()
+                }),
+            })
+            .collect();
+        (
+            batch.pod,
+            EventBatch {
+                events,
+                ..Default::default()
+            },
+        )
+    }
+
+    fn prepare_query(&self, nodes: &Nodes, path: &[u32]) -> Self::Query {
+        match self.input {
+            Input::PreHashed => OursQuery::Keys(
+                path.iter()
+                    .map(|n| BlockKey(nodes.engine[*n as usize]))
+                    .collect(),
+            ),
+            Input::Tokens => OursQuery::Tokens(tokens_of(nodes, path)),
+        }
+    }
+
+    fn apply(&self, (pod, batch): Self::Batch) {
+        let seq = {
+            let mut seqs = self.seqs.lock();
+            let s = seqs[pod as usize];
+            seqs[pod as usize] += 1;
+            s
+        };
+        self.ix.apply(&self.pods[pod as usize], seq, &batch);
+    }
+
+    fn find(&self, query: &Self::Query) -> Self::Out {
+        match query {
+            OursQuery::Keys(keys) => self.ix.prefix_matches(MODEL, keys),
+            OursQuery::Tokens(tokens) => {
+                let keys = self
+                    .ix
+                    .request_keys(MODEL, None, None, tokens, BLOCK_SIZE as u32);
+                self.ix.prefix_matches(MODEL, &keys)
+            }
+        }
+    }
+
+    fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)> {
+        out.iter()
+            .filter(|(_, m)| m.matched_blocks > 0)
+            .map(|(id, m)| (id.0, m.matched_blocks))
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------- dynamo
+
+pub struct Dynamo<T: SyncIndexer> {
+    ix: ThreadPoolIndexer<T>,
+    rt: tokio::runtime::Runtime,
+    input: Input,
+}
+
+pub type DynamoRadix = Dynamo<ConcurrentRadixTreeCompressed>;
+pub type DynamoPositional = Dynamo<PositionalIndexer>;
+
+pub trait DynamoBackend: SyncIndexer + Sized {
+    fn build() -> Self;
+    fn label() -> &'static str;
+}
+
+impl DynamoBackend for ConcurrentRadixTreeCompressed {
+    fn build() -> Self {
+        ConcurrentRadixTreeCompressed::new()
+    }
+    fn label() -> &'static str {
+        "dynamo"
+    }
+}
+
+impl DynamoBackend for PositionalIndexer {
+    fn build() -> Self {
+        PositionalIndexer::new(32)
+    }
+    fn label() -> &'static str {
+        "dynamo_positional"
+    }
+}
+
+pub enum DynamoBatch {
+    Ready(Vec<RouterEvent>),
+    /// Token ids per stored event, hashed at apply time.
+    Tokens(u32, Vec<(Option<u64>, Vec<u64>, Vec<u32>)>, Vec<Vec<u64>>),
+}
+
+pub enum DynamoQuery {
+    Hashes(Vec<LocalBlockHash>),
+    Tokens(Vec<u32>),
+}
+
+fn dynamo_store(worker: u32, parent: Option<u64>, engine: &[u64], local: &[u64]) -> RouterEvent {
+    RouterEvent::new(
+        u64::from(worker),
+        KvCacheEvent {
+            event_id: 0,
+            data: KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: parent.map(ExternalSequenceBlockHash),
+                start_position: None,
+                blocks: engine
+                    .iter()
+                    .zip(local)
+                    .map(|(e, l)| KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(*e),
+                        tokens_hash: LocalBlockHash(*l),
+                        mm_extra_info: None,
+                    })
+                    .collect(),
+            }),
+            dp_rank: 0,
+        },
+    )
+}
+
+fn dynamo_remove(worker: u32, engine: &[u64]) -> RouterEvent {
+    RouterEvent::new(
+        u64::from(worker),
+        KvCacheEvent {
+            event_id: 0,
+            data: KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: engine
+                    .iter()
+                    .map(|e| ExternalSequenceBlockHash(*e))
+                    .collect(),
+            }),
+            dp_rank: 0,
+        },
+    )
+}
+
+impl<T: DynamoBackend> Contender for Dynamo<T> {
+    type Batch = DynamoBatch;
+    type Query = DynamoQuery;
+    type Out = dynamo_kv_router::OverlapScores;
+
+    fn name() -> &'static str {
+        T::label()
+    }
+
+    fn new(_trace: &Trace, input: Input) -> Self {
+        Dynamo {
+            ix: ThreadPoolIndexer::new(T::build(), 2, BLOCK_SIZE as u32),
+            rt: tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime"),
+            input,
+        }
+    }
+
+    fn prepare_batch(&self, nodes: &Nodes, batch: &Batch) -> Self::Batch {
+        let engine =
+            |ns: &[u32]| -> Vec<u64> { ns.iter().map(|n| nodes.engine[*n as usize]).collect() };
+        match self.input {
+            Input::PreHashed => DynamoBatch::Ready(
+                batch
+                    .events
+                    .iter()
+                    .map(|e| match e {
+                        Event::Stored { parent, nodes: ns } => {
+                            let local: Vec<u64> =
+                                ns.iter().map(|n| nodes.content[*n as usize]).collect();
+                            dynamo_store(
+                                batch.pod,
+                                parent.map(|p| nodes.engine[p as usize]),
+                                &engine(ns),
+                                &local,
+                            )
+                        }
+                        Event::Removed { nodes: ns } => dynamo_remove(batch.pod, &engine(ns)),
+                    })
+                    .collect(),
+            ),
+            Input::Tokens => {
+                let mut stores = Vec::new();
+                let mut removes = Vec::new();
+                for e in &batch.events {
+                    match e {
+                        Event::Stored { parent, nodes: ns } => stores.push((
+                            parent.map(|p| nodes.engine[p as usize]),
+                            engine(ns),
+                            tokens_of(nodes, ns),
+                        )),
+                        Event::Removed { nodes: ns } => removes.push(engine(ns)),
+                    }
+                }
+                DynamoBatch::Tokens(batch.pod, stores, removes)
+            }
+        }
+    }
+
+    fn prepare_query(&self, nodes: &Nodes, path: &[u32]) -> Self::Query {
+        match self.input {
+            Input::PreHashed => DynamoQuery::Hashes(
+                path.iter()
+                    .map(|n| LocalBlockHash(nodes.content[*n as usize]))
+                    .collect(),
+            ),
+            Input::Tokens => DynamoQuery::Tokens(tokens_of(nodes, path)),
+        }
+    }
+
+    fn apply(&self, batch: Self::Batch) {
+        match batch {
+            DynamoBatch::Ready(events) => {
+                for e in events {
+                    self.ix.enqueue_event(e).expect("enqueue");
+                }
+            }
+            DynamoBatch::Tokens(pod, stores, removes) => {
+                // Removals first, as in the batch (vLLM evicts, then stores).
+                for r in removes {
+                    self.ix
+                        .enqueue_event(dynamo_remove(pod, &r))
+                        .expect("enqueue");
+                }
+                for (parent, engine, tokens) in stores {
+                    let local: Vec<u64> = compute_block_hash_for_seq(
+                        &tokens,
+                        BLOCK_SIZE as u32,
+                        BlockHashOptions::default(),
+                    )
+                    .into_iter()
+                    .map(|h| h.0)
+                    .collect();
+                    self.ix
+                        .enqueue_event(dynamo_store(pod, parent, &engine, &local))
+                        .expect("enqueue");
+                }
+            }
+        }
+    }
+
+    fn flush(&self) {
+        self.rt.block_on(self.ix.flush_and_wait()).expect("flush");
+    }
+
+    fn find(&self, query: &Self::Query) -> Self::Out {
+        match query {
+            DynamoQuery::Hashes(h) => self.ix.backend().find_matches(h, false),
+            // What its `find_matches_for_request` does inline.
+            DynamoQuery::Tokens(tokens) => {
+                let h = compute_block_hash_for_seq(
+                    tokens,
+                    BLOCK_SIZE as u32,
+                    BlockHashOptions::default(),
+                );
+                self.ix.backend().find_matches(&h, false)
+            }
+        }
+    }
+
+    fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)> {
+        let mut v: Vec<(u32, u32)> = out
+            .scores
+            .iter()
+            .filter(|(_, s)| **s > 0)
+            .map(|(w, s)| (w.worker_id as u32, *s))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+// ---------------------------------------------------------------- smg
+
+pub struct Smg {
+    ix: ChainIndex,
+    /// Worker id in the index, per pod, and each worker's block map (the
+    /// lane's state: only the writer touches it).
+    workers: Vec<u32>,
+    pods_of: Vec<u32>,
+    maps: Mutex<Vec<ChainBlockMap>>,
+    input: Input,
+}
+
+pub enum SmgBatch {
+    Ready(u32, Vec<SmgEvent>),
+    Tokens(u32, Vec<SmgTokens>),
+}
+
+pub enum SmgEvent {
+    Stored(Option<SequenceHash>, Vec<StoredBlock>),
+    Removed(Vec<SequenceHash>),
+}
+
+pub enum SmgTokens {
+    Stored(Option<u64>, Vec<u64>, Vec<u32>),
+    Removed(Vec<SequenceHash>),
+}
+
+pub enum SmgQuery {
+    Hashes(Vec<ContentHash>),
+    Tokens(Vec<u32>),
+}
+
+impl Contender for Smg {
+    type Batch = SmgBatch;
+    type Query = SmgQuery;
+    type Out = kv_index::OverlapScores;
+
+    fn name() -> &'static str {
+        "smg"
+    }
+
+    fn new(trace: &Trace, input: Input) -> Self {
+        let ix = ChainIndex::new();
+        let workers: Vec<u32> = (0..trace.pods)
+            .map(|i| ix.intern_worker(&format!("pod-{i}")).expect("worker"))
+            .collect();
+        let mut pods_of = vec![u32::MAX; workers.iter().max().map_or(0, |m| *m as usize + 1)];
+        for (pod, w) in workers.iter().enumerate() {
+            pods_of[*w as usize] = pod as u32;
+        }
+        let maps = (0..trace.pods).map(|_| ChainBlockMap::default()).collect();
+        Smg {
+            ix,
+            workers,
+            pods_of,
+            maps: Mutex::new(maps),
+            input,
+        }
+    }
+
+    fn prepare_batch(&self, nodes: &Nodes, batch: &Batch) -> Self::Batch {
+        let seq = |ns: &[u32]| -> Vec<SequenceHash> {
+            ns.iter()
+                .map(|n| SequenceHash(nodes.engine[*n as usize]))
+                .collect()
+        };
+        match self.input {
+            Input::PreHashed => SmgBatch::Ready(
+                batch.pod,
+                batch
+                    .events
+                    .iter()
+                    .map(|e| match e {
+                        Event::Stored { parent, nodes: ns } => SmgEvent::Stored(
+                            parent.map(|p| SequenceHash(nodes.engine[p as usize])),
+                            ns.iter()
+                                .map(|n| StoredBlock {
+                                    seq_hash: SequenceHash(nodes.engine[*n as usize]),
+                                    content_hash: ContentHash(nodes.content[*n as usize]),
+                                })
+                                .collect(),
+                        ),
+                        Event::Removed { nodes: ns } => SmgEvent::Removed(seq(ns)),
+                    })
+                    .collect(),
+            ),
+            Input::Tokens => SmgBatch::Tokens(
+                batch.pod,
+                batch
+                    .events
+                    .iter()
+                    .map(|e| match e {
+                        Event::Stored { parent, nodes: ns } => SmgTokens::Stored(
+                            parent.map(|p| nodes.engine[p as usize]),
+                            ns.iter().map(|n| nodes.engine[*n as usize]).collect(),
+                            tokens_of(nodes, ns),
+                        ),
+                        Event::Removed { nodes: ns } => SmgTokens::Removed(seq(ns)),
+                    })
+                    .collect(),
+            ),
+        }
+    }
+
+    fn prepare_query(&self, nodes: &Nodes, path: &[u32]) -> Self::Query {
+        match self.input {
+            Input::PreHashed => SmgQuery::Hashes(
+                path.iter()
+                    .map(|n| ContentHash(nodes.content[*n as usize]))
+                    .collect(),
+            ),
+            Input::Tokens => SmgQuery::Tokens(tokens_of(nodes, path)),
+        }
+    }
+
+    fn apply(&self, batch: Self::Batch) {
+        let mut maps = self.maps.lock();
+        match batch {
+            SmgBatch::Ready(pod, events) => {
+                let (w, map) = (self.workers[pod as usize], &mut maps[pod as usize]);
+                for e in events {
+                    match e {
+                        SmgEvent::Stored(parent, blocks) => self
+                            .ix
+                            .apply_stored(w, &blocks, parent, map)
+                            .expect("store"),
+                        SmgEvent::Removed(hashes) => self.ix.apply_removed(w, &hashes, map),
+                    }
+                }
+            }
+            SmgBatch::Tokens(pod, events) => {
+                let (w, map) = (self.workers[pod as usize], &mut maps[pod as usize]);
+                for e in events {
+                    match e {
+                        SmgTokens::Stored(parent, engine, tokens) => {
+                            let blocks: Vec<StoredBlock> = engine
+                                .iter()
+                                .zip(tokens.chunks_exact(BLOCK_SIZE))
+                                .map(|(e, t)| StoredBlock {
+                                    seq_hash: SequenceHash(*e),
+                                    content_hash: kv_index::compute_content_hash(t),
+                                })
+                                .collect();
+                            self.ix
+                                .apply_stored(w, &blocks, parent.map(SequenceHash), map)
+                                .expect("store")
+                        }
+                        SmgTokens::Removed(hashes) => self.ix.apply_removed(w, &hashes, map),
+                    }
+                }
+            }
+        }
+    }
+
+    fn find(&self, query: &Self::Query) -> Self::Out {
+        match query {
+            SmgQuery::Hashes(h) => self.ix.find_matches(h, false),
+            SmgQuery::Tokens(tokens) => {
+                let h = kv_index::compute_request_content_hashes(tokens, BLOCK_SIZE);
+                self.ix.find_matches(&h, false)
+            }
+        }
+    }
+
+    fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)> {
+        let mut v: Vec<(u32, u32)> = out
+            .scores
+            .iter()
+            .filter(|(_, s)| **s > 0)
+            .map(|(w, s)| (self.pods_of[*w as usize], *s))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+}

@@ -1,0 +1,411 @@
+//! Ours against Dynamo's and SMG's indexers on one trace, in one run.
+//!
+//! `cargo bench --bench compare` (add `-- --quick` for a smaller trace, under
+//! three minutes). For 16 and 128 pods, with pre-hashed blocks and with
+//! token ids, every indexer is fed the same batches and asked the same
+//! queries (128, 2048 and 8192 blocks); it measures apply throughput, find
+//! latency, mixed read/write throughput on 2 threads and allocator-measured
+//! bytes per (block, pod) entry, checks every answer against the simulated
+//! pods' real caches, prints tables and writes `target/bench/compare.json`.
+//!
+//! Run without `--bench` (as `cargo test --all-targets` does) it is a smoke
+//! test: a tiny trace, the agreement check only, a non-zero exit on any
+//! difference.
+
+mod alloc;
+mod contenders;
+mod trace;
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use contenders::{Contender, DynamoPositional, DynamoRadix, Input, Ours, Smg};
+use serde_json::{json, Value};
+use trace::{Params, Trace};
+
+#[global_allocator]
+static ALLOC: alloc::Counting = alloc::Counting;
+
+const SIZES: [usize; 3] = [128, 2048, 8192];
+
+#[derive(Clone, Copy)]
+struct Plan {
+    find_rounds: usize,
+    timed: bool,
+}
+
+#[derive(Default, Clone)]
+struct Measured {
+    apply_blocks_per_s: f64,
+    /// size -> (p50, p99) in ns
+    find: BTreeMap<usize, (f64, f64)>,
+    mixed_ops_per_s: f64,
+    mixed_queries_per_s: f64,
+    bytes_per_entry: f64,
+    disagreements: usize,
+    first_disagreement: Option<String>,
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i].as_nanos() as f64
+}
+
+fn measure<C: Contender>(trace: &Trace, input: Input, plan: Plan) -> Measured {
+    let mut m = Measured::default();
+
+    // Pass 1: fill the index (allocator counting on), check every answer,
+    // then time the finds on that state.
+    let (c, bytes) = alloc::retained(|| {
+        let c = C::new(trace, input);
+        for b in &trace.batches {
+            let pb = c.prepare_batch(&trace.nodes, b);
+            c.apply(pb);
+        }
+        c.flush();
+        c
+    });
+    m.bytes_per_entry = bytes as f64 / trace.live_entries as f64;
+    let queries: Vec<(usize, Vec<C::Query>)> = trace
+        .queries
+        .iter()
+        .map(|(size, qs)| {
+            (
+                *size,
+                qs.iter()
+                    .map(|q| c.prepare_query(&trace.nodes, &q.nodes))
+                    .collect(),
+            )
+        })
+        .collect();
+    for ((size, prepared), (_, qs)) in queries.iter().zip(&trace.queries) {
+        for (i, (pq, q)) in prepared.iter().zip(qs).enumerate() {
+            let got = c.normalize(&c.find(pq));
+            if got != q.expected {
+                m.disagreements += 1;
+                m.first_disagreement.get_or_insert_with(|| {
+                    format!(
+                        "{} {size}-block query {i}: got {:?}, pods hold {:?}",
+                        C::name(),
+                        &got[..got.len().min(6)],
+                        &q.expected[..q.expected.len().min(6)]
+                    )
+                });
+            }
+        }
+    }
+    if !plan.timed {
+        return m;
+    }
+    for (size, prepared) in &queries {
+        let mut samples = Vec::with_capacity(prepared.len() * plan.find_rounds);
+        for _ in 0..plan.find_rounds {
+            for q in prepared {
+                let t = Instant::now();
+                black_box(c.find(black_box(q)));
+                samples.push(t.elapsed());
+            }
+        }
+        samples.sort_unstable();
+        m.find.insert(
+            *size,
+            (percentile(&samples, 0.5), percentile(&samples, 0.99)),
+        );
+    }
+    drop(c);
+
+    // Pass 2: apply throughput from a fresh index, inputs built beforehand.
+    let c = C::new(trace, input);
+    let prepared: Vec<C::Batch> = trace
+        .batches
+        .iter()
+        .map(|b| c.prepare_batch(&trace.nodes, b))
+        .collect();
+    let t = Instant::now();
+    for b in prepared {
+        c.apply(b);
+    }
+    c.flush();
+    m.apply_blocks_per_s = trace.block_ops() as f64 / t.elapsed().as_secs_f64();
+    drop(c);
+
+    // Pass 3: mixed. The first 60% of the trace is applied, then one thread
+    // applies the rest while another answers 2048-block queries. Throughput
+    // in block operations (stored + removed + looked-up blocks) per second,
+    // the open-loop indexer benchmarks' unit.
+    let c = C::new(trace, input);
+    let split = trace.batches.len() * 6 / 10;
+    for b in &trace.batches[..split] {
+        let pb = c.prepare_batch(&trace.nodes, b);
+        c.apply(pb);
+    }
+    c.flush();
+    let rest: Vec<C::Batch> = trace.batches[split..]
+        .iter()
+        .map(|b| c.prepare_batch(&trace.nodes, b))
+        .collect();
+    let rest_ops: u64 = trace.batches[split..]
+        .iter()
+        .flat_map(|b| &b.events)
+        .map(|e| match e {
+            trace::Event::Stored { nodes, .. } | trace::Event::Removed { nodes } => {
+                nodes.len() as u64
+            }
+        })
+        .sum();
+    let q2048 = &queries.iter().find(|(s, _)| *s == 2048).expect("2048").1;
+    let done = AtomicBool::new(false);
+    let looked_up = AtomicU64::new(0);
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for b in rest {
+                c.apply(b);
+            }
+            c.flush();
+            done.store(true, Ordering::Release);
+        });
+        let mut n = 0u64;
+        while !done.load(Ordering::Acquire) {
+            black_box(c.find(&q2048[n as usize % q2048.len()]));
+            n += 1;
+        }
+        looked_up.store(n, Ordering::Relaxed);
+    });
+    let secs = t.elapsed().as_secs_f64();
+    let queries_done = looked_up.load(Ordering::Relaxed);
+    m.mixed_ops_per_s = (rest_ops + queries_done * 2048) as f64 / secs;
+    m.mixed_queries_per_s = queries_done as f64 / secs;
+    m
+}
+
+struct Run {
+    pods: usize,
+    input: Input,
+    results: Vec<(&'static str, Measured)>,
+    trace_stats: Value,
+}
+
+fn run_all(trace: &Trace, input: Input, plan: Plan) -> Vec<(&'static str, Measured)> {
+    let mut out = Vec::new();
+    let mut go = |name: &'static str, m: Measured| {
+        if let Some(d) = &m.first_disagreement {
+            eprintln!("DISAGREEMENT ({} queries): {d}", m.disagreements);
+        }
+        out.push((name, m));
+    };
+    go(Ours::name(), measure::<Ours>(trace, input, plan));
+    go(
+        DynamoRadix::name(),
+        measure::<DynamoRadix>(trace, input, plan),
+    );
+    go(Smg::name(), measure::<Smg>(trace, input, plan));
+    if input == Input::PreHashed {
+        go(
+            DynamoPositional::name(),
+            measure::<DynamoPositional>(trace, input, plan),
+        );
+    }
+    out
+}
+
+fn by_name(results: &[(&'static str, Measured)], f: impl Fn(&Measured) -> f64) -> Value {
+    Value::Object(
+        results
+            .iter()
+            .map(|(n, m)| (n.to_string(), json!(f(m))))
+            .collect(),
+    )
+}
+
+fn run_json(run: &Run) -> Value {
+    let r = &run.results;
+    let per_size = |pick: fn(&(f64, f64)) -> f64| {
+        Value::Object(
+            SIZES
+                .iter()
+                .map(|s| (s.to_string(), by_name(r, |m| pick(&m.find[s]))))
+                .collect(),
+        )
+    };
+    json!({
+        "pods": run.pods,
+        "input": run.input.name(),
+        "trace": run.trace_stats,
+        "apply_blocks_per_s": by_name(r, |m| m.apply_blocks_per_s),
+        "find_p50_ns": per_size(|p| p.0),
+        "find_p99_ns": per_size(|p| p.1),
+        "mixed_ops_per_s": by_name(r, |m| m.mixed_ops_per_s),
+        "mixed_queries_per_s": by_name(r, |m| m.mixed_queries_per_s),
+        "bytes_per_entry": by_name(r, |m| m.bytes_per_entry),
+        "agree": r.iter().all(|(_, m)| m.disagreements == 0),
+    })
+}
+
+/// Ours relative to the better of the two named peers (Dynamo's radix tree
+/// and SMG's chain index): `higher_is_better` picks the max, else the min.
+fn ratio(r: &[(&'static str, Measured)], f: impl Fn(&Measured) -> f64, higher: bool) -> f64 {
+    let ours = f(&r[0].1);
+    let peers = r[1..3].iter().map(|(_, m)| f(m));
+    let best = if higher {
+        peers.fold(f64::MIN, f64::max)
+    } else {
+        peers.fold(f64::MAX, f64::min)
+    };
+    ours / best
+}
+
+fn print_run(run: &Run) {
+    let r = &run.results;
+    println!(
+        "\n== {} pods, {} == {}",
+        run.pods,
+        run.input.name(),
+        run.trace_stats
+    );
+    print!("{:<28}", "");
+    for (n, _) in r {
+        print!("{n:>18}");
+    }
+    println!("{:>14}", "ours/best");
+    let row = |label: &str, f: &dyn Fn(&Measured) -> f64, higher: bool, scale: f64| {
+        print!("{label:<28}");
+        for (_, m) in r {
+            print!("{:>18.2}", f(m) / scale);
+        }
+        println!("{:>13.2}x", ratio(r, f, higher));
+    };
+    row("apply (M blocks/s)", &|m| m.apply_blocks_per_s, true, 1e6);
+    for s in SIZES {
+        row(
+            &format!("find {s} p50 (us)"),
+            &move |m| m.find[&s].0,
+            false,
+            1e3,
+        );
+        row(
+            &format!("find {s} p99 (us)"),
+            &move |m| m.find[&s].1,
+            false,
+            1e3,
+        );
+    }
+    row("mixed (M block ops/s)", &|m| m.mixed_ops_per_s, true, 1e6);
+    row("mixed lookups/s (K)", &|m| m.mixed_queries_per_s, true, 1e3);
+    row("bytes per entry", &|m| m.bytes_per_entry, false, 1.0);
+    println!(
+        "{:<28}{}",
+        "agree with the pods' caches",
+        r.iter()
+            .map(|(n, m)| format!("{n}: {}", m.disagreements == 0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let benching = args.iter().any(|a| a == "--bench");
+    let quick = args.iter().any(|a| a == "--quick");
+    if !benching {
+        smoke();
+        return;
+    }
+    let plan = Plan {
+        find_rounds: if quick { 2 } else { 5 },
+        timed: true,
+    };
+    let started = Instant::now();
+    let mut runs = Vec::new();
+    for (pods, capacity, target) in [
+        (
+            16usize,
+            30_000usize,
+            if quick { 700_000u64 } else { 2_000_000 },
+        ),
+        (128, 9_000, if quick { 1_400_000 } else { 4_000_000 }),
+    ] {
+        let t = Instant::now();
+        let trace = Trace::generate(Params {
+            pods,
+            target_stored: target,
+            capacity,
+            queries_per_size: if quick { 40 } else { 100 },
+            seed: 0x6b76_2d69_6e64 + pods as u64,
+        });
+        let trace_stats = json!({
+            "batches": trace.batches.len(),
+            "stored_blocks": trace.stored_blocks,
+            "removed_blocks": trace.removed_blocks,
+            "live_entries": trace.live_entries,
+            "distinct_blocks": trace.nodes.len(),
+        });
+        eprintln!(
+            "trace: {pods} pods, {} stored, {} removed blocks ({:.1}s)",
+            trace.stored_blocks,
+            trace.removed_blocks,
+            t.elapsed().as_secs_f64()
+        );
+        for input in [Input::PreHashed, Input::Tokens] {
+            let run = Run {
+                pods,
+                input,
+                results: run_all(&trace, input, plan),
+                trace_stats: trace_stats.clone(),
+            };
+            print_run(&run);
+            runs.push(run);
+        }
+    }
+    let all: Vec<Value> = runs.iter().map(run_json).collect();
+    let agree = all.iter().all(|r| r["agree"] == json!(true));
+    // Headline: 128 pods, pre-hashed (the index alone); every run in "runs".
+    let mut out = all[2].clone();
+    out["agree"] = json!(agree);
+    out["runs"] = Value::Array(all);
+    out["mode"] = json!(if quick { "quick" } else { "full" });
+    out["cores"] = json!(std::thread::available_parallelism().map_or(0, |n| n.get()));
+    out["seconds"] = json!(started.elapsed().as_secs_f64());
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    std::fs::create_dir_all(&dir).expect("target/bench");
+    let path = dir.join("compare.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&out).expect("json")).expect("write");
+    println!(
+        "\nwrote {} in {:.0}s; all answers agree: {agree}",
+        path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    if !agree {
+        std::process::exit(1);
+    }
+}
+
+/// `cargo test --all-targets`: every indexer on a tiny trace, answers only.
+fn smoke() {
+    let trace = Trace::generate(Params {
+        pods: 4,
+        target_stored: 60_000,
+        capacity: 9_000,
+        queries_per_size: 10,
+        seed: 7,
+    });
+    assert!(trace.removed_blocks > 0, "the trace must evict");
+    let plan = Plan {
+        find_rounds: 0,
+        timed: false,
+    };
+    for input in [Input::PreHashed, Input::Tokens] {
+        for (name, m) in run_all(&trace, input, plan) {
+            assert_eq!(
+                m.disagreements,
+                0,
+                "{name} ({}): {:?}",
+                input.name(),
+                m.first_disagreement
+            );
+        }
+    }
+    println!("compare smoke: every indexer agrees with the pods' caches");
+}
