@@ -5,19 +5,19 @@
 //! sharded. Readers (`score`, `lookup`) never take a pod lock.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 use parking_lot::{Mutex, RwLock};
 
-use crate::event::{DecodeSkips, EventBatch, KvEvent, TIERS};
+use crate::event::{DecodeSkips, EventBatch, KvEvent, Tier, TIERS};
 use crate::index::{BlockIndex, PodId, TierMask};
 use crate::keys::BlockKey;
 use crate::pod::{ApplyStats, PodState};
 use crate::scheme::{KeyMode, KeySchemes};
-use crate::score::{extend_prefix_closed, walk, PrefixMatch, TierWeights};
+use crate::score::{extend_prefix_closed, jump, walk, PrefixMatch, TierWeights};
 use crate::snapshot::{PodSnapshot, Snapshot, SnapshotError};
 
 #[derive(Clone, Debug)]
@@ -77,7 +77,54 @@ pub struct Pod {
     removed: AtomicBool,
     /// Distinct blocks held (the pod's share of the capacity).
     entries: AtomicU64,
+    /// Seqlock over the pod's blocks in the index: odd while a writer
+    /// changes them. With `closed_tier`, what lets a reader binary-search
+    /// this pod and know the answer held for one consistent state.
+    version: AtomicU64,
+    /// `PodState::closed_tier` as of the last write (`NOT_CLOSED`: none).
+    closed_tier: AtomicU8,
     inner: Mutex<PodInner>,
+}
+
+const NOT_CLOSED: u8 = u8::MAX;
+
+/// A pod's state, locked for changing it (see `Pod::version`).
+struct Writing<'a> {
+    pod: &'a Pod,
+    inner: parking_lot::MutexGuard<'a, PodInner>,
+}
+
+impl<'a> Writing<'a> {
+    fn new(pod: &'a Pod) -> Writing<'a> {
+        let inner = pod.inner.lock();
+        pod.version.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        Writing { pod, inner }
+    }
+}
+
+impl std::ops::Deref for Writing<'_> {
+    type Target = PodInner;
+    fn deref(&self) -> &PodInner {
+        &self.inner
+    }
+}
+
+impl std::ops::DerefMut for Writing<'_> {
+    fn deref_mut(&mut self) -> &mut PodInner {
+        &mut self.inner
+    }
+}
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        let tier = self.inner.state.closed_tier();
+        self.pod.closed_tier.store(
+            tier.map_or(NOT_CLOSED, |t| t.index() as u8),
+            Ordering::Relaxed,
+        );
+        self.pod.version.fetch_add(1, Ordering::Release);
+    }
 }
 
 struct PodInner {
@@ -237,6 +284,8 @@ impl Indexer {
             incomplete: AtomicBool::new(false),
             removed: AtomicBool::new(false),
             entries: AtomicU64::new(0),
+            version: AtomicU64::new(0),
+            closed_tier: AtomicU8::new(Tier::Gpu.index() as u8),
             inner: Mutex::new(PodInner {
                 state: if self.config.max_entries.is_some() {
                     PodState::new(id, model).bounded()
@@ -262,7 +311,7 @@ impl Indexer {
     /// same `seq` twice is a duplicate and is skipped.
     pub fn apply(&self, pod: &Pod, seq: u64, batch: &EventBatch) -> ApplyStats {
         let mut stats = ApplyStats::default();
-        let mut inner = self.lock(pod);
+        let mut inner = Writing::new(pod);
         let PodInner { state, progress } = &mut *inner;
         match progress.last_seq {
             Some(last) if seq == last => {
@@ -343,7 +392,7 @@ impl Indexer {
                 .cloned();
             let Some(victim) = victim else { break };
             let excess = self.entries.load(Ordering::Relaxed) as usize - target;
-            let mut inner = self.lock(&victim);
+            let mut inner = Writing::new(&victim);
             // Chunks keep each pod lock short and the choice fair.
             let evicted = inner.state.evict_oldest(&self.blocks, excess.min(4096));
             let now = inner.state.entries();
@@ -421,7 +470,7 @@ impl Indexer {
         }
         for ps in &snapshot.pods {
             let pod = self.pod(&ps.model, &ps.pod, ps.dp_rank);
-            let mut inner = self.lock(&pod);
+            let mut inner = Writing::new(&pod);
             inner
                 .state
                 .import(&self.blocks, &ps.blocks, &ps.non_full_groups, ps.block_size);
@@ -450,7 +499,7 @@ impl Indexer {
         if let Some(m) = self.models.write().get_mut(model) {
             m.pods.retain(|p| *p != id);
         }
-        let mut inner = self.lock(&pod);
+        let mut inner = Writing::new(&pod);
         let held: u64 = inner.state.held_per_tier().iter().sum();
         let mut stats = ApplyStats::default();
         inner.state.clear(&self.blocks, &mut stats);
@@ -574,13 +623,10 @@ impl Indexer {
             let (keys, engine_keys) =
                 mode.request_keys(q.model, q.lora_name, q.cache_salt, q.tokens, bs as usize);
             let ids: Vec<PodId> = group.iter().map(|(id, _)| *id).collect();
-            let weights = &self.config.tier_weights;
-            let mut matches = walk(&self.blocks, &keys, &ids, weights);
             // Closure is only sound on engine keys: token keys of a block
             // whose parent was never seen do not exist at all.
-            if engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed) {
-                extend_prefix_closed(&self.blocks, &keys, &ids, &mut matches, weights);
-            }
+            let closure = engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed);
+            let matches = self.match_pods(&keys, &ids, closure);
             for ((_, pos), m) in group.iter().zip(matches) {
                 let s = &mut scores[*pos];
                 s.matched = m;
@@ -612,8 +658,52 @@ impl Indexer {
             Some(m) => m.pods.clone(),
             None => return Vec::new(),
         };
-        let matches = walk(&self.blocks, keys, &ids, &self.config.tier_weights);
+        let matches = self.match_pods(keys, &ids, false);
         ids.into_iter().zip(matches).collect()
+    }
+
+    /// Prefix matches of `ids` (sorted), in order. Pods whose held set is
+    /// prefix-closed and on one tier are binary-searched (`score::jump`);
+    /// the others, and any a writer changed meanwhile (seqlock), walk block
+    /// by block. Both give the first-miss answer on the index's own state.
+    fn match_pods(&self, keys: &[BlockKey], ids: &[PodId], closure: bool) -> Vec<PrefixMatch> {
+        let weights = &self.config.tier_weights;
+        let pods = self.pods.read();
+        let mut closed: Vec<(PodId, u64, u8)> = Vec::with_capacity(ids.len());
+        let mut open: Vec<PodId> = Vec::new();
+        for id in ids {
+            let pod = &pods[id.0 as usize];
+            let version = pod.version.load(Ordering::Acquire);
+            let tier = pod.closed_tier.load(Ordering::Relaxed);
+            if version % 2 == 0 && tier != NOT_CLOSED {
+                closed.push((*id, version, tier));
+            } else {
+                open.push(*id);
+            }
+        }
+        let closed_ids: Vec<PodId> = closed.iter().map(|(id, _, _)| *id).collect();
+        let depths = jump(&self.blocks, keys, &closed_ids);
+        fence(Ordering::Acquire);
+        let mut found: Vec<(PodId, PrefixMatch)> = Vec::with_capacity(ids.len());
+        for ((id, version, tier), depth) in closed.iter().zip(depths) {
+            if pods[id.0 as usize].version.load(Ordering::Relaxed) == *version {
+                let tier = Tier::ALL[*tier as usize];
+                found.push((*id, PrefixMatch::on_one_tier(depth, tier, weights)));
+            } else {
+                open.push(*id);
+            }
+        }
+        drop(pods);
+        if !open.is_empty() {
+            open.sort_unstable();
+            let mut matches = walk(&self.blocks, keys, &open, weights);
+            if closure {
+                extend_prefix_closed(&self.blocks, keys, &open, &mut matches, weights);
+            }
+            found.extend(open.into_iter().zip(matches));
+        }
+        found.sort_unstable_by_key(|(id, _)| *id);
+        found.into_iter().map(|(_, m)| m).collect()
     }
 
     /// Who holds each key (debugging).
@@ -992,5 +1082,137 @@ mod tests {
         assert!(ix.list_pods(Some("x")).is_empty());
         let keys = ix.request_keys("m", None, None, &tokens, 16);
         assert!(ix.lookup(&keys)[0].pods.is_empty());
+    }
+
+    fn engine_indexer() -> Indexer {
+        Indexer::new(IndexerConfig {
+            keys: KeySchemes {
+                default: KeyMode::Engine(Box::new(crate::scheme::EngineKeys {
+                    hasher: crate::engine_hash::EngineHasher::new(
+                        crate::engine_hash::HashAlgo::Sha256,
+                        crate::engine_hash::DEFAULT_SEED,
+                        crate::engine_hash::ExtraKeyStyle::Tagged,
+                    ),
+                    lora_paths: Default::default(),
+                    assume_prefix_closed: false,
+                    self_check_every: 0,
+                })),
+                per_model: Default::default(),
+            },
+            ..Default::default()
+        })
+    }
+
+    /// The binary search over prefix-closed pods must give exactly what the
+    /// block-by-block walk gives, whatever the events did to the index:
+    /// chains stored under held parents, under unknown parents, middle
+    /// blocks removed (holes), CPU copies, clears. Random histories, checked
+    /// after every batch against `walk` on the same index.
+    #[test]
+    fn jump_search_equals_the_first_miss_walk_on_random_histories() {
+        let mut x = 0x1234_5678_9abc_def1u64;
+        let mut rnd = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        // Chains: node i's parent is node parent[i] (or none); hash = i + 1.
+        let mut parent: Vec<Option<u64>> = Vec::new();
+        for i in 0..400u64 {
+            parent.push(match i % 40 {
+                0 => None,
+                _ => Some(i),
+            });
+        }
+        // A few branches off the first chain.
+        for i in 400..480u64 {
+            parent.push(Some(if i % 20 == 0 { 1 + rnd(30) } else { i }));
+        }
+        let path_to = |mut node: u64, parent: &[Option<u64>]| -> Vec<u64> {
+            let mut path = vec![node + 1];
+            while let Some(p) = parent[node as usize] {
+                path.push(p);
+                node = p - 1;
+            }
+            path.reverse();
+            path
+        };
+        let tokens = vec![7u32; 16];
+        let mut closed_seen = 0;
+        for round in 0..6 {
+            let ix = engine_indexer();
+            let pods: Vec<_> = (0..5)
+                .map(|p| ix.pod("m", &format!("p{p}"), None))
+                .collect();
+            let mut seqs = [0u64; 5];
+            for step in 0..300 {
+                let p = rnd(5) as usize;
+                let node = rnd(parent.len() as u64);
+                let ev = match rnd(10) {
+                    // Store a whole path from its root, the usual case.
+                    0..=4 => {
+                        let path = path_to(node, &parent);
+                        // Mostly from the root; sometimes under a parent
+                        // the pod may not hold.
+                        let cut = match rnd(4) {
+                            0 => rnd(path.len() as u64) as usize,
+                            _ => 0,
+                        };
+                        let parent = cut.checked_sub(1).map(|i| path[i]);
+                        let hashes = &path[cut..];
+                        stored(hashes, parent, &tokens.repeat(hashes.len()), 16)
+                    }
+                    // Removals: any block (holes) in the early rounds; a
+                    // path's tail, deepest first as vLLM evicts, later.
+                    5..=7 if round < 3 => KvEvent::Removed(crate::event::BlockRemoved {
+                        block_hashes: vec![EngineHash(node + 1)],
+                        ..Default::default()
+                    }),
+                    5..=7 => {
+                        let path = path_to(node, &parent);
+                        let cut = rnd(path.len() as u64) as usize;
+                        KvEvent::Removed(crate::event::BlockRemoved {
+                            block_hashes: path[cut..]
+                                .iter()
+                                .rev()
+                                .map(|h| EngineHash(*h))
+                                .collect(),
+                            ..Default::default()
+                        })
+                    }
+                    8 if round < 2 => {
+                        let mut e = stored(&[node + 1], Some(node), &[], 16);
+                        if let KvEvent::Stored(s) = &mut e {
+                            s.medium = Some(if round == 0 { "CPU" } else { "GPU" }.into());
+                        }
+                        e
+                    }
+                    9 if rnd(3) == 0 => KvEvent::AllCleared,
+                    _ => continue,
+                };
+                ix.apply(&pods[p], seqs[p], &batch(vec![ev]));
+                seqs[p] += 1;
+                let ids: Vec<PodId> = pods.iter().map(|p| p.id).collect();
+                for probe in 0..6 {
+                    let path = path_to(rnd(parent.len() as u64), &parent);
+                    let keys: Vec<BlockKey> = path.iter().map(|h| BlockKey(*h)).collect();
+                    let want = walk(&ix.blocks, &keys, &ids, &ix.config.tier_weights);
+                    let got: Vec<PrefixMatch> = ix
+                        .prefix_matches("m", &keys)
+                        .into_iter()
+                        .map(|(_, m)| m)
+                        .collect();
+                    assert_eq!(got, want, "round {round} step {step} probe {probe}");
+                }
+                closed_seen += pods
+                    .iter()
+                    .filter(|p| p.closed_tier.load(Ordering::Relaxed) != NOT_CLOSED)
+                    .count();
+            }
+        }
+        // The fast path was taken, and not always.
+        assert!(closed_seen > 1000, "{closed_seen}");
+        assert!(closed_seen < 6 * 300 * 5, "{closed_seen}");
     }
 }

@@ -27,6 +27,31 @@ struct HeldBlock {
     counts: [u32; TIERS],
     /// When it was last stored (the pod's store clock), for eviction.
     stamp: u64,
+    /// The parent this block was stored under (valid if `has_parent`) and
+    /// that parent entry's `born`, or 0 if the parent was not held then.
+    parent: EngineHash,
+    parent_born: u32,
+    /// This entry's incarnation (never 0), so a child can tell its parent
+    /// from a later re-store of the same hash.
+    born: u32,
+    /// Held blocks linked to this one as their parent.
+    children: u32,
+    has_parent: bool,
+}
+
+impl HeldBlock {
+    fn new(key: BlockKey) -> HeldBlock {
+        HeldBlock {
+            key,
+            counts: [0; TIERS],
+            stamp: 0,
+            parent: EngineHash(0),
+            parent_born: 0,
+            born: 0,
+            children: 0,
+            has_parent: false,
+        }
+    }
 }
 
 /// What applying events did, for metrics and `ListPods`.
@@ -84,8 +109,13 @@ pub struct PodState {
     clock: u64,
     order: VecDeque<(EngineHash, u64)>,
     /// Under a capacity limit: keep `by_hash` at most half full, so churn at
-    /// capacity rehashes in place instead of doubling the table.
+    /// capacity rehashes in place instead of doubling the table. Also the
+    /// only case that needs `order`.
     half_full: bool,
+    /// Held blocks whose parent is not held: 0 means the held set is
+    /// prefix-closed, which lets scoring binary-search it (see `score`).
+    orphans: u64,
+    born_clock: u32,
 }
 
 /// Every pod's first stores are checked, then one in `self_check_every`.
@@ -105,6 +135,8 @@ impl PodState {
             clock: 0,
             order: VecDeque::new(),
             half_full: false,
+            orphans: 0,
+            born_clock: 0,
         }
     }
 
@@ -122,11 +154,7 @@ impl PodState {
         if self.half_full && (self.by_hash.len() + 1) * 2 > self.by_hash.capacity() {
             let mut fresh: HashMap<EngineHash, HeldBlock, BuildHasherDefault<KeyHasher>> =
                 HashMap::with_capacity_and_hasher(2 * self.by_hash.len() + 2, Default::default());
-            let filler = HeldBlock {
-                key: BlockKey(0),
-                counts: [0; TIERS],
-                stamp: 0,
-            };
+            let filler = HeldBlock::new(BlockKey(0));
             for i in 0..fresh.capacity() as u64 {
                 fresh.insert(EngineHash(i), filler);
             }
@@ -170,21 +198,19 @@ impl PodState {
         if ev.token_ids.is_empty() {
             // Offload to another tier: token mode needs the blocks known by
             // hash already; engine mode keys them by hash alone.
+            let mut parent = ev.parent_block_hash;
             for hash in &ev.block_hashes {
+                let linked_to = parent.replace(*hash);
                 self.reserve_one();
-                let held = match (self.by_hash.get_mut(hash), engine) {
-                    (Some(held), _) => held,
-                    (None, Some(_)) => self.by_hash.entry(*hash).or_insert(HeldBlock {
-                        key: BlockKey(hash.0),
-                        counts: [0; TIERS],
-                        stamp: 0,
-                    }),
-                    (None, None) => {
+                match (self.by_hash.contains_key(hash), engine) {
+                    (true, _) => {}
+                    (false, Some(_)) => self.insert_new(*hash, BlockKey(hash.0), linked_to),
+                    (false, None) => {
                         stats.unkeyable_blocks += 1;
                         continue;
                     }
-                };
-                Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
+                }
+                self.count_up(index, *hash, tier);
                 stats.stored_blocks += 1;
                 self.touch(*hash);
             }
@@ -202,14 +228,12 @@ impl PodState {
 
         if let Some(engine) = engine {
             self.self_check(ev, block_size, engine, stats);
+            let mut parent = ev.parent_block_hash;
             for hash in &ev.block_hashes {
+                let linked_to = parent.replace(*hash);
                 self.reserve_one();
-                let held = self.by_hash.entry(*hash).or_insert(HeldBlock {
-                    key: BlockKey(hash.0),
-                    counts: [0; TIERS],
-                    stamp: 0,
-                });
-                Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
+                self.held_or_new(*hash, BlockKey(hash.0), linked_to);
+                self.count_up(index, *hash, tier);
                 stats.stored_blocks += 1;
                 self.touch(*hash);
             }
@@ -256,13 +280,13 @@ impl PodState {
                 key = fold_extras(key, &extras_of(i));
             }
             prev = key.0;
+            let linked_to = match i {
+                0 => ev.parent_block_hash,
+                _ => Some(ev.block_hashes[i - 1]),
+            };
             self.reserve_one();
-            let held = self.by_hash.entry(*hash).or_insert(HeldBlock {
-                key,
-                counts: [0; TIERS],
-                stamp: 0,
-            });
-            Self::count_up(self.id, index, &mut self.held_per_tier, held, tier);
+            self.held_or_new(*hash, key, linked_to);
+            self.count_up(index, *hash, tier);
             stats.stored_blocks += 1;
             self.touch(*hash);
         }
@@ -292,7 +316,7 @@ impl PodState {
                 index.release(held.key, self.id, tier);
                 self.held_per_tier[tier.index()] -= 1;
                 if held.counts.iter().all(|c| *c == 0) {
-                    self.by_hash.remove(hash);
+                    self.forget(*hash);
                 }
             }
             stats.removed_blocks += 1;
@@ -331,14 +355,14 @@ impl PodState {
                 continue;
             }
             self.reserve_one();
-            self.by_hash.insert(
-                EngineHash(*hash),
-                HeldBlock {
-                    key: BlockKey(*key),
-                    counts: *counts,
-                    stamp: 0,
-                },
-            );
+            // Snapshots do not keep parents: every restored block counts as
+            // an orphan, so the pod is scored by the plain walk until they
+            // are gone.
+            let mut held = HeldBlock::new(BlockKey(*key));
+            held.counts = *counts;
+            held.has_parent = true;
+            self.orphans += 1;
+            self.by_hash.insert(EngineHash(*hash), held);
             for tier in Tier::ALL {
                 if counts[tier.index()] > 0 {
                     index.acquire(BlockKey(*key), self.id, tier);
@@ -360,7 +384,10 @@ impl PodState {
         self.clock += 1;
         if let Some(held) = self.by_hash.get_mut(&hash) {
             held.stamp = self.clock;
-            self.order.push_back((hash, self.clock));
+            // Only a bounded index evicts: the rest never reads `order`.
+            if self.half_full {
+                self.order.push_back((hash, self.clock));
+            }
         }
         // Re-stores and removals leave stale order entries: rebuild before
         // they outnumber the live ones (keeps this O(1) amortised).
@@ -384,7 +411,7 @@ impl PodState {
             if !current {
                 continue;
             }
-            if let Some(held) = self.by_hash.remove(&hash) {
+            if let Some(held) = self.forget(hash) {
                 for tier in Tier::ALL {
                     if held.counts[tier.index()] > 0 {
                         index.release(held.key, self.id, tier);
@@ -408,6 +435,7 @@ impl PodState {
         }
         self.held_per_tier = [0; TIERS];
         self.order.clear();
+        self.orphans = 0;
         stats.clears += 1;
     }
 
@@ -455,17 +483,79 @@ impl PodState {
         }
     }
 
-    fn count_up(
-        pod: PodId,
-        index: &BlockIndex,
-        held_per_tier: &mut [u64; TIERS],
-        held: &mut HeldBlock,
-        tier: Tier,
-    ) {
+    /// Makes sure `hash` has an entry, created (and linked to `parent`) if new.
+    fn held_or_new(&mut self, hash: EngineHash, key: BlockKey, parent: Option<EngineHash>) {
+        if !self.by_hash.contains_key(&hash) {
+            self.insert_new(hash, key, parent);
+        }
+    }
+
+    /// Inserts a new entry, counted as its parent's child, or as an orphan
+    /// when the parent is not held.
+    fn insert_new(&mut self, hash: EngineHash, key: BlockKey, parent: Option<EngineHash>) {
+        self.born_clock = self.born_clock.wrapping_add(1).max(1);
+        let mut held = HeldBlock::new(key);
+        held.born = self.born_clock;
+        if let Some(p) = parent {
+            held.has_parent = true;
+            held.parent = p;
+            match self.by_hash.get_mut(&p) {
+                Some(up) => {
+                    up.children += 1;
+                    held.parent_born = up.born;
+                }
+                None => self.orphans += 1,
+            }
+        }
+        self.by_hash.insert(hash, held);
+    }
+
+    /// Removes an entry, keeping `orphans` exact: its children become
+    /// orphans; it stops being one, or stops counting as its parent's child.
+    fn forget(&mut self, hash: EngineHash) -> Option<HeldBlock> {
+        let held = self.by_hash.remove(&hash)?;
+        self.orphans += u64::from(held.children);
+        if held.has_parent {
+            match self.by_hash.get_mut(&held.parent) {
+                Some(up) if held.parent_born != 0 && up.born == held.parent_born => {
+                    up.children -= 1;
+                }
+                _ => {
+                    debug_assert!(self.orphans > 0, "orphan count out of step");
+                    self.orphans -= 1;
+                }
+            }
+        }
+        Some(held)
+    }
+
+    /// The tier every held block is on, if the held set is prefix-closed
+    /// (every held block's parent is held) and on one tier at most: then a
+    /// prompt's held blocks are exactly a prefix of it, and scoring may
+    /// binary-search for where it ends.
+    pub fn closed_tier(&self) -> Option<Tier> {
+        if self.orphans != 0 {
+            return None;
+        }
+        let mut tiers = Tier::ALL
+            .into_iter()
+            .filter(|t| self.held_per_tier[t.index()] > 0);
+        match (tiers.next(), tiers.next()) {
+            (None, _) => Some(Tier::Gpu),
+            (Some(t), None) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// One more store of `hash` (held) on `tier`.
+    fn count_up(&mut self, index: &BlockIndex, hash: EngineHash, tier: Tier) {
+        let Some(held) = self.by_hash.get_mut(&hash) else {
+            return;
+        };
         let count = &mut held.counts[tier.index()];
         if *count == 0 {
-            index.acquire(held.key, pod, tier);
-            held_per_tier[tier.index()] += 1;
+            index.acquire(held.key, self.id, tier);
+            self.held_per_tier[tier.index()] += 1;
         }
         *count = count.saturating_add(1);
     }
@@ -611,7 +701,7 @@ mod tests {
     #[test]
     fn eviction_drops_the_least_recently_stored_blocks_first() {
         let index = BlockIndex::new();
-        let mut pod = PodState::new(PodId(0), "m");
+        let mut pod = PodState::new(PodId(0), "m").bounded();
         let mut stats = ApplyStats::default();
         for h in 1..=5u64 {
             pod.store_t(
@@ -788,5 +878,45 @@ mod tests {
         pod.store_t(&index, &zero, &mut stats);
         assert_eq!(stats.malformed_stores, 2);
         assert!(index.is_empty());
+    }
+
+    #[test]
+    fn prefix_closure_is_tracked_through_holes_and_re_stores() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        let remove = |pod: &mut PodState, h: u64, stats: &mut ApplyStats| {
+            pod.remove(
+                &index,
+                &BlockRemoved {
+                    block_hashes: vec![EngineHash(h)],
+                    ..Default::default()
+                },
+                stats,
+            )
+        };
+        // 1 <- 2 <- 3, one store.
+        pod.store_t(&index, &store(&[1, 2, 3], None, &tokens(12, 0)), &mut stats);
+        assert_eq!(pod.closed_tier(), Some(Tier::Gpu));
+        // A hole: 3 is an orphan now.
+        remove(&mut pod, 2, &mut stats);
+        assert_eq!(pod.closed_tier(), None);
+        // 2 comes back: a new incarnation; 3 stays counted as the orphan it
+        // was (conservative), until it goes.
+        pod.store_t(&index, &store(&[2], Some(1), &tokens(4, 4)), &mut stats);
+        assert_eq!(pod.closed_tier(), None);
+        remove(&mut pod, 3, &mut stats);
+        assert_eq!(pod.closed_tier(), Some(Tier::Gpu));
+        // The new 2's own children are counted against it, not the old one.
+        pod.store_t(&index, &store(&[9], Some(2), &tokens(4, 8)), &mut stats);
+        remove(&mut pod, 9, &mut stats);
+        remove(&mut pod, 2, &mut stats);
+        assert_eq!(pod.closed_tier(), Some(Tier::Gpu));
+        assert_eq!(pod.orphans, 0);
+        // A CPU copy makes two tiers: not the single-tier fast path.
+        let mut cpu = store(&[1], None, &[]);
+        cpu.medium = Some("CPU".into());
+        pod.store_t(&index, &cpu, &mut stats);
+        assert_eq!(pod.closed_tier(), None);
     }
 }

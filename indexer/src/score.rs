@@ -29,8 +29,33 @@ pub struct PrefixMatch {
     pub matched_blocks: u32,
     /// Of the matched blocks, how many are held on each tier.
     pub blocks_per_tier: [u32; TIERS],
-    /// Sum over matched blocks of the best tier's weight.
+    /// Of the matched blocks, how many have each tier as their best.
+    pub best_tier_blocks: [u32; TIERS],
+    /// Sum over matched blocks of the best tier's weight (computed from
+    /// `best_tier_blocks`, so every way of finding a match gives the same
+    /// floating-point value).
     pub weighted_blocks: f64,
+}
+
+impl PrefixMatch {
+    /// `blocks` leading blocks, all held on `tier` only.
+    pub fn on_one_tier(blocks: u32, tier: Tier, weights: &TierWeights) -> PrefixMatch {
+        let mut m = PrefixMatch {
+            matched_blocks: blocks,
+            ..Default::default()
+        };
+        m.blocks_per_tier[tier.index()] = blocks;
+        m.best_tier_blocks[tier.index()] = blocks;
+        m.weigh(weights);
+        m
+    }
+
+    fn weigh(&mut self, weights: &TierWeights) {
+        self.weighted_blocks = Tier::ALL
+            .iter()
+            .map(|t| f64::from(self.best_tier_blocks[t.index()]) * weights.get(*t))
+            .sum();
+    }
 }
 
 /// Walks `keys` from block 0 for `candidates` (sorted by id, no duplicates)
@@ -64,7 +89,68 @@ pub fn walk(
             });
         });
     }
+    for m in &mut matches {
+        m.weigh(weights);
+    }
     matches
+}
+
+/// How many leading blocks of `keys` each of `pods` holds, for pods whose
+/// held set is prefix-closed (holding block k of a chain implies holding
+/// its ancestors: `PodState::closed_tier`). For such a pod "holds keys[i]"
+/// is true for every i below its match and false from there on, so a
+/// binary search finds the match exactly: the same answer as the first-miss
+/// walk, in O(log n) lookups instead of n.
+///
+/// All pods are searched at once: a probe at `mid` splits the pods still
+/// in a range into those holding `keys[mid]` (their match is past `mid`)
+/// and the rest (at or before it), so pods that share a prefix share every
+/// probe, and the cost grows with the number of distinct match lengths, not
+/// with the number of pods. `pods` must be sorted; returns depths in order.
+pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId]) -> Vec<u32> {
+    debug_assert!(pods.windows(2).all(|w| w[0] < w[1]));
+    let mut order: Vec<PodId> = pods.to_vec();
+    let mut depth = vec![0u32; pods.len()];
+    let mut held: Vec<PodId> = Vec::with_capacity(pods.len());
+    let mut missing: Vec<PodId> = Vec::with_capacity(pods.len());
+    // (lo, hi, start, end): pods order[start..end] (sorted) match somewhere
+    // in lo..=hi blocks.
+    let mut ranges = vec![(0usize, keys.len(), 0usize, order.len())];
+    while let Some((lo, hi, start, end)) = ranges.pop() {
+        if lo == hi {
+            for pod in &order[start..end] {
+                let at = pods.binary_search(pod).expect("a candidate");
+                depth[at] = lo as u32;
+            }
+            continue;
+        }
+        let mid = lo + (hi - lo) / 2;
+        held.clear();
+        missing.clear();
+        index.with_holders(keys[mid], |holders| {
+            let holders = holders.unwrap_or(&[]);
+            // Both sorted by pod id: one merge pass.
+            let mut h = holders.iter().peekable();
+            for pod in &order[start..end] {
+                while h.next_if(|x| x.pod < *pod).is_some() {}
+                if h.peek().is_some_and(|x| x.pod == *pod) {
+                    held.push(*pod);
+                } else {
+                    missing.push(*pod);
+                }
+            }
+        });
+        let split = start + held.len();
+        order[start..split].copy_from_slice(&held);
+        order[split..end].copy_from_slice(&missing);
+        if split > start {
+            ranges.push((mid + 1, hi, start, split));
+        }
+        if end > split {
+            ranges.push((lo, mid, split, end));
+        }
+    }
+    depth
 }
 
 /// Holders are sorted by pod id; most keys have one or two.
@@ -132,17 +218,22 @@ pub fn extend_prefix_closed(
             });
             record(m, TierMask(known.0 | deepest_tiers.0), weights);
         }
+        m.weigh(weights);
     }
 }
 
 fn record(m: &mut PrefixMatch, tiers: TierMask, weights: &TierWeights) {
     m.matched_blocks += 1;
-    let mut best = 0.0f64;
+    let mut best: Option<Tier> = None;
     for tier in tiers.tiers() {
         m.blocks_per_tier[tier.index()] += 1;
-        best = best.max(weights.get(tier));
+        if best.is_none_or(|b| weights.get(tier) > weights.get(b)) {
+            best = Some(tier);
+        }
     }
-    m.weighted_blocks += best;
+    if let Some(b) = best {
+        m.best_tier_blocks[b.index()] += 1;
+    }
 }
 
 #[cfg(test)]
