@@ -8,6 +8,7 @@ use std::sync::Arc;
 use indexer::Indexer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tokio_stream::StreamExt;
 use tonic::codegen::http;
 use tonic::transport::Server;
 
@@ -122,9 +123,22 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     ));
     let max_message = config.limits.max_message_bytes;
     let llmd = crate::llmd::LlmdIndexerService::new(service.clone());
-    let mut builder = Server::builder().layer(tower::util::MapResponseLayer::new(
-        oversize_is_resource_exhausted,
-    ));
+    // Our own listener (bound before readiness), so tonic's `tcp_nodelay`
+    // does not apply: without it a 100 KB Score request waits out Nagle and
+    // delayed ACKs (~40 ms on loopback).
+    let accepted = TcpListenerStream::new(listener).map(|conn| {
+        let conn = conn?;
+        conn.set_nodelay(true)?;
+        Ok::<_, std::io::Error>(conn)
+    });
+    // Token-id prompts are large (32K tokens ~ 100 KB): windows that take
+    // one without waiting for WINDOW_UPDATEs.
+    let mut builder = Server::builder()
+        .initial_stream_window_size(2 << 20)
+        .initial_connection_window_size(8 << 20)
+        .layer(tower::util::MapResponseLayer::new(
+            oversize_is_resource_exhausted,
+        ));
     if let Some(tls) = &config.tls {
         let mut tls_config = tonic::transport::ServerTlsConfig::new().identity(
             tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem),
@@ -144,7 +158,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             .add_service(reflection_v1alpha)
             .add_service(KvIndexerServer::from_arc(service).max_decoding_message_size(max_message))
             .add_service(IndexerServiceServer::new(llmd).max_decoding_message_size(max_message))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+            .serve_with_incoming_shutdown(accepted, async {
                 let _ = rpc_stopped.await;
             }),
     );
