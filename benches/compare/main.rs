@@ -190,19 +190,28 @@ struct Run {
 
 fn run_all(trace: &Trace, input: Input, plan: Plan) -> Vec<(&'static str, Measured)> {
     let mut out = Vec::new();
+    // COMPARE_ONLY=ours (or dynamo, smg...) for profiling one indexer.
+    let only = std::env::var("COMPARE_ONLY").ok();
+    let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
     let mut go = |name: &'static str, m: Measured| {
         if let Some(d) = &m.first_disagreement {
             eprintln!("DISAGREEMENT ({} queries): {d}", m.disagreements);
         }
         out.push((name, m));
     };
-    go(Ours::name(), measure::<Ours>(trace, input, plan));
-    go(
-        DynamoRadix::name(),
-        measure::<DynamoRadix>(trace, input, plan),
-    );
-    go(Smg::name(), measure::<Smg>(trace, input, plan));
-    if input == Input::PreHashed {
+    if wanted(Ours::name()) {
+        go(Ours::name(), measure::<Ours>(trace, input, plan));
+    }
+    if wanted(DynamoRadix::name()) {
+        go(
+            DynamoRadix::name(),
+            measure::<DynamoRadix>(trace, input, plan),
+        );
+    }
+    if wanted(Smg::name()) {
+        go(Smg::name(), measure::<Smg>(trace, input, plan));
+    }
+    if input == Input::PreHashed && wanted(DynamoPositional::name()) {
         go(
             DynamoPositional::name(),
             measure::<DynamoPositional>(trace, input, plan),
@@ -247,14 +256,19 @@ fn run_json(run: &Run) -> Value {
 /// Ours relative to the better of the two named peers (Dynamo's radix tree
 /// and SMG's chain index): `higher_is_better` picks the max, else the min.
 fn ratio(r: &[(&'static str, Measured)], f: impl Fn(&Measured) -> f64, higher: bool) -> f64 {
-    let ours = f(&r[0].1);
-    let peers = r[1..3].iter().map(|(_, m)| f(m));
-    let best = if higher {
-        peers.fold(f64::MIN, f64::max)
-    } else {
-        peers.fold(f64::MAX, f64::min)
+    let Some((_, ours)) = r.iter().find(|(n, _)| *n == "ours") else {
+        return f64::NAN;
     };
-    ours / best
+    let peers = r
+        .iter()
+        .filter(|(n, _)| *n == "dynamo" || *n == "smg")
+        .map(|(_, m)| f(m));
+    let best = if higher {
+        peers.fold(f64::NAN, f64::max)
+    } else {
+        peers.fold(f64::NAN, f64::min)
+    };
+    f(ours) / best
 }
 
 fn print_run(run: &Run) {

@@ -7,6 +7,7 @@
 
 use std::hash::{BuildHasherDefault, Hasher};
 
+use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 use smallvec::SmallVec;
 
@@ -130,10 +131,11 @@ impl BlockIndex {
         }
     }
 
-    /// Drops one reference; forgets the holder, and the key, once unreferenced.
+    /// Drops one reference; forgets the holder, and the key, once
+    /// unreferenced. One lookup.
     pub fn release(&self, key: BlockKey, pod: PodId, tier: Tier) {
-        let mut emptied = false;
-        if let Some(mut holders) = self.map.get_mut(&key) {
+        if let Entry::Occupied(mut entry) = self.map.entry(key) {
+            let holders = entry.get_mut();
             if let Ok(i) = holders.binary_search_by_key(&pod, |h| h.pod) {
                 let r = &mut holders[i].refs[tier.index()];
                 *r = r.saturating_sub(1);
@@ -141,10 +143,9 @@ impl BlockIndex {
                     holders.remove(i);
                 }
             }
-            emptied = holders.is_empty();
-        }
-        if emptied {
-            self.map.remove_if(&key, |_, h| h.is_empty());
+            if holders.is_empty() {
+                entry.remove();
+            }
         }
     }
 

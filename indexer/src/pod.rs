@@ -10,6 +10,7 @@
 //! - a block whose parent is unknown cannot be keyed. It is counted and
 //!   skipped; nothing else is touched.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 
@@ -24,7 +25,9 @@ use crate::snapshot::SnapshotBlock;
 #[derive(Clone, Copy, Debug)]
 struct HeldBlock {
     key: BlockKey,
-    counts: [u32; TIERS],
+    /// Stores minus removals per tier (vLLM can store a hash twice);
+    /// saturating, 65535 is far beyond any engine's duplicates.
+    counts: [u16; TIERS],
     /// When it was last stored (the pod's store clock), for eviction.
     stamp: u64,
     /// The parent this block was stored under (valid if `has_parent`) and
@@ -201,18 +204,12 @@ impl PodState {
             let mut parent = ev.parent_block_hash;
             for hash in &ev.block_hashes {
                 let linked_to = parent.replace(*hash);
-                self.reserve_one();
-                match (self.by_hash.contains_key(hash), engine) {
-                    (true, _) => {}
-                    (false, Some(_)) => self.insert_new(*hash, BlockKey(hash.0), linked_to),
-                    (false, None) => {
-                        stats.unkeyable_blocks += 1;
-                        continue;
-                    }
+                if engine.is_none() && !self.by_hash.contains_key(hash) {
+                    stats.unkeyable_blocks += 1;
+                    continue;
                 }
-                self.count_up(index, *hash, tier);
+                self.store_block(index, *hash, BlockKey(hash.0), linked_to, tier);
                 stats.stored_blocks += 1;
-                self.touch(*hash);
             }
             return;
         }
@@ -231,11 +228,8 @@ impl PodState {
             let mut parent = ev.parent_block_hash;
             for hash in &ev.block_hashes {
                 let linked_to = parent.replace(*hash);
-                self.reserve_one();
-                self.held_or_new(*hash, BlockKey(hash.0), linked_to);
-                self.count_up(index, *hash, tier);
+                self.store_block(index, *hash, BlockKey(hash.0), linked_to, tier);
                 stats.stored_blocks += 1;
-                self.touch(*hash);
             }
             return;
         }
@@ -284,11 +278,8 @@ impl PodState {
                 0 => ev.parent_block_hash,
                 _ => Some(ev.block_hashes[i - 1]),
             };
-            self.reserve_one();
-            self.held_or_new(*hash, key, linked_to);
-            self.count_up(index, *hash, tier);
+            self.store_block(index, *hash, key, linked_to, tier);
             stats.stored_blocks += 1;
-            self.touch(*hash);
         }
     }
 
@@ -302,10 +293,11 @@ impl PodState {
         }
         let tier = ev.tier();
         for hash in &ev.block_hashes {
-            let Some(held) = self.by_hash.get_mut(hash) else {
+            let Entry::Occupied(mut entry) = self.by_hash.entry(*hash) else {
                 stats.unknown_removals += 1;
                 continue;
             };
+            let held = entry.get_mut();
             let count = &mut held.counts[tier.index()];
             if *count == 0 {
                 stats.unknown_removals += 1;
@@ -316,7 +308,8 @@ impl PodState {
                 index.release(held.key, self.id, tier);
                 self.held_per_tier[tier.index()] -= 1;
                 if held.counts.iter().all(|c| *c == 0) {
-                    self.forget(*hash);
+                    let held = entry.remove();
+                    self.unlink(&held);
                 }
             }
             stats.removed_blocks += 1;
@@ -329,7 +322,7 @@ impl PodState {
         let mut blocks: Vec<(u64, u64, u64, [u32; TIERS])> = self
             .by_hash
             .iter()
-            .map(|(h, b)| (b.stamp, h.0, b.key.0, b.counts))
+            .map(|(h, b)| (b.stamp, h.0, b.key.0, b.counts.map(u32::from)))
             .collect();
         blocks.sort_unstable();
         let mut groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
@@ -358,18 +351,23 @@ impl PodState {
             // Snapshots do not keep parents: every restored block counts as
             // an orphan, so the pod is scored by the plain walk until they
             // are gone.
+            // Blocks come oldest first: stamps keep that order.
+            self.clock += 1;
             let mut held = HeldBlock::new(BlockKey(*key));
-            held.counts = *counts;
+            held.counts = counts.map(|c| c.min(u32::from(u16::MAX)) as u16);
             held.has_parent = true;
+            held.stamp = self.clock;
             self.orphans += 1;
             self.by_hash.insert(EngineHash(*hash), held);
+            if self.half_full {
+                self.order.push_back((EngineHash(*hash), self.clock));
+            }
             for tier in Tier::ALL {
                 if counts[tier.index()] > 0 {
                     index.acquire(BlockKey(*key), self.id, tier);
                     self.held_per_tier[tier.index()] += 1;
                 }
             }
-            self.touch(EngineHash(*hash));
         }
     }
 
@@ -377,26 +375,6 @@ impl PodState {
     /// the index's capacity.
     pub fn entries(&self) -> usize {
         self.by_hash.len()
-    }
-
-    /// Marks `hash` as just stored.
-    fn touch(&mut self, hash: EngineHash) {
-        self.clock += 1;
-        if let Some(held) = self.by_hash.get_mut(&hash) {
-            held.stamp = self.clock;
-            // Only a bounded index evicts: the rest never reads `order`.
-            if self.half_full {
-                self.order.push_back((hash, self.clock));
-            }
-        }
-        // Re-stores and removals leave stale order entries: rebuild before
-        // they outnumber the live ones (keeps this O(1) amortised).
-        if self.order.len() > 2 * self.by_hash.len() + 64 {
-            let mut live: Vec<(u64, EngineHash)> =
-                self.by_hash.iter().map(|(h, b)| (b.stamp, *h)).collect();
-            live.sort_unstable();
-            self.order = live.into_iter().map(|(s, h)| (h, s)).collect();
-        }
     }
 
     /// Evicts up to `n` least recently stored blocks (every tier of each).
@@ -483,37 +461,79 @@ impl PodState {
         }
     }
 
-    /// Makes sure `hash` has an entry, created (and linked to `parent`) if new.
-    fn held_or_new(&mut self, hash: EngineHash, key: BlockKey, parent: Option<EngineHash>) {
-        if !self.by_hash.contains_key(&hash) {
-            self.insert_new(hash, key, parent);
-        }
-    }
-
-    /// Inserts a new entry, counted as its parent's child, or as an orphan
-    /// when the parent is not held.
-    fn insert_new(&mut self, hash: EngineHash, key: BlockKey, parent: Option<EngineHash>) {
-        self.born_clock = self.born_clock.wrapping_add(1).max(1);
-        let mut held = HeldBlock::new(key);
-        held.born = self.born_clock;
-        if let Some(p) = parent {
-            held.has_parent = true;
-            held.parent = p;
-            match self.by_hash.get_mut(&p) {
-                Some(up) => {
-                    up.children += 1;
-                    held.parent_born = up.born;
+    /// One store of `hash` on `tier`: its entry (created, and linked to
+    /// `parent`, if new; `key` is only used then), one more count, a new
+    /// store stamp. One lookup of `hash` (the parent's was just stored).
+    fn store_block(
+        &mut self,
+        index: &BlockIndex,
+        hash: EngineHash,
+        key: BlockKey,
+        parent: Option<EngineHash>,
+        tier: Tier,
+    ) {
+        self.reserve_one();
+        self.clock += 1;
+        // The parent's incarnation, 0 if it is not held.
+        let parent_born = parent.map_or(0, |p| self.by_hash.get(&p).map_or(0, |b| b.born));
+        let mut created = false;
+        let held = match self.by_hash.entry(hash) {
+            Entry::Occupied(o) => o.into_mut(),
+            Entry::Vacant(v) => {
+                created = true;
+                self.born_clock = self.born_clock.wrapping_add(1).max(1);
+                let mut held = HeldBlock::new(key);
+                held.born = self.born_clock;
+                if let Some(p) = parent {
+                    held.has_parent = true;
+                    held.parent = p;
+                    held.parent_born = parent_born;
                 }
-                None => self.orphans += 1,
+                v.insert(held)
+            }
+        };
+        let count = &mut held.counts[tier.index()];
+        if *count == 0 {
+            index.acquire(held.key, self.id, tier);
+            self.held_per_tier[tier.index()] += 1;
+        }
+        *count = count.saturating_add(1);
+        held.stamp = self.clock;
+        if created {
+            match parent {
+                Some(p) if parent_born != 0 => {
+                    if let Some(up) = self.by_hash.get_mut(&p) {
+                        up.children += 1;
+                    }
+                }
+                Some(_) => self.orphans += 1,
+                None => {}
             }
         }
-        self.by_hash.insert(hash, held);
+        // Only a bounded index evicts: the rest never reads `order`.
+        if self.half_full {
+            self.order.push_back((hash, self.clock));
+            // Re-stores and removals leave stale order entries: rebuild
+            // before they outnumber the live ones (O(1) amortised).
+            if self.order.len() > 2 * self.by_hash.len() + 64 {
+                let mut live: Vec<(u64, EngineHash)> =
+                    self.by_hash.iter().map(|(h, b)| (b.stamp, *h)).collect();
+                live.sort_unstable();
+                self.order = live.into_iter().map(|(s, h)| (h, s)).collect();
+            }
+        }
     }
 
-    /// Removes an entry, keeping `orphans` exact: its children become
-    /// orphans; it stops being one, or stops counting as its parent's child.
+    /// Removes an entry (see `unlink`).
     fn forget(&mut self, hash: EngineHash) -> Option<HeldBlock> {
         let held = self.by_hash.remove(&hash)?;
+        self.unlink(&held);
+        Some(held)
+    }
+
+    /// Keeps `orphans` exact after `held` left: its children become
+    /// orphans; it stops being one, or stops counting as its parent's child.
+    fn unlink(&mut self, held: &HeldBlock) {
         self.orphans += u64::from(held.children);
         if held.has_parent {
             match self.by_hash.get_mut(&held.parent) {
@@ -526,7 +546,6 @@ impl PodState {
                 }
             }
         }
-        Some(held)
     }
 
     /// The tier every held block is on, if the held set is prefix-closed
@@ -545,19 +564,6 @@ impl PodState {
             (Some(t), None) => Some(t),
             _ => None,
         }
-    }
-
-    /// One more store of `hash` (held) on `tier`.
-    fn count_up(&mut self, index: &BlockIndex, hash: EngineHash, tier: Tier) {
-        let Some(held) = self.by_hash.get_mut(&hash) else {
-            return;
-        };
-        let count = &mut held.counts[tier.index()];
-        if *count == 0 {
-            index.acquire(held.key, self.id, tier);
-            self.held_per_tier[tier.index()] += 1;
-        }
-        *count = count.saturating_add(1);
     }
 
     fn skip_group(&mut self, group: Option<u32>, kind: Option<&str>) -> bool {
