@@ -17,6 +17,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Served by gRPC reflection.
     std::fs::write(out.join("descriptor.bin"), fds.encode_to_vec())?;
     tonic_prost_build::configure()
+        // Decodes each message from one slice: see src/codec.rs.
+        .codec_path("crate::codec::SliceCodec")
         .build_client(true)
         .build_server(true)
         .compile_fds(fds)?;

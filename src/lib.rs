@@ -20,6 +20,7 @@ pub mod proto {
 }
 
 pub mod app;
+pub mod codec;
 pub mod config;
 pub mod demo;
 pub mod discovery;

@@ -106,51 +106,107 @@ pub fn walk(
 /// in a range into those holding `keys[mid]` (their match is past `mid`)
 /// and the rest (at or before it), so pods that share a prefix share every
 /// probe, and the cost grows with the number of distinct match lengths, not
-/// with the number of pods. `pods` must be sorted; returns depths in order.
+/// with the number of pods. Two shortcuts: the first and last blocks are
+/// probed up front (prompts nobody holds, and prompts held whole, are the
+/// common cases and settle in one probe each), and a range with many pods
+/// for its length is scanned block by block (at most one probe per block,
+/// like the walk, instead of a binary search per distinct length). `pods`
+/// must be sorted; returns depths in the same order.
 pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId]) -> Vec<u32> {
     debug_assert!(pods.windows(2).all(|w| w[0] < w[1]));
-    let mut order: Vec<PodId> = pods.to_vec();
+    let n = keys.len();
     let mut depth = vec![0u32; pods.len()];
-    let mut held: Vec<PodId> = Vec::with_capacity(pods.len());
-    let mut missing: Vec<PodId> = Vec::with_capacity(pods.len());
+    if n == 0 || pods.is_empty() {
+        return depth;
+    }
+    let mut order: Vec<PodId> = pods.to_vec();
+    let mut split = Splitter::new(pods.len());
+    let settle = |pods_at: &[PodId], d: usize, depth: &mut [u32]| {
+        for pod in pods_at {
+            depth[pods.binary_search(pod).expect("a candidate")] = d as u32;
+        }
+    };
     // (lo, hi, start, end): pods order[start..end] (sorted) match somewhere
     // in lo..=hi blocks.
-    let mut ranges = vec![(0usize, keys.len(), 0usize, order.len())];
+    let mut ranges = Vec::new();
+    let end = order.len();
+    let first = split.split(index, keys[0], &mut order[..end]);
+    settle(&order[first..end], 0, &mut depth);
+    if first > 0 {
+        let whole = split.split(index, keys[n - 1], &mut order[..first]);
+        settle(&order[..whole], n, &mut depth);
+        if first > whole {
+            ranges.push((1, n - 1, whole, first));
+        }
+    }
     while let Some((lo, hi, start, end)) = ranges.pop() {
-        if lo == hi {
-            for pod in &order[start..end] {
-                let at = pods.binary_search(pod).expect("a candidate");
-                depth[at] = lo as u32;
+        if lo >= hi {
+            settle(&order[start..end], hi, &mut depth);
+            continue;
+        }
+        if (end - start) * 4 >= hi - lo {
+            // Dense: one probe per block until every pod has dropped out.
+            let mut end = end;
+            for (i, key) in keys.iter().enumerate().take(hi).skip(lo) {
+                let held = start + split.split(index, *key, &mut order[start..end]);
+                settle(&order[held..end], i, &mut depth);
+                end = held;
+                if end == start {
+                    break;
+                }
             }
+            settle(&order[start..end], hi, &mut depth);
             continue;
         }
         let mid = lo + (hi - lo) / 2;
-        held.clear();
-        missing.clear();
-        index.with_holders(keys[mid], |holders| {
-            let holders = holders.unwrap_or(&[]);
-            // Both sorted by pod id: one merge pass.
-            let mut h = holders.iter().peekable();
-            for pod in &order[start..end] {
-                while h.next_if(|x| x.pod < *pod).is_some() {}
-                if h.peek().is_some_and(|x| x.pod == *pod) {
-                    held.push(*pod);
-                } else {
-                    missing.push(*pod);
-                }
-            }
-        });
-        let split = start + held.len();
-        order[start..split].copy_from_slice(&held);
-        order[split..end].copy_from_slice(&missing);
-        if split > start {
-            ranges.push((mid + 1, hi, start, split));
+        let held = start + split.split(index, keys[mid], &mut order[start..end]);
+        if held > start {
+            ranges.push((mid + 1, hi, start, held));
         }
-        if end > split {
-            ranges.push((lo, mid, split, end));
+        if end > held {
+            ranges.push((lo, mid, held, end));
         }
     }
     depth
+}
+
+/// Partitions sorted pod lists by whether they hold a key, keeping both
+/// halves sorted; the scratch space is reused across probes.
+struct Splitter {
+    held: Vec<PodId>,
+    missing: Vec<PodId>,
+}
+
+impl Splitter {
+    fn new(capacity: usize) -> Splitter {
+        Splitter {
+            held: Vec::with_capacity(capacity),
+            missing: Vec::with_capacity(capacity),
+        }
+    }
+
+    /// Reorders `pods` as (holders of `key`, the rest); returns how many hold it.
+    fn split(&mut self, index: &BlockIndex, key: BlockKey, pods: &mut [PodId]) -> usize {
+        self.held.clear();
+        self.missing.clear();
+        index.with_holders(key, |holders| {
+            let holders = holders.unwrap_or(&[]);
+            // Both sorted by pod id: one merge pass.
+            let mut h = holders.iter().peekable();
+            for pod in pods.iter() {
+                while h.next_if(|x| x.pod < *pod).is_some() {}
+                if h.peek().is_some_and(|x| x.pod == *pod) {
+                    self.held.push(*pod);
+                } else {
+                    self.missing.push(*pod);
+                }
+            }
+        });
+        let held = self.held.len();
+        pods[..held].copy_from_slice(&self.held);
+        pods[held..].copy_from_slice(&self.missing);
+        held
+    }
 }
 
 /// Holders are sorted by pod id; most keys have one or two.
@@ -304,5 +360,50 @@ mod tests {
         );
         let got: Vec<u32> = m.iter().map(|m| m.matched_blocks).collect();
         assert_eq!(got, vec![1, 1, 0]);
+    }
+
+    /// Pods holding prefixes of every length, dense and sparse, few and
+    /// many: the binary search and the dense scan agree with the walk.
+    #[test]
+    fn jump_finds_every_prefix_length_exactly() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for case in 0..60 {
+            let n = [1usize, 2, 7, 128, 2048, 8192][case % 6];
+            let pods = 1 + rnd(if case % 2 == 0 { 8 } else { 100 }) as u32;
+            let index = BlockIndex::new();
+            let keys: Vec<BlockKey> = (0..n as u64)
+                .map(|k| BlockKey(k + 1000 * case as u64))
+                .collect();
+            let ids: Vec<PodId> = (0..pods).map(PodId).collect();
+            // A few distinct lengths, shared by many pods, plus the extremes.
+            let lengths: Vec<usize> = (0..1 + rnd(12))
+                .map(|_| rnd(n as u64 + 1) as usize)
+                .collect();
+            for pod in &ids {
+                let d = match rnd(4) {
+                    0 => 0,
+                    1 => n,
+                    _ => lengths[rnd(lengths.len() as u64) as usize],
+                };
+                for key in &keys[..d] {
+                    index.acquire(*key, *pod, Tier::Gpu);
+                }
+            }
+            let want: Vec<u32> = walk(&index, &keys, &ids, &TierWeights::default())
+                .iter()
+                .map(|m| m.matched_blocks)
+                .collect();
+            assert_eq!(
+                jump(&index, &keys, &ids),
+                want,
+                "case {case}: n {n}, {pods} pods"
+            );
+        }
     }
 }
