@@ -41,6 +41,7 @@ struct Opts {
     quick: bool,
     grpc: Option<String>,
     zmq: Option<String>,
+    metrics: Option<String>,
     tokenizer: PathBuf,
 }
 
@@ -49,6 +50,7 @@ fn opts() -> Opts {
         quick: false,
         grpc: None,
         zmq: None,
+        metrics: None,
         tokenizer: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen3"),
     };
     let mut args = std::env::args().skip(1);
@@ -57,11 +59,12 @@ fn opts() -> Opts {
             "--quick" => o.quick = true,
             "--grpc" => o.grpc = args.next(),
             "--zmq" => o.zmq = args.next(),
+            "--metrics" => o.metrics = args.next(),
             "--tokenizer" => o.tokenizer = args.next().map(PathBuf::from).unwrap_or(o.tokenizer),
             "--bench" => {}
             "-h" | "--help" => {
                 println!(
-                    "kv-indexer-bench [--quick] [--grpc HOST:PORT --zmq tcp://HOST:PORT] [--tokenizer DIR]\n\
+                    "kv-indexer-bench [--quick] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR]\n\
                      Without --grpc/--zmq it starts the kv-indexer binary next to it. A running\n\
                      service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs."
                 );
@@ -93,7 +96,7 @@ impl Drop for Spawned {
     }
 }
 
-fn spawn_service(o: &Opts) -> (Spawned, String, String) {
+fn spawn_service(o: &Opts) -> (Spawned, String, String, String) {
     let exe = std::env::current_exe().expect("own path");
     let bin = exe.with_file_name("kv-indexer");
     assert!(
@@ -119,7 +122,33 @@ fn spawn_service(o: &Opts) -> (Spawned, String, String) {
         Spawned(child),
         format!("127.0.0.1:{grpc}"),
         format!("tcp://127.0.0.1:{zmq}"),
+        format!("127.0.0.1:{metrics}"),
     )
+}
+
+/// The service's own Score time for token-id requests so far (seconds,
+/// requests), from its `/metrics`: what the handler spent, without the
+/// client, the transport or message decoding.
+fn server_score_time(metrics: Option<&str>) -> Option<(f64, f64)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(metrics?).ok()?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    let value = |name: &str| -> Option<f64> {
+        body.lines()
+            .find(|l| l.starts_with(name) && l.contains("input=\"token_ids\""))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+    Some((
+        value("kv_indexer_score_seconds_sum")?,
+        value("kv_indexer_score_seconds_count")?,
+    ))
 }
 
 async fn connect(grpc: &str) -> KvIndexerClient<Channel> {
@@ -367,9 +396,50 @@ async fn ingest(zmq: &str, client: &mut KvIndexerClient<Channel>, quick: bool) -
 /// Runs `requests` at `rate`/s (open loop: each request leaves on schedule
 /// on its own task, whatever the others are doing) and returns the sorted
 /// latencies and the achieved rate.
+/// Sends a Score request encoded once up front: the load generator shares
+/// the cores with the service, so it should not re-encode 32K varints per
+/// request (what a Go or Python EPP spends encoding is its own business).
+#[derive(Clone)]
+struct PreEncoded;
+
+impl tonic::codec::Codec for PreEncoded {
+    type Encode = bytes::Bytes;
+    type Decode = pb::ScoreResponse;
+    type Encoder = PreEncoded;
+    type Decoder = kv_indexer::codec::SliceDecoder<pb::ScoreResponse>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        PreEncoded
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        <kv_indexer::codec::SliceCodec<pb::ScoreRequest, pb::ScoreResponse> as tonic::codec::Codec>::decoder(
+            &mut Default::default(),
+        )
+    }
+}
+
+impl tonic::codec::Encoder for PreEncoded {
+    type Item = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: bytes::Bytes,
+        buf: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        buf.put_slice(&item);
+        Ok(())
+    }
+}
+
+/// Runs `requests` at `rate`/s (open loop: each request leaves on schedule
+/// on its own task, whatever the others are doing) and returns the sorted
+/// latencies and the achieved rate.
 async fn score_at_rate(
-    clients: &[KvIndexerClient<Channel>],
-    request: Arc<pb::ScoreRequest>,
+    channels: &[Channel],
+    request: bytes::Bytes,
     rate: f64,
     seconds: f64,
 ) -> (Vec<Duration>, f64) {
@@ -382,11 +452,17 @@ async fn score_at_rate(
         if due > now {
             tokio::time::sleep(due - now).await;
         }
-        let mut c = clients[i % clients.len()].clone();
+        let mut grpc = tonic::client::Grpc::new(channels[i % channels.len()].clone());
         let req = request.clone();
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
-            c.score((*req).clone()).await.expect("Score");
+            grpc.ready().await.expect("channel");
+            let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/kvindexer.v1.KvIndexer/Score",
+            );
+            grpc.unary(tonic::Request::new(req), path, PreEncoded)
+                .await
+                .expect("Score");
             t.elapsed()
         }));
     }
@@ -402,6 +478,7 @@ async fn score_at_rate(
 async fn score_tokens(
     grpc: &str,
     zmq: &str,
+    metrics: Option<&str>,
     client: &mut KvIndexerClient<Channel>,
     quick: bool,
 ) -> Value {
@@ -473,30 +550,47 @@ async fn score_tokens(
         "wrong scores"
     );
 
-    let mut clients = Vec::new();
+    let mut channels = Vec::new();
     for _ in 0..8 {
-        clients.push(connect(grpc).await);
+        connect(grpc).await;
+        channels.push(
+            Channel::from_shared(format!("http://{grpc}"))
+                .expect("uri")
+                .connect()
+                .await
+                .expect("connect"),
+        );
     }
+    let encoded = bytes::Bytes::from(prost::Message::encode_to_vec(&*request));
     let seconds = if quick { 1.0 } else { 3.0 };
     // Warm up connections and the service.
-    let _ = score_at_rate(&clients, request.clone(), 200.0, 0.5).await;
+    let _ = score_at_rate(&channels, encoded.clone(), 200.0, 0.5).await;
     println!("\nScore, token ids: 2048 blocks (32768 tokens), 64 pods, 8 connections, open loop");
     println!(
-        "{:>10} {:>10} {:>10} {:>10} {:>10}",
-        "offered/s", "achieved/s", "p50 us", "p99 us", "p999 us"
+        "{:>10} {:>10} {:>10} {:>10} {:>10} {:>12}",
+        "offered/s", "achieved/s", "p50 us", "p99 us", "p999 us", "service us"
     );
     let mut rows = Vec::new();
     let mut best_within_1ms: Option<f64> = None;
     for rate in [250.0, 500.0, 1000.0, 2000.0, 3000.0, 4000.0, 6000.0, 8000.0] {
-        let (lat, achieved) = score_at_rate(&clients, request.clone(), rate, seconds).await;
+        let before = server_score_time(metrics);
+        let (lat, achieved) = score_at_rate(&channels, encoded.clone(), rate, seconds).await;
+        // Mean time inside the service's Score handler over this step.
+        let service_us = match (before, server_score_time(metrics)) {
+            (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) / (n1 - n0) * 1e6),
+            _ => None,
+        };
         let (p50, p99, p999) = (
             percentile(&lat, 0.5),
             percentile(&lat, 0.99),
             percentile(&lat, 0.999),
         );
-        println!("{rate:>10.0} {achieved:>10.0} {p50:>10.0} {p99:>10.0} {p999:>10.0}");
+        println!(
+            "{rate:>10.0} {achieved:>10.0} {p50:>10.0} {p99:>10.0} {p999:>10.0} {:>12}",
+            service_us.map_or("-".to_string(), |u| format!("{u:.0}"))
+        );
         rows.push(json!({"offered_per_s": rate, "achieved_per_s": achieved,
-            "p50_us": p50, "p99_us": p99, "p999_us": p999}));
+            "p50_us": p50, "p99_us": p99, "p999_us": p999, "service_mean_us": service_us}));
         if p99 <= 1000.0 && achieved >= 0.95 * rate {
             best_within_1ms = Some(rate);
         }
@@ -645,17 +739,17 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let (_service, grpc, zmq) = match (&o.grpc, &o.zmq) {
-            (Some(g), Some(z)) => (None, g.clone(), z.clone()),
+        let (_service, grpc, zmq, metrics) = match (&o.grpc, &o.zmq) {
+            (Some(g), Some(z)) => (None, g.clone(), z.clone(), o.metrics.clone()),
             _ => {
-                let (s, g, z) = spawn_service(&o);
-                (Some(s), g, z)
+                let (s, g, z, m) = spawn_service(&o);
+                (Some(s), g, z, Some(m))
             }
         };
         let mut client = connect(&grpc).await;
         let started = Instant::now();
         let ingest = ingest(&zmq, &mut client, o.quick).await;
-        let score = score_tokens(&grpc, &zmq, &mut client, o.quick).await;
+        let score = score_tokens(&grpc, &zmq, metrics.as_deref(), &mut client, o.quick).await;
         let text = score_text(&mut client, o.quick).await;
         let out = json!({
             "mode": if o.quick { "quick" } else { "full" },
