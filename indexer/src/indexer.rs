@@ -443,7 +443,7 @@ impl Indexer {
             .filter(|p| !p.is_removed())
             .map(|p| {
                 let inner = self.lock(p);
-                let (blocks, non_full_groups) = inner.state.export();
+                let export = inner.state.export();
                 PodSnapshot {
                     model: p.model.clone(),
                     pod: p.topic_pod.clone(),
@@ -451,8 +451,9 @@ impl Indexer {
                     block_size: inner.state.block_size(),
                     last_seq: inner.progress.last_seq,
                     incomplete: p.incomplete.load(Ordering::Relaxed),
-                    non_full_groups,
-                    blocks,
+                    non_full_groups: export.non_full_groups,
+                    blocks: export.blocks,
+                    parents: export.parents,
                 }
             })
             .collect();
@@ -471,9 +472,13 @@ impl Indexer {
         for ps in &snapshot.pods {
             let pod = self.pod(&ps.model, &ps.pod, ps.dp_rank);
             let mut inner = Writing::new(&pod);
-            inner
-                .state
-                .import(&self.blocks, &ps.blocks, &ps.non_full_groups, ps.block_size);
+            inner.state.import(
+                &self.blocks,
+                &ps.blocks,
+                &ps.parents,
+                &ps.non_full_groups,
+                ps.block_size,
+            );
             inner.progress.last_seq = ps.last_seq;
             let entries = inner.state.entries();
             drop(inner);

@@ -57,6 +57,14 @@ impl HeldBlock {
     }
 }
 
+/// A pod's blocks as a snapshot keeps them (see `snapshot::PodSnapshot`).
+pub struct PodExport {
+    pub blocks: Vec<SnapshotBlock>,
+    /// Each block's parent hash, parallel to `blocks`.
+    pub parents: Vec<Option<u64>>,
+    pub non_full_groups: Vec<u32>,
+}
+
 /// What applying events did, for metrics and `ListPods`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ApplyStats {
@@ -318,46 +326,59 @@ impl PodState {
 
     /// Blocks as (hash, key, counts), least recently stored first, and the
     /// groups known not to be full attention: what a snapshot keeps.
-    pub fn export(&self) -> (Vec<SnapshotBlock>, Vec<u32>) {
-        let mut blocks: Vec<(u64, u64, u64, [u32; TIERS])> = self
+    pub fn export(&self) -> PodExport {
+        let mut blocks: Vec<(u64, u64, u64, [u32; TIERS], Option<u64>)> = self
             .by_hash
             .iter()
-            .map(|(h, b)| (b.stamp, h.0, b.key.0, b.counts.map(u32::from)))
+            .map(|(h, b)| {
+                let parent = b.has_parent.then_some(b.parent.0);
+                (b.stamp, h.0, b.key.0, b.counts.map(u32::from), parent)
+            })
             .collect();
         blocks.sort_unstable();
-        let mut groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
-        groups.sort_unstable();
-        (
-            blocks.into_iter().map(|(_, h, k, c)| (h, k, c)).collect(),
-            groups,
-        )
+        let mut non_full_groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
+        non_full_groups.sort_unstable();
+        PodExport {
+            blocks: blocks.iter().map(|(_, h, k, c, _)| (*h, *k, *c)).collect(),
+            parents: blocks.iter().map(|(.., p)| *p).collect(),
+            non_full_groups,
+        }
     }
 
-    /// Restores what `export` returned, into an empty pod.
+    /// Restores what `export` returned, into an empty pod. Without
+    /// `parents` (snapshots written before they were kept) every block
+    /// counts as an orphan, so the pod is walked block by block until those
+    /// blocks are gone.
     pub fn import(
         &mut self,
         index: &BlockIndex,
         blocks: &[SnapshotBlock],
+        parents: &[Option<u64>],
         non_full_groups: &[u32],
         block_size: Option<u32>,
     ) {
         self.block_size = block_size;
         self.non_full_groups = non_full_groups.iter().copied().collect();
-        for (hash, key, counts) in blocks {
+        let known_parents = parents.len() == blocks.len();
+        for (i, (hash, key, counts)) in blocks.iter().enumerate() {
             if counts.iter().all(|c| *c == 0) {
                 continue;
             }
             self.reserve_one();
-            // Snapshots do not keep parents: every restored block counts as
-            // an orphan, so the pod is scored by the plain walk until they
-            // are gone.
             // Blocks come oldest first: stamps keep that order.
             self.clock += 1;
+            self.born_clock = self.born_clock.wrapping_add(1).max(1);
             let mut held = HeldBlock::new(BlockKey(*key));
             held.counts = counts.map(|c| c.min(u32::from(u16::MAX)) as u16);
-            held.has_parent = true;
             held.stamp = self.clock;
-            self.orphans += 1;
+            held.born = self.born_clock;
+            match parents.get(i).copied().flatten() {
+                Some(p) => {
+                    held.has_parent = true;
+                    held.parent = EngineHash(p);
+                }
+                None => held.has_parent = !known_parents,
+            }
             self.by_hash.insert(EngineHash(*hash), held);
             if self.half_full {
                 self.order.push_back((EngineHash(*hash), self.clock));
@@ -367,6 +388,28 @@ impl PodState {
                     index.acquire(BlockKey(*key), self.id, tier);
                     self.held_per_tier[tier.index()] += 1;
                 }
+            }
+        }
+        // Link children to parents once all are in (a parent re-stored
+        // after its child comes later in store order).
+        let links: Vec<(EngineHash, Option<EngineHash>)> = self
+            .by_hash
+            .iter()
+            .filter(|(_, b)| b.has_parent)
+            .map(|(h, b)| (*h, known_parents.then_some(b.parent)))
+            .collect();
+        for (hash, parent) in links {
+            let born = parent.and_then(|p| self.by_hash.get_mut(&p)).map(|up| {
+                up.children += 1;
+                up.born
+            });
+            match born {
+                Some(b) => {
+                    if let Some(held) = self.by_hash.get_mut(&hash) {
+                        held.parent_born = b;
+                    }
+                }
+                None => self.orphans += 1,
             }
         }
     }
@@ -924,5 +967,65 @@ mod tests {
         cpu.medium = Some("CPU".into());
         pod.store_t(&index, &cpu, &mut stats);
         assert_eq!(pod.closed_tier(), None);
+    }
+
+    #[test]
+    fn a_restored_pod_keeps_its_prefix_closure() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m");
+        let mut stats = ApplyStats::default();
+        pod.store_t(&index, &store(&[1, 2, 3], None, &tokens(12, 0)), &mut stats);
+        // Re-storing the root makes it newer than its children: the export
+        // lists children before their parent.
+        pod.store_t(&index, &store(&[1], None, &tokens(4, 0)), &mut stats);
+        pod.store_t(&index, &store(&[4], Some(3), &tokens(4, 5)), &mut stats);
+        pod.store_t(&index, &store(&[5], Some(1), &tokens(4, 9)), &mut stats);
+        // A hole: 2 goes, 3 (and through it 4) is cut off.
+        pod.remove(
+            &index,
+            &BlockRemoved {
+                block_hashes: vec![EngineHash(2)],
+                ..Default::default()
+            },
+            &mut stats,
+        );
+        assert_eq!(pod.orphans, 1);
+        let export = pod.export();
+
+        let restored_index = BlockIndex::new();
+        let mut restored = PodState::new(PodId(0), "m");
+        restored.import(
+            &restored_index,
+            &export.blocks,
+            &export.parents,
+            &export.non_full_groups,
+            Some(4),
+        );
+        assert_eq!(restored.orphans, 1, "3 is still the one orphan");
+        let remove = |pod: &mut PodState, index: &BlockIndex, h: u64| {
+            let mut stats = ApplyStats::default();
+            pod.remove(
+                index,
+                &BlockRemoved {
+                    block_hashes: vec![EngineHash(h)],
+                    ..Default::default()
+                },
+                &mut stats,
+            )
+        };
+        remove(&mut restored, &restored_index, 4);
+        remove(&mut restored, &restored_index, 3);
+        assert_eq!(restored.closed_tier(), Some(Tier::Gpu));
+        // 1 was stored twice: it goes on the second removal.
+        remove(&mut restored, &restored_index, 1);
+        assert_eq!(restored.closed_tier(), Some(Tier::Gpu));
+        remove(&mut restored, &restored_index, 1);
+        assert_eq!(restored.closed_tier(), None, "5 lost its parent");
+
+        // An old snapshot (no parents): every block is an orphan.
+        let mut old = PodState::new(PodId(1), "m");
+        old.import(&BlockIndex::new(), &export.blocks, &[], &[], Some(4));
+        assert_eq!(old.orphans, 4);
+        assert_eq!(old.closed_tier(), None);
     }
 }

@@ -34,6 +34,11 @@ pub struct PodSnapshot {
     pub non_full_groups: Vec<u32>,
     /// (engine hash, key, counts per tier), least recently stored first.
     pub blocks: Vec<SnapshotBlock>,
+    /// Each block's parent hash, parallel to `blocks` (what keeps a restored
+    /// pod's prefix closure known). Last, and defaulted: snapshots written
+    /// before it existed still load, their blocks counted as orphans.
+    #[serde(default)]
+    pub parents: Vec<Option<u64>>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -95,6 +100,7 @@ mod tests {
                 incomplete: false,
                 non_full_groups: vec![1],
                 blocks: vec![(1, 2, [1, 0, 0]), (3, 4, [0, 2, 0])],
+                parents: vec![None, Some(1)],
             }],
         }
     }
@@ -114,5 +120,48 @@ mod tests {
         for cut in [0, 10, 19, 25, bytes.len() - 1] {
             assert!(decode(&bytes[..cut]).is_err());
         }
+    }
+
+    /// A snapshot from before `parents` existed (same version, one field
+    /// fewer) still loads, with no parents.
+    #[test]
+    fn snapshots_without_parents_still_load() {
+        #[derive(Serialize)]
+        struct OldPod {
+            model: String,
+            pod: String,
+            dp_rank: Option<u32>,
+            block_size: Option<u32>,
+            last_seq: Option<u64>,
+            incomplete: bool,
+            non_full_groups: Vec<u32>,
+            blocks: Vec<SnapshotBlock>,
+        }
+        #[derive(Serialize)]
+        struct Old {
+            keys_fingerprint: u64,
+            pods: Vec<OldPod>,
+        }
+        let old = Old {
+            keys_fingerprint: 7,
+            pods: vec![OldPod {
+                model: "m".into(),
+                pod: "p".into(),
+                dp_rank: Some(0),
+                block_size: Some(16),
+                last_seq: Some(41),
+                incomplete: false,
+                non_full_groups: vec![1],
+                blocks: vec![(1, 2, [1, 0, 0]), (3, 4, [0, 2, 0])],
+            }],
+        };
+        let body = rmp_serde::to_vec(&old).unwrap();
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&VERSION.to_le_bytes());
+        bytes.extend_from_slice(&xxh3_64(&body).to_le_bytes());
+        bytes.extend_from_slice(&body);
+        let mut want = sample();
+        want.pods[0].parents.clear();
+        assert_eq!(decode(&bytes).unwrap(), want);
     }
 }
