@@ -327,20 +327,22 @@ impl PodState {
     /// Blocks as (hash, key, counts), least recently stored first, and the
     /// groups known not to be full attention: what a snapshot keeps.
     pub fn export(&self) -> PodExport {
-        let mut blocks: Vec<(u64, u64, u64, [u32; TIERS], Option<u64>)> = self
-            .by_hash
+        let mut held: Vec<(u64, EngineHash, &HeldBlock)> =
+            self.by_hash.iter().map(|(h, b)| (b.stamp, *h, b)).collect();
+        held.sort_unstable_by_key(|(stamp, h, _)| (*stamp, *h));
+        let blocks = held
             .iter()
-            .map(|(h, b)| {
-                let parent = b.has_parent.then_some(b.parent.0);
-                (b.stamp, h.0, b.key.0, b.counts.map(u32::from), parent)
-            })
+            .map(|(_, h, b)| (h.0, b.key.0, b.counts.map(u32::from)))
             .collect();
-        blocks.sort_unstable();
+        let parents = held
+            .iter()
+            .map(|(_, _, b)| b.has_parent.then_some(b.parent.0))
+            .collect();
         let mut non_full_groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
         non_full_groups.sort_unstable();
         PodExport {
-            blocks: blocks.iter().map(|(_, h, k, c, _)| (*h, *k, *c)).collect(),
-            parents: blocks.iter().map(|(.., p)| *p).collect(),
+            blocks,
+            parents,
             non_full_groups,
         }
     }
