@@ -204,6 +204,26 @@ impl PodCache {
     }
 }
 
+/// A request of `prefix` plus fresh blocks (`new` = min, max), sent to a
+/// random pod and answered with fresh blocks (`out`): (prompt, pod, output).
+fn one_shot(
+    nodes: &mut Nodes,
+    rng: &mut Rng,
+    pods: usize,
+    mut prompt: Vec<u32>,
+    new: (usize, usize),
+    out: (usize, usize),
+) -> (Vec<u32>, usize, Vec<u32>) {
+    let n = rng.range(new.0, new.1);
+    nodes.extend(&mut prompt, n, rng);
+    let mut full = prompt.clone();
+    let o = rng.range(out.0, out.1);
+    nodes.extend(&mut full, o, rng);
+    let pod = rng.range(0, pods - 1);
+    let output = full[full.len() - o..].to_vec();
+    (prompt, pod, output)
+}
+
 struct Conversation {
     history: Vec<u32>,
     pod: usize,
@@ -280,43 +300,21 @@ impl Trace {
                 // A question about a long document (popular ones more often).
                 let popular = rng.range(0, docs.len() - 1);
                 let d = rng.range(0, popular);
-                let mut prompt = docs[d].clone();
-                let n = rng.range(2, 8);
-                nodes.extend(&mut prompt, n, &mut rng);
-                let mut full = prompt.clone();
-                let out = rng.range(1, 4);
-                nodes.extend(&mut full, out, &mut rng);
-                (
-                    prompt,
-                    rng.range(0, p.pods - 1),
-                    full[full.len() - out..].to_vec(),
+                one_shot(
+                    &mut nodes,
+                    &mut rng,
+                    p.pods,
+                    docs[d].clone(),
+                    (2, 8),
+                    (1, 4),
                 )
             } else if kind < 85 {
                 // A one-shot request under a shared system prompt.
-                let mut prompt = systems[rng.range(0, systems.len() - 1)].clone();
-                let n = rng.range(8, 128);
-                nodes.extend(&mut prompt, n, &mut rng);
-                let mut full = prompt.clone();
-                let out = rng.range(1, 8);
-                nodes.extend(&mut full, out, &mut rng);
-                (
-                    prompt,
-                    rng.range(0, p.pods - 1),
-                    full[full.len() - out..].to_vec(),
-                )
+                let sys = systems[rng.range(0, systems.len() - 1)].clone();
+                one_shot(&mut nodes, &mut rng, p.pods, sys, (8, 128), (1, 8))
             } else {
                 // A prompt nobody shares.
-                let mut prompt = Vec::new();
-                let n = rng.range(8, 256);
-                nodes.extend(&mut prompt, n, &mut rng);
-                let mut full = prompt.clone();
-                let out = rng.range(1, 8);
-                nodes.extend(&mut full, out, &mut rng);
-                (
-                    prompt,
-                    rng.range(0, p.pods - 1),
-                    full[full.len() - out..].to_vec(),
-                )
+                one_shot(&mut nodes, &mut rng, p.pods, Vec::new(), (8, 256), (1, 8))
             };
 
             let cache = &mut caches[pod];
