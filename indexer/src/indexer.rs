@@ -1143,7 +1143,7 @@ mod tests {
             path.reverse();
             path
         };
-        let tokens = vec![7u32; 16];
+        let tokens = [7u32; 16];
         let mut closed_seen = 0;
         for round in 0..6 {
             let ix = engine_indexer();

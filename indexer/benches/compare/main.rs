@@ -382,9 +382,10 @@ fn main() {
     out["mode"] = json!(if quick { "quick" } else { "full" });
     out["cores"] = json!(std::thread::available_parallelism().map_or(0, |n| n.get()));
     out["seconds"] = json!(started.elapsed().as_secs_f64());
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    // The workspace's target/bench, beside e2e.json.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
     std::fs::create_dir_all(&dir).expect("target/bench");
-    let path = dir.join("compare.json");
+    let path = dir.canonicalize().unwrap_or(dir).join("compare.json");
     std::fs::write(&path, serde_json::to_string_pretty(&out).expect("json")).expect("write");
     println!(
         "\nwrote {} in {:.0}s; all answers agree: {agree}",
