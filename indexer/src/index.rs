@@ -1,14 +1,15 @@
 //! The concurrent store: block key -> the pods holding it, per tier.
 //!
-//! Sharded (`DashMap`), so pods applying events and requests scoring prompts
-//! only contend when they touch the same shard at the same instant; there is
-//! no global lock. The per-pod bookkeeping that makes removals and clears
+//! Sharded (a read-write lock per shard), so pods applying events and
+//! requests scoring prompts only contend when they touch the same shard at
+//! the same instant; there is no global lock. The per-pod bookkeeping that makes removals and clears
 //! cheap lives in `pod`; this module only knows keys and holders.
 
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
-use dashmap::mapref::entry::Entry;
-use dashmap::DashMap;
+use parking_lot::RwLock;
 use smallvec::SmallVec;
 
 use crate::event::{Tier, TIERS};
@@ -92,9 +93,56 @@ impl Hasher for KeyHasher {
 
 pub type KeyBuildHasher = BuildHasherDefault<KeyHasher>;
 
+/// One reference of a pod on a key and tier, taken or dropped: what a pod's
+/// event turns into, applied to the index in one batch.
+#[derive(Clone, Copy, Debug)]
+pub struct Change {
+    pub key: BlockKey,
+    pub pod: PodId,
+    pub tier: Tier,
+    pub acquire: bool,
+    shard: u16,
+}
+
+impl Change {
+    pub fn acquire(key: BlockKey, pod: PodId, tier: Tier) -> Change {
+        Change {
+            key,
+            pod,
+            tier,
+            acquire: true,
+            shard: 0,
+        }
+    }
+
+    pub fn release(key: BlockKey, pod: PodId, tier: Tier) -> Change {
+        Change {
+            acquire: false,
+            ..Change::acquire(key, pod, tier)
+        }
+    }
+}
+
+type Shard = HashMap<BlockKey, Holders, KeyBuildHasher>;
+
+/// One shard's lock on its own cache line (readers of one shard do not
+/// bounce the line of the next).
+#[repr(align(64))]
 #[derive(Default)]
+struct Padded(RwLock<Shard>);
+
+/// Shards: enough that readers and the per-pod writers rarely meet, few
+/// enough that one event's blocks share a shard lock (see `apply`).
+const SHARD_BITS: u32 = 4;
+
 pub struct BlockIndex {
-    map: DashMap<BlockKey, Holders, KeyBuildHasher>,
+    shards: Box<[Padded]>,
+}
+
+impl Default for BlockIndex {
+    fn default() -> Self {
+        BlockIndex::with_capacity(0)
+    }
 }
 
 impl BlockIndex {
@@ -102,68 +150,128 @@ impl BlockIndex {
         Self::default()
     }
 
+    fn with_capacity(keys: usize) -> Self {
+        BlockIndex {
+            shards: (0..1usize << SHARD_BITS)
+                .map(|_| {
+                    Padded(RwLock::new(HashMap::with_capacity_and_hasher(
+                        keys >> SHARD_BITS,
+                        KeyBuildHasher::default(),
+                    )))
+                })
+                .collect(),
+        }
+    }
+
     /// An index that will hold at most `max_keys` keys. Sized at twice that
     /// up front: a hash table churning above half its capacity resizes
     /// (doubles) instead of rehashing in place, so this is what keeps memory
     /// flat at capacity.
     pub fn with_max_keys(max_keys: usize) -> Self {
-        BlockIndex {
-            map: DashMap::with_capacity_and_hasher(
-                max_keys.saturating_mul(2),
-                KeyBuildHasher::default(),
-            ),
-        }
+        Self::with_capacity(max_keys.saturating_mul(2))
+    }
+
+    /// The shard of `key`: hash bits below the top 7, which the shard's
+    /// own table uses for its control bytes.
+    fn shard(&self, key: BlockKey) -> usize {
+        let hash = KeyBuildHasher::default().hash_one(key);
+        ((hash << 7) >> (64 - SHARD_BITS)) as usize
     }
 
     /// Records one more reference of `pod` holding `key` on `tier`.
     pub fn acquire(&self, key: BlockKey, pod: PodId, tier: Tier) {
-        let mut holders = self.map.entry(key).or_default();
-        match holders.binary_search_by_key(&pod, |h| h.pod) {
-            Ok(i) => {
-                let r = &mut holders[i].refs[tier.index()];
-                *r = r.saturating_add(1);
-            }
-            Err(i) => {
-                let mut refs = [0; TIERS];
-                refs[tier.index()] = 1;
-                holders.insert(i, Holder { pod, refs });
-            }
-        }
+        take(&mut self.shards[self.shard(key)].0.write(), key, pod, tier);
     }
 
     /// Drops one reference; forgets the holder, and the key, once
-    /// unreferenced. One lookup.
+    /// unreferenced.
     pub fn release(&self, key: BlockKey, pod: PodId, tier: Tier) {
-        if let Entry::Occupied(mut entry) = self.map.entry(key) {
-            let holders = entry.get_mut();
-            if let Ok(i) = holders.binary_search_by_key(&pod, |h| h.pod) {
-                let r = &mut holders[i].refs[tier.index()];
-                *r = r.saturating_sub(1);
-                if holders[i].tiers().is_empty() {
-                    holders.remove(i);
+        drop_ref(&mut self.shards[self.shard(key)].0.write(), key, pod, tier);
+    }
+
+    /// Applies `changes` (emptying it), taking each shard's lock once.
+    ///
+    /// Why batch: a lock round trip per block is a full fence on x86, which
+    /// also keeps the next block's cache miss from starting early. Grouped by
+    /// shard, one event's blocks pay a few locks and their misses overlap.
+    /// Changes to one key by one batch must commute (all acquires or all
+    /// releases, as one event's are): the grouping reorders them.
+    pub fn apply(&self, changes: &mut Vec<Change>) {
+        if changes.len() < 4 {
+            for c in changes.drain(..) {
+                self.change(c);
+            }
+            return;
+        }
+        for c in changes.iter_mut() {
+            c.shard = self.shard(c.key) as u16;
+        }
+        changes.sort_unstable_by_key(|c| c.shard);
+        for group in changes.chunk_by(|a, b| a.shard == b.shard) {
+            let mut map = self.shards[group[0].shard as usize].0.write();
+            for c in group {
+                if c.acquire {
+                    take(&mut map, c.key, c.pod, c.tier);
+                } else {
+                    drop_ref(&mut map, c.key, c.pod, c.tier);
                 }
             }
-            if holders.is_empty() {
-                entry.remove();
-            }
+        }
+        changes.clear();
+    }
+
+    fn change(&self, c: Change) {
+        if c.acquire {
+            self.acquire(c.key, c.pod, c.tier);
+        } else {
+            self.release(c.key, c.pod, c.tier);
         }
     }
 
     /// Runs `f` on the holders of `key` (`None` if nobody holds it).
     pub fn with_holders<R>(&self, key: BlockKey, f: impl FnOnce(Option<&[Holder]>) -> R) -> R {
-        match self.map.get(&key) {
-            Some(holders) => f(Some(&holders)),
-            None => f(None),
-        }
+        let map = self.shards[self.shard(key)].0.read();
+        f(map.get(&key).map(|h| h.as_slice()))
     }
 
     /// Number of distinct keys held by at least one pod.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.shards.iter().map(|s| s.0.read().len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.shards.iter().all(|s| s.0.read().is_empty())
+    }
+}
+
+fn take(map: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
+    let holders = map.entry(key).or_default();
+    match holders.binary_search_by_key(&pod, |h| h.pod) {
+        Ok(i) => {
+            let r = &mut holders[i].refs[tier.index()];
+            *r = r.saturating_add(1);
+        }
+        Err(i) => {
+            let mut refs = [0; TIERS];
+            refs[tier.index()] = 1;
+            holders.insert(i, Holder { pod, refs });
+        }
+    }
+}
+
+fn drop_ref(map: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
+    if let Entry::Occupied(mut entry) = map.entry(key) {
+        let holders = entry.get_mut();
+        if let Ok(i) = holders.binary_search_by_key(&pod, |h| h.pod) {
+            let r = &mut holders[i].refs[tier.index()];
+            *r = r.saturating_sub(1);
+            if holders[i].tiers().is_empty() {
+                holders.remove(i);
+            }
+        }
+        if holders.is_empty() {
+            entry.remove();
+        }
     }
 }
 

@@ -17,7 +17,7 @@ use std::hash::BuildHasherDefault;
 use crate::event::{
     is_full_attention_kind, BlockRemoved, BlockStored, EngineHash, ExtraKey, Tier, TIERS,
 };
-use crate::index::{BlockIndex, KeyHasher, PodId};
+use crate::index::{BlockIndex, Change, KeyHasher, PodId};
 use crate::keys::{chain, fold_extras, BlockKey, KeyScope};
 use crate::scheme::{EngineKeys, KeyMode};
 use crate::snapshot::SnapshotBlock;
@@ -127,6 +127,9 @@ pub struct PodState {
     /// prefix-closed, which lets scoring binary-search it (see `score`).
     orphans: u64,
     born_clock: u32,
+    /// Index changes of the event being applied, flushed to the index in
+    /// one batch at its end (`BlockIndex::apply`).
+    pending: Vec<Change>,
 }
 
 /// Every pod's first stores are checked, then one in `self_check_every`.
@@ -148,6 +151,7 @@ impl PodState {
             half_full: false,
             orphans: 0,
             born_clock: 0,
+            pending: Vec::new(),
         }
     }
 
@@ -192,6 +196,11 @@ impl PodState {
         mode: &KeyMode,
         stats: &mut ApplyStats,
     ) {
+        self.store_event(ev, mode, stats);
+        self.flush(index);
+    }
+
+    fn store_event(&mut self, ev: &BlockStored, mode: &KeyMode, stats: &mut ApplyStats) {
         if self.skip_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref()) {
             stats.non_full_attention_events += 1;
             return;
@@ -216,7 +225,7 @@ impl PodState {
                     stats.unkeyable_blocks += 1;
                     continue;
                 }
-                self.store_block(index, *hash, BlockKey(hash.0), linked_to, tier);
+                self.store_block(*hash, BlockKey(hash.0), linked_to, tier);
                 stats.stored_blocks += 1;
             }
             return;
@@ -236,7 +245,7 @@ impl PodState {
             let mut parent = ev.parent_block_hash;
             for hash in &ev.block_hashes {
                 let linked_to = parent.replace(*hash);
-                self.store_block(index, *hash, BlockKey(hash.0), linked_to, tier);
+                self.store_block(*hash, BlockKey(hash.0), linked_to, tier);
                 stats.stored_blocks += 1;
             }
             return;
@@ -286,12 +295,17 @@ impl PodState {
                 0 => ev.parent_block_hash,
                 _ => Some(ev.block_hashes[i - 1]),
             };
-            self.store_block(index, *hash, key, linked_to, tier);
+            self.store_block(*hash, key, linked_to, tier);
             stats.stored_blocks += 1;
         }
     }
 
     pub fn remove(&mut self, index: &BlockIndex, ev: &BlockRemoved, stats: &mut ApplyStats) {
+        self.remove_event(ev, stats);
+        self.flush(index);
+    }
+
+    fn remove_event(&mut self, ev: &BlockRemoved, stats: &mut ApplyStats) {
         if ev
             .group_idx
             .is_some_and(|g| self.non_full_groups.contains(&g))
@@ -313,7 +327,7 @@ impl PodState {
             }
             *count -= 1;
             if *count == 0 {
-                index.release(held.key, self.id, tier);
+                self.pending.push(Change::release(held.key, self.id, tier));
                 self.held_per_tier[tier.index()] -= 1;
                 if held.counts.iter().all(|c| *c == 0) {
                     let held = entry.remove();
@@ -387,11 +401,16 @@ impl PodState {
             }
             for tier in Tier::ALL {
                 if counts[tier.index()] > 0 {
-                    index.acquire(BlockKey(*key), self.id, tier);
+                    self.pending
+                        .push(Change::acquire(BlockKey(*key), self.id, tier));
                     self.held_per_tier[tier.index()] += 1;
                 }
             }
+            if self.pending.len() >= 4096 {
+                self.flush(index);
+            }
         }
+        self.flush(index);
         // Link children to parents once all are in (a parent re-stored
         // after its child comes later in store order).
         let links: Vec<(EngineHash, Option<EngineHash>)> = self
@@ -437,13 +456,14 @@ impl PodState {
             if let Some(held) = self.forget(hash) {
                 for tier in Tier::ALL {
                     if held.counts[tier.index()] > 0 {
-                        index.release(held.key, self.id, tier);
+                        self.pending.push(Change::release(held.key, self.id, tier));
                         self.held_per_tier[tier.index()] -= 1;
                     }
                 }
                 evicted += 1;
             }
         }
+        self.flush(index);
         evicted
     }
 
@@ -452,10 +472,14 @@ impl PodState {
         for (_, held) in self.by_hash.drain() {
             for tier in Tier::ALL {
                 if held.counts[tier.index()] > 0 {
-                    index.release(held.key, self.id, tier);
+                    self.pending.push(Change::release(held.key, self.id, tier));
                 }
             }
+            if self.pending.len() >= 4096 {
+                index.apply(&mut self.pending);
+            }
         }
+        self.flush(index);
         self.held_per_tier = [0; TIERS];
         self.order.clear();
         self.orphans = 0;
@@ -506,12 +530,21 @@ impl PodState {
         }
     }
 
+    /// Applies the pending index changes. A huge event (a 100K-token
+    /// prompt) leaves a large buffer behind: let it go rather than keep it
+    /// per pod.
+    fn flush(&mut self, index: &BlockIndex) {
+        index.apply(&mut self.pending);
+        if self.pending.capacity() > 1024 {
+            self.pending = Vec::new();
+        }
+    }
+
     /// One store of `hash` on `tier`: its entry (created, and linked to
     /// `parent`, if new; `key` is only used then), one more count, a new
     /// store stamp. One lookup of `hash` (the parent's was just stored).
     fn store_block(
         &mut self,
-        index: &BlockIndex,
         hash: EngineHash,
         key: BlockKey,
         parent: Option<EngineHash>,
@@ -539,7 +572,7 @@ impl PodState {
         };
         let count = &mut held.counts[tier.index()];
         if *count == 0 {
-            index.acquire(held.key, self.id, tier);
+            self.pending.push(Change::acquire(held.key, self.id, tier));
             self.held_per_tier[tier.index()] += 1;
         }
         *count = count.saturating_add(1);
