@@ -383,11 +383,10 @@ impl PodState {
             self.reserve_one();
             // Blocks come oldest first: stamps keep that order.
             self.clock += 1;
-            self.born_clock = self.born_clock.wrapping_add(1).max(1);
             let mut held = HeldBlock::new(BlockKey(*key));
             held.counts = counts.map(|c| c.min(u32::from(u16::MAX)) as u16);
             held.stamp = self.clock;
-            held.born = self.born_clock;
+            held.born = self.next_born();
             match parents.get(i).copied().flatten() {
                 Some(p) => {
                     held.has_parent = true;
@@ -420,17 +419,13 @@ impl PodState {
             .map(|(h, b)| (*h, known_parents.then_some(b.parent)))
             .collect();
         for (hash, parent) in links {
-            let born = parent.and_then(|p| self.by_hash.get_mut(&p)).map(|up| {
-                up.children += 1;
-                up.born
-            });
-            match born {
-                Some(b) => {
-                    if let Some(held) = self.by_hash.get_mut(&hash) {
-                        held.parent_born = b;
-                    }
-                }
-                None => self.orphans += 1,
+            let Some(parent) = parent else {
+                self.orphans += 1;
+                continue;
+            };
+            let born = self.adopt(parent);
+            if let Some(held) = self.by_hash.get_mut(&hash) {
+                held.parent_born = born;
             }
         }
     }
@@ -542,7 +537,7 @@ impl PodState {
 
     /// One store of `hash` on `tier`: its entry (created, and linked to
     /// `parent`, if new; `key` is only used then), one more count, a new
-    /// store stamp. One lookup of `hash` (the parent's was just stored).
+    /// store stamp.
     fn store_block(
         &mut self,
         hash: EngineHash,
@@ -552,24 +547,22 @@ impl PodState {
     ) {
         self.reserve_one();
         self.clock += 1;
-        // The parent's incarnation, 0 if it is not held.
-        let parent_born = parent.map_or(0, |p| self.by_hash.get(&p).map_or(0, |b| b.born));
-        let mut created = false;
-        let held = match self.by_hash.entry(hash) {
-            Entry::Occupied(o) => o.into_mut(),
-            Entry::Vacant(v) => {
-                created = true;
-                self.born_clock = self.born_clock.wrapping_add(1).max(1);
-                let mut held = HeldBlock::new(key);
-                held.born = self.born_clock;
-                if let Some(p) = parent {
-                    held.has_parent = true;
-                    held.parent = p;
-                    held.parent_born = parent_born;
-                }
-                v.insert(held)
-            }
+        // A new entry counts as its parent's child, or as an orphan.
+        let (born, parent_born) = if self.by_hash.contains_key(&hash) {
+            (0, None)
+        } else {
+            (self.next_born(), parent.map(|p| self.adopt(p)))
         };
+        let held = self.by_hash.entry(hash).or_insert_with(|| {
+            let mut held = HeldBlock::new(key);
+            held.born = born;
+            if let (Some(p), Some(parent_born)) = (parent, parent_born) {
+                held.has_parent = true;
+                held.parent = p;
+                held.parent_born = parent_born;
+            }
+            held
+        });
         let count = &mut held.counts[tier.index()];
         if *count == 0 {
             self.pending.push(Change::acquire(held.key, self.id, tier));
@@ -577,17 +570,6 @@ impl PodState {
         }
         *count = count.saturating_add(1);
         held.stamp = self.clock;
-        if created {
-            match parent {
-                Some(p) if parent_born != 0 => {
-                    if let Some(up) = self.by_hash.get_mut(&p) {
-                        up.children += 1;
-                    }
-                }
-                Some(_) => self.orphans += 1,
-                None => {}
-            }
-        }
         // Only a bounded index evicts: the rest never reads `order`.
         if self.half_full {
             self.order.push_back((hash, self.clock));
@@ -598,6 +580,27 @@ impl PodState {
                     self.by_hash.iter().map(|(h, b)| (b.stamp, *h)).collect();
                 live.sort_unstable();
                 self.order = live.into_iter().map(|(s, h)| (h, s)).collect();
+            }
+        }
+    }
+
+    /// A new incarnation number (never 0: 0 means "no parent held").
+    fn next_born(&mut self) -> u32 {
+        self.born_clock = self.born_clock.wrapping_add(1).max(1);
+        self.born_clock
+    }
+
+    /// Counts a new entry as a child of `parent`: returns the parent's
+    /// incarnation, or 0 (and one more orphan) if the parent is not held.
+    fn adopt(&mut self, parent: EngineHash) -> u32 {
+        match self.by_hash.get_mut(&parent) {
+            Some(up) => {
+                up.children += 1;
+                up.born
+            }
+            None => {
+                self.orphans += 1;
+                0
             }
         }
     }
