@@ -1053,19 +1053,15 @@ mod tests {
         );
         // Another key configuration cannot use these keys.
         let engine = Indexer::new(IndexerConfig {
-            keys: KeySchemes {
-                default: KeyMode::Engine(Box::new(crate::scheme::EngineKeys {
-                    hasher: crate::engine_hash::EngineHasher::new(
-                        crate::engine_hash::HashAlgo::Sha256,
-                        "x",
-                        crate::engine_hash::ExtraKeyStyle::Tagged,
-                    ),
-                    lora_paths: Default::default(),
-                    assume_prefix_closed: true,
-                    self_check_every: 0,
-                })),
-                per_model: Default::default(),
-            },
+            keys: KeySchemes::engine(
+                crate::engine_hash::EngineHasher::new(
+                    crate::engine_hash::HashAlgo::Sha256,
+                    "x",
+                    crate::engine_hash::ExtraKeyStyle::Tagged,
+                ),
+                true,
+                0,
+            ),
             ..Default::default()
         });
         assert_eq!(engine.import(&snap), Err(SnapshotError::KeysChanged));
@@ -1091,19 +1087,15 @@ mod tests {
 
     fn engine_indexer() -> Indexer {
         Indexer::new(IndexerConfig {
-            keys: KeySchemes {
-                default: KeyMode::Engine(Box::new(crate::scheme::EngineKeys {
-                    hasher: crate::engine_hash::EngineHasher::new(
-                        crate::engine_hash::HashAlgo::Sha256,
-                        crate::engine_hash::DEFAULT_SEED,
-                        crate::engine_hash::ExtraKeyStyle::Tagged,
-                    ),
-                    lora_paths: Default::default(),
-                    assume_prefix_closed: false,
-                    self_check_every: 0,
-                })),
-                per_model: Default::default(),
-            },
+            keys: KeySchemes::engine(
+                crate::engine_hash::EngineHasher::new(
+                    crate::engine_hash::HashAlgo::Sha256,
+                    crate::engine_hash::DEFAULT_SEED,
+                    crate::engine_hash::ExtraKeyStyle::Tagged,
+                ),
+                false,
+                0,
+            ),
             ..Default::default()
         })
     }

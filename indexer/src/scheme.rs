@@ -101,6 +101,23 @@ pub struct KeySchemes {
 }
 
 impl KeySchemes {
+    /// Every model in engine mode with `hasher` and no LoRA paths.
+    pub fn engine(
+        hasher: EngineHasher,
+        assume_prefix_closed: bool,
+        self_check_every: u32,
+    ) -> KeySchemes {
+        KeySchemes {
+            default: KeyMode::Engine(Box::new(EngineKeys {
+                hasher,
+                lora_paths: HashMap::new(),
+                assume_prefix_closed,
+                self_check_every,
+            })),
+            per_model: HashMap::new(),
+        }
+    }
+
     pub fn for_model(&self, model: &str) -> &KeyMode {
         self.per_model.get(model).unwrap_or(&self.default)
     }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use base64::Engine;
 use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
-use indexer::scheme::{EngineKeys, KeyMode, KeySchemes};
+use indexer::scheme::KeySchemes;
 use indexer::topic::parse_topic;
 use indexer::wire::decode_batch;
 use indexer::{Indexer, IndexerConfig, ScoreQuery};
@@ -19,15 +19,11 @@ fn fixtures() -> PathBuf {
 
 fn engine_config(algo: HashAlgo, seed: &str, closed: bool) -> IndexerConfig {
     IndexerConfig {
-        keys: KeySchemes {
-            default: KeyMode::Engine(Box::new(EngineKeys {
-                hasher: EngineHasher::new(algo, seed, ExtraKeyStyle::Tagged),
-                lora_paths: Default::default(),
-                assume_prefix_closed: closed,
-                self_check_every: 1,
-            })),
-            per_model: Default::default(),
-        },
+        keys: KeySchemes::engine(
+            EngineHasher::new(algo, seed, ExtraKeyStyle::Tagged),
+            closed,
+            1,
+        ),
         ..Default::default()
     }
 }

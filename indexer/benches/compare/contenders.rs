@@ -22,7 +22,7 @@ use dynamo_kv_router::{
 };
 use indexer::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
 use indexer::keys::BlockKey;
-use indexer::scheme::{EngineKeys, KeyMode, KeySchemes};
+use indexer::scheme::KeySchemes;
 use indexer::{Indexer, IndexerConfig, Pod};
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
 use parking_lot::Mutex;
@@ -96,19 +96,15 @@ impl Contender for Ours {
     fn new(trace: &Trace, input: Input) -> Self {
         let keys = match input {
             // The engine's hashes are the keys: nothing to compute per block.
-            Input::PreHashed => KeySchemes {
-                default: KeyMode::Engine(Box::new(EngineKeys {
-                    hasher: indexer::engine_hash::EngineHasher::new(
-                        indexer::engine_hash::HashAlgo::Sha256,
-                        indexer::engine_hash::DEFAULT_SEED,
-                        indexer::engine_hash::ExtraKeyStyle::Tagged,
-                    ),
-                    lora_paths: Default::default(),
-                    assume_prefix_closed: false,
-                    self_check_every: 0,
-                })),
-                per_model: Default::default(),
-            },
+            Input::PreHashed => KeySchemes::engine(
+                indexer::engine_hash::EngineHasher::new(
+                    indexer::engine_hash::HashAlgo::Sha256,
+                    indexer::engine_hash::DEFAULT_SEED,
+                    indexer::engine_hash::ExtraKeyStyle::Tagged,
+                ),
+                false,
+                0,
+            ),
             Input::Tokens => KeySchemes::default(),
         };
         let ix = Indexer::new(IndexerConfig {
