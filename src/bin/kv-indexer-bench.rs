@@ -164,10 +164,9 @@ async fn connect(grpc: &str) -> KvIndexerClient<Channel> {
     }
 }
 
-/// Stored + removed blocks the service applied, and seq gaps, for pods
-/// whose name starts with `prefix`.
-async fn applied(client: &mut KvIndexerClient<Channel>, prefix: &str) -> (u64, u64) {
-    let pods = client
+/// The service's pods of `MODEL` whose name starts with `prefix`.
+async fn pods_named(client: &mut KvIndexerClient<Channel>, prefix: &str) -> Vec<pb::PodInfo> {
+    let mut pods = client
         .list_pods(pb::ListPodsRequest {
             model: MODEL.into(),
         })
@@ -175,8 +174,16 @@ async fn applied(client: &mut KvIndexerClient<Channel>, prefix: &str) -> (u64, u
         .expect("ListPods")
         .into_inner()
         .pods;
-    pods.iter()
-        .filter(|p| p.pod.starts_with(prefix))
+    pods.retain(|p| p.pod.starts_with(prefix));
+    pods
+}
+
+/// Stored + removed blocks the service applied, and seq gaps, for pods
+/// whose name starts with `prefix`.
+async fn applied(client: &mut KvIndexerClient<Channel>, prefix: &str) -> (u64, u64) {
+    pods_named(client, prefix)
+        .await
+        .iter()
         .fold((0, 0), |(b, g), p| {
             (b + p.stored_blocks + p.removed_blocks, g + p.seq_gaps)
         })
@@ -253,14 +260,12 @@ struct IngestResult {
 /// total (`None`: as fast as possible) and waits for the service to apply
 /// them (or stop making progress).
 async fn ingest_step(
-    zmq: &str,
     client: &mut KvIndexerClient<Channel>,
     pods: &mut [(zeromq::PubSocket, String, u64)],
     batches_per_pod: usize,
     rate: Option<f64>,
     salt: u64,
 ) -> IngestResult {
-    let _ = zmq;
     let prepared: Vec<Vec<(ZmqMessage, u64)>> = pods
         .iter()
         .enumerate()
@@ -339,7 +344,7 @@ async fn ingest(zmq: &str, client: &mut KvIndexerClient<Channel>, quick: bool) -
     // until its first batch is applied, so nothing measured is dropped for
     // lack of a subscriber.
     loop {
-        let r = ingest_step(zmq, client, &mut pods, 1, None, 1).await;
+        let r = ingest_step(client, &mut pods, 1, None, 1).await;
         if r.applied_blocks == r.sent_blocks {
             break;
         }
@@ -361,7 +366,6 @@ async fn ingest(zmq: &str, client: &mut KvIndexerClient<Channel>, quick: bool) -
         let blocks = rate.unwrap_or(2e6) * secs;
         let per_pod = (blocks / (2 * STORE_BLOCKS * PUBLISHERS) as f64).ceil() as usize;
         let r = ingest_step(
-            zmq,
             client,
             &mut pods,
             per_pod.max(1),
@@ -509,18 +513,7 @@ async fn score_tokens(
                 .expect("publish");
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let held = client
-            .list_pods(pb::ListPodsRequest {
-                model: MODEL.into(),
-            })
-            .await
-            .expect("ListPods")
-            .into_inner()
-            .pods
-            .iter()
-            .filter(|p| p.pod.starts_with("score-"))
-            .count();
-        if held == 64 {
+        if pods_named(client, "score-").await.len() == 64 {
             break;
         }
         assert!(Instant::now() < deadline, "score pods never indexed");
@@ -550,9 +543,9 @@ async fn score_tokens(
         "wrong scores"
     );
 
+    // The service answered above: plain connections from here.
     let mut channels = Vec::new();
     for _ in 0..8 {
-        connect(grpc).await;
         channels.push(
             Channel::from_shared(format!("http://{grpc}"))
                 .expect("uri")
