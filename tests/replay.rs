@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
@@ -86,18 +87,51 @@ impl PyPublisher {
     }
 }
 
-/// One publisher per pod of the stream; `extra(i)` gives pod i's flags.
-fn publishers(
-    stream: &str,
-    expected: &Expected,
-    extra: impl Fn(usize) -> &'static [&'static str],
-) -> Vec<(String, PyPublisher)> {
-    expected
-        .pods
-        .iter()
-        .enumerate()
-        .map(|(i, pod)| (pod.clone(), PyPublisher::start(stream, pod, extra(i))))
-        .collect()
+/// A recorded stream served by one publisher per pod.
+struct Fleet {
+    expected: Expected,
+    /// Recorded batches per pod.
+    per_pod: BTreeMap<String, u64>,
+    pubs: Vec<(String, PyPublisher)>,
+}
+
+impl Fleet {
+    /// `extra(i)` gives pod i's flags.
+    fn start(stream: &str, extra: impl Fn(usize) -> &'static [&'static str]) -> Fleet {
+        let expected = load_expected(stream);
+        let pubs = expected
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(i, pod)| (pod.clone(), PyPublisher::start(stream, pod, extra(i))))
+            .collect();
+        Fleet {
+            per_pod: batches_per_pod(&load_frames(stream)),
+            expected,
+            pubs,
+        }
+    }
+
+    /// What the indexer dials (`--zmq-connect`).
+    fn targets(&self) -> Vec<String> {
+        self.pubs.iter().map(|(_, p)| p.target.clone()).collect()
+    }
+
+    /// Waits until `service` receives every pod (markers `<tag>-<pod>`).
+    async fn wait_subscribed(&mut self, service: &Service, tag: &str) {
+        for (pod, p) in &mut self.pubs {
+            p.wait_subscribed(service, &format!("{tag}-{pod}")).await;
+        }
+    }
+
+    /// Each pod publishes its recorded batches `range(n)` (n: how many it
+    /// has).
+    fn publish(&mut self, range: impl Fn(u64) -> (u64, u64)) {
+        for (pod, p) in &mut self.pubs {
+            let (from, to) = range(self.per_pod[pod.as_str()]);
+            p.cmd(&format!("publish {from} {to}"));
+        }
+    }
 }
 
 impl Drop for PyPublisher {
@@ -115,24 +149,22 @@ async fn dropped_batches_are_replayed_and_the_state_is_exact() {
     if !python_ready() {
         return;
     }
-    let stream = "qwen3-sha256-int";
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
-    let per_pod = batches_per_pod(&frames);
     // One pod answers in the older two-frame replay form.
-    let mut pubs = publishers(stream, &expected, |i| {
+    let mut fleet = Fleet::start("qwen3-sha256-int", |i| {
         if i == 2 {
             &["--old-format"]
         } else {
             &[]
         }
     });
-    let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
-    let service = Service::start_dialing(&targets, &[]).await;
-    for (pod, p) in &mut pubs {
-        p.wait_subscribed(&service, &format!("m-{pod}")).await;
-    }
-    for (pod, p) in &mut pubs {
+    let service = Service::start_dialing(&fleet.targets(), &[]).await;
+    fleet.wait_subscribed(&service, "m").await;
+    let Fleet {
+        expected,
+        per_pod,
+        pubs,
+    } = &mut fleet;
+    for (pod, p) in pubs {
         let n = per_pod[pod.as_str()];
         // Drop every 5th seq live, but never the last one (a gap shows on
         // the next batch).
@@ -142,8 +174,8 @@ async fn dropped_batches_are_replayed_and_the_state_is_exact() {
             .collect();
         p.cmd(&format!("publish 0 {n} skip {}", skip.join(",")));
     }
-    service.wait_applied(&expected.model, &per_pod).await;
-    check_probes(&service, &expected).await;
+    service.wait_applied(&expected.model, per_pod).await;
+    check_probes(&service, expected).await;
     for pod in service.list_pods(&expected.model).await {
         assert!(!pod.incomplete, "{pod:?}");
         assert_eq!(pod.seq_gaps, 0, "applied in order after repair: {pod:?}");
@@ -159,28 +191,18 @@ async fn an_indexer_that_starts_late_catches_up_from_the_replay_buffers() {
     if !python_ready() {
         return;
     }
-    let stream = "qwen3-sha256cbor-bytes";
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
-    let per_pod = batches_per_pod(&frames);
-    let mut pubs = publishers(stream, &expected, |_| &[]);
+    let mut fleet = Fleet::start("qwen3-sha256cbor-bytes", |_| &[]);
     // Before any indexer exists: published into the void (and the buffer).
-    for (pod, p) in &mut pubs {
-        p.cmd(&format!("publish 0 {}", per_pod[pod.as_str()] / 2));
-    }
-    let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
-    let service = Service::start_dialing(&targets, &[]).await;
-    for (pod, p) in &mut pubs {
-        p.wait_subscribed(&service, &format!("m-{pod}")).await;
-    }
-    for (pod, p) in &mut pubs {
-        let n = per_pod[pod.as_str()];
-        p.cmd(&format!("publish {} {n}", n / 2));
-    }
-    service.wait_applied(&expected.model, &per_pod).await;
-    check_probes(&service, &expected).await;
+    fleet.publish(|n| (0, n / 2));
+    let service = Service::start_dialing(&fleet.targets(), &[]).await;
+    fleet.wait_subscribed(&service, "m").await;
+    fleet.publish(|n| (n / 2, n));
+    service
+        .wait_applied(&fleet.expected.model, &fleet.per_pod)
+        .await;
+    check_probes(&service, &fleet.expected).await;
     assert!(service
-        .list_pods(&expected.model)
+        .list_pods(&fleet.expected.model)
         .await
         .iter()
         .all(|p| !p.incomplete && p.unrecovered_batches == 0));
@@ -246,33 +268,20 @@ async fn an_indexer_killed_mid_stream_recovers_the_exact_state_on_restart() {
     if !python_ready() {
         return;
     }
-    let stream = "qwen3-sha256-int";
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
-    let per_pod = batches_per_pod(&frames);
-    let mut pubs = publishers(stream, &expected, |_| &[]);
-    let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
-    let first = Service::start_dialing(&targets, &[]).await;
-    for (pod, p) in &mut pubs {
-        p.wait_subscribed(&first, &format!("m1-{pod}")).await;
-        p.cmd(&format!("publish 0 {}", per_pod[pod.as_str()] / 3));
-    }
+    let mut fleet = Fleet::start("qwen3-sha256-int", |_| &[]);
+    let first = Service::start_dialing(&fleet.targets(), &[]).await;
+    fleet.wait_subscribed(&first, "m1").await;
+    fleet.publish(|n| (0, n / 3));
     first.kill9();
     // Published while no indexer runs.
-    for (pod, p) in &mut pubs {
-        let n = per_pod[pod.as_str()];
-        p.cmd(&format!("publish {} {}", n / 3, 2 * n / 3));
-    }
-    let second = Service::start_dialing(&targets, &[]).await;
-    for (pod, p) in &mut pubs {
-        p.wait_subscribed(&second, &format!("m2-{pod}")).await;
-    }
-    for (pod, p) in &mut pubs {
-        let n = per_pod[pod.as_str()];
-        p.cmd(&format!("publish {} {n}", 2 * n / 3));
-    }
-    second.wait_applied(&expected.model, &per_pod).await;
-    check_probes(&second, &expected).await;
+    fleet.publish(|n| (n / 3, 2 * n / 3));
+    let second = Service::start_dialing(&fleet.targets(), &[]).await;
+    fleet.wait_subscribed(&second, "m2").await;
+    fleet.publish(|n| (2 * n / 3, n));
+    second
+        .wait_applied(&fleet.expected.model, &fleet.per_pod)
+        .await;
+    check_probes(&second, &fleet.expected).await;
 }
 
 /// Pods that published before the indexer started and then stay idle: the
@@ -282,19 +291,14 @@ async fn idle_pods_are_caught_up_as_soon_as_the_indexer_connects() {
     if !python_ready() {
         return;
     }
-    let stream = "qwen3-sha256cbor-bytes";
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
-    let per_pod = batches_per_pod(&frames);
-    let mut pubs = publishers(stream, &expected, |_| &[]);
-    for (pod, p) in &mut pubs {
-        p.cmd(&format!("publish 0 {}", per_pod[pod.as_str()]));
-    }
-    let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
-    let service = Service::start_dialing(&targets, &[]).await;
+    let mut fleet = Fleet::start("qwen3-sha256cbor-bytes", |_| &[]);
+    fleet.publish(|n| (0, n));
+    let service = Service::start_dialing(&fleet.targets(), &[]).await;
     // No live event batch is ever published from here on.
-    service.wait_applied(&expected.model, &per_pod).await;
-    check_probes(&service, &expected).await;
+    service
+        .wait_applied(&fleet.expected.model, &fleet.per_pod)
+        .await;
+    check_probes(&service, &fleet.expected).await;
     service.wait_log("caught up from the replay buffer").await;
 }
 
@@ -305,35 +309,26 @@ async fn a_snapshot_restart_replays_only_what_came_after_it() {
     if !python_ready() {
         return;
     }
-    let stream = "qwen3-sha256-int";
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
-    let per_pod = batches_per_pod(&frames);
     let dir = tempfile::tempdir().unwrap();
     let snap = dir.path().to_str().unwrap();
-    let mut pubs = publishers(stream, &expected, |_| &[]);
-    let targets: Vec<String> = pubs.iter().map(|(_, p)| p.target.clone()).collect();
+    let mut fleet = Fleet::start("qwen3-sha256-int", |_| &[]);
+    let targets = fleet.targets();
     let first = Service::start_dialing(&targets, &["--snapshot-dir", snap]).await;
-    for (pod, p) in &mut pubs {
-        p.wait_subscribed(&first, &format!("m1-{pod}")).await;
-        p.cmd(&format!("publish 0 {}", per_pod[pod.as_str()] / 3));
-    }
+    fleet.wait_subscribed(&first, "m1").await;
+    fleet.publish(|n| (0, n / 3));
+    let (model, per_pod) = (fleet.expected.model.clone(), fleet.per_pod.clone());
     let third: std::collections::BTreeMap<String, u64> =
         per_pod.iter().map(|(p, n)| (p.clone(), n / 3)).collect();
-    first.wait_applied(&expected.model, &third).await;
+    first.wait_applied(&model, &third).await;
     assert!(first.terminate().await.success());
-    let mut while_down = 0;
-    for (pod, p) in &mut pubs {
-        let n = per_pod[pod.as_str()];
-        p.cmd(&format!("publish {} {}", n / 3, 2 * n / 3));
-        while_down += 2 * n / 3 - n / 3;
-    }
+    let while_down: u64 = per_pod.values().map(|n| 2 * n / 3 - n / 3).sum();
+    fleet.publish(|n| (n / 3, 2 * n / 3));
     let second = Service::start_dialing(&targets, &["--snapshot-dir", snap]).await;
     let caught_up: std::collections::BTreeMap<String, u64> = per_pod
         .iter()
         .map(|(p, n)| (p.clone(), 2 * n / 3 - n / 3))
         .collect();
-    second.wait_applied(&expected.model, &caught_up).await;
+    second.wait_applied(&model, &caught_up).await;
     // The counter is bumped just after the replayed batches are applied.
     let want = format!("kv_indexer_replay_batches_total {while_down}\n");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
@@ -348,15 +343,12 @@ async fn a_snapshot_restart_replays_only_what_came_after_it() {
         m.contains(&want),
         "replayed exactly what came after the snapshot ({while_down}):\n{m}"
     );
-    for (pod, p) in &mut pubs {
-        p.wait_subscribed(&second, &format!("m2-{pod}")).await;
-        let n = per_pod[pod.as_str()];
-        p.cmd(&format!("publish {} {n}", 2 * n / 3));
-    }
+    fleet.wait_subscribed(&second, "m2").await;
+    fleet.publish(|n| (2 * n / 3, n));
     let rest: std::collections::BTreeMap<String, u64> = per_pod
         .iter()
         .map(|(p, n)| (p.clone(), n - n / 3))
         .collect();
-    second.wait_applied(&expected.model, &rest).await;
-    check_probes(&second, &expected).await;
+    second.wait_applied(&fleet.expected.model, &rest).await;
+    check_probes(&second, &fleet.expected).await;
 }
