@@ -10,12 +10,7 @@ async fn replay(stream: &str, args: &[&str], skip: usize) -> (Service, Expected)
     let expected = load_expected(stream);
     let frames: Vec<RecordedFrame> = load_frames(stream).into_iter().skip(skip).collect();
     let service = Service::start(args).await;
-    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
-    publisher.wait_subscribed(&service, "marker").await;
-    publisher.publish_all(&frames).await;
-    service
-        .wait_applied(&expected.model, &batches_per_pod(&frames))
-        .await;
+    service.publish_recorded(&expected.model, &frames).await;
     (service, expected)
 }
 

@@ -34,16 +34,7 @@ fn run(bin: &str, args: &[&str]) -> String {
 #[tokio::test]
 async fn grpcurl_lists_describes_scores_and_checks_health() {
     let Some(bin) = grpcurl() else { return };
-    let stream = "qwen3-lora-salt";
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
-    let service = Service::start(&[]).await;
-    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
-    publisher.wait_subscribed(&service, "marker").await;
-    publisher.publish_all(&frames).await;
-    service
-        .wait_applied(&expected.model, &batches_per_pod(&frames))
-        .await;
+    let (service, expected, _publisher) = serve_recorded("qwen3-lora-salt", &[]).await;
     let addr = service.grpc_addr();
 
     let list = run(&bin, &["-plaintext", &addr, "list"]);

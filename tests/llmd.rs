@@ -9,17 +9,9 @@ use llmd::indexer_service_client::IndexerServiceClient;
 
 #[tokio::test]
 async fn llmd_get_pod_scores_answers_like_llmds_longest_prefix_scorer() {
-    let stream = "qwen3-lora-salt";
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
     let tok = qwen3_tokenizer_arg();
-    let service = Service::start(&["--tokenizer", &tok, "--tier-weight", "gpu=0.9"]).await;
-    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
-    publisher.wait_subscribed(&service, "marker").await;
-    publisher.publish_all(&frames).await;
-    service
-        .wait_applied(&expected.model, &batches_per_pod(&frames))
-        .await;
+    let args = ["--tokenizer", &tok, "--tier-weight", "gpu=0.9"];
+    let (service, expected, _publisher) = serve_recorded("qwen3-lora-salt", &args).await;
 
     let mut client = IndexerServiceClient::connect(format!("http://{}", service.grpc_addr()))
         .await

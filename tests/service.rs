@@ -12,15 +12,7 @@ use tonic::Code;
 
 /// Pods connect to the indexer's bound SUB socket (vLLM's default setup).
 async fn replay_in_bind_mode(stream: &str) {
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
-    let service = Service::start(&[]).await;
-    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
-    publisher.wait_subscribed(&service, "marker").await;
-    publisher.publish_all(&frames).await;
-    service
-        .wait_applied(&expected.model, &batches_per_pod(&frames))
-        .await;
+    let (service, expected, _publisher) = serve_recorded(stream, &[]).await;
     check_probes(&service, &expected).await;
 
     let pods = service.list_pods(&expected.model).await;
@@ -229,11 +221,7 @@ async fn bad_requests_get_clear_status_codes() {
             "tried",
         ),
     ];
-    for (req, code, mentions) in cases {
-        let status = client.score(req).await.expect_err("must fail");
-        assert_eq!(status.code(), code, "{status:?}");
-        assert!(status.message().contains(mentions), "{status:?}");
-    }
+    assert_score_errors(&mut client, cases).await;
     // A model nobody published for is a valid question with an empty answer.
     let resp = client
         .score(pb::ScoreRequest {
@@ -260,16 +248,7 @@ async fn bad_requests_get_clear_status_codes() {
 
 #[tokio::test]
 async fn lookup_blocks_shows_who_holds_a_prompts_blocks() {
-    let stream = "qwen3-lora-salt";
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
-    let service = Service::start(&[]).await;
-    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
-    publisher.wait_subscribed(&service, "marker").await;
-    publisher.publish_all(&frames).await;
-    service
-        .wait_applied(&expected.model, &batches_per_pod(&frames))
-        .await;
+    let (service, expected, _publisher) = serve_recorded("qwen3-lora-salt", &[]).await;
     let probe = expected
         .probes
         .iter()
@@ -423,12 +402,7 @@ async fn an_admin_can_remove_a_pod_and_it_returns_fresh_if_it_publishes_again() 
     let expected = load_expected(stream);
     let frames = load_frames(stream);
     let service = Service::start(&[]).await;
-    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
-    publisher.wait_subscribed(&service, "marker").await;
-    publisher.publish_all(&frames).await;
-    service
-        .wait_applied(&expected.model, &batches_per_pod(&frames))
-        .await;
+    let mut publisher = service.publish_recorded(&expected.model, &frames).await;
     let mut client = service.client().await;
     let resp = client
         .remove_pod(pb::RemovePodRequest {

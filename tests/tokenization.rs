@@ -8,16 +8,8 @@ use kv_indexer::proto::kvindexer::v1 as pb;
 use tonic::Code;
 
 async fn serve_stream(stream: &str) -> (Service, Expected) {
-    let expected = load_expected(stream);
-    let frames = load_frames(stream);
     let tok = qwen3_tokenizer_arg();
-    let service = Service::start(&["--tokenizer", &tok]).await;
-    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
-    publisher.wait_subscribed(&service, "marker").await;
-    publisher.publish_all(&frames).await;
-    service
-        .wait_applied(&expected.model, &batches_per_pod(&frames))
-        .await;
+    let (service, expected, _) = serve_recorded(stream, &["--tokenizer", &tok]).await;
     (service, expected)
 }
 
@@ -41,13 +33,10 @@ async fn text_and_chat_prompts_score_like_their_token_ids() {
         let mut client = service.client().await;
         let (mut by_text, mut by_chat) = (0, 0);
         for probe in &expected.probes {
-            if let (true, Some(text)) = (probe.text_roundtrips, &probe.text) {
-                let req = with_input(
-                    probe,
-                    &expected.model,
-                    pb::score_request::Input::Prompt(text.clone()),
-                );
-                let resp = client.score(req).await.expect("Score by text").into_inner();
+            // The same prompt tokens, the same matches as by token ids.
+            let mut same_as_ids = async |input| {
+                let req = with_input(probe, &expected.model, input);
+                let resp = client.score(req).await.expect("Score").into_inner();
                 assert_eq!(
                     resp.prompt_tokens as usize,
                     probe.token_ids.len(),
@@ -55,23 +44,14 @@ async fn text_and_chat_prompts_score_like_their_token_ids() {
                     probe.id
                 );
                 assert_matches(&resp, probe);
+            };
+            if let (true, Some(text)) = (probe.text_roundtrips, &probe.text) {
+                same_as_ids(pb::score_request::Input::Prompt(text.clone())).await;
                 by_text += 1;
             }
             if let (true, Some(messages)) = (probe.chat_roundtrips, &probe.messages) {
                 let body = serde_json::json!({ "messages": messages }).to_string();
-                let req = with_input(
-                    probe,
-                    &expected.model,
-                    pb::score_request::Input::ChatCompletionJson(body),
-                );
-                let resp = client.score(req).await.expect("Score by chat").into_inner();
-                assert_eq!(
-                    resp.prompt_tokens as usize,
-                    probe.token_ids.len(),
-                    "{}",
-                    probe.id
-                );
-                assert_matches(&resp, probe);
+                same_as_ids(pb::score_request::Input::ChatCompletionJson(body)).await;
                 by_chat += 1;
             }
         }
@@ -178,11 +158,7 @@ async fn tokenizer_problems_get_clear_status_codes() {
             "org/unknown-model",
         ),
     ];
-    for (req, code, mentions) in cases {
-        let status = client.score(req).await.expect_err("must fail");
-        assert_eq!(status.code(), code, "{status:?}");
-        assert!(status.message().contains(mentions), "{status:?}");
-    }
+    assert_score_errors(&mut client, cases).await;
     // A chat request for a model with a tokenizer works and is not cached as failing.
     let ok = client
         .score(chat(

@@ -552,6 +552,41 @@ impl Publisher {
     }
 }
 
+impl Service {
+    /// Connects a publisher to this (bind-mode) service, publishes `frames`
+    /// once it is subscribed, and waits until every batch is applied. The
+    /// publisher stays connected for more.
+    pub async fn publish_recorded(&self, model: &str, frames: &[RecordedFrame]) -> Publisher {
+        let mut publisher = Publisher::connect(self.zmq_bind.as_deref().unwrap()).await;
+        publisher.wait_subscribed(self, "marker").await;
+        publisher.publish_all(frames).await;
+        self.wait_applied(model, &batches_per_pod(frames)).await;
+        publisher
+    }
+}
+
+/// Each request fails with its code, with a message that mentions the text.
+pub async fn assert_score_errors(
+    client: &mut KvIndexerClient<Channel>,
+    cases: impl IntoIterator<Item = (pb::ScoreRequest, tonic::Code, &'static str)>,
+) {
+    for (req, code, mentions) in cases {
+        let status = client.score(req).await.expect_err("must fail");
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(status.message().contains(mentions), "{status:?}");
+    }
+}
+
+/// The service (bind mode, `args`) with all of a recorded stream applied.
+pub async fn serve_recorded(stream: &str, args: &[&str]) -> (Service, Expected, Publisher) {
+    let expected = load_expected(stream);
+    let service = Service::start(args).await;
+    let publisher = service
+        .publish_recorded(&expected.model, &load_frames(stream))
+        .await;
+    (service, expected, publisher)
+}
+
 /// A minimal Hugging Face Hub on loopback: serves `/{repo}/resolve/main/{file}`
 /// from a directory the way hf-hub expects (ranges, `etag`,
 /// `x-repo-commit`, `content-range`), and checks the bearer token.
