@@ -5,14 +5,15 @@
 //! sharded. Readers (`score`, `lookup`) never take a pod lock.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 use parking_lot::{Mutex, RwLock};
 
-use crate::event::{DecodeSkips, EventBatch, KvEvent, Tier, TIERS};
+use crate::closure::{ClosedView, Closure};
+use crate::event::{DecodeSkips, EventBatch, KvEvent, TIERS};
 use crate::index::{BlockIndex, PodId, TierMask};
 use crate::keys::BlockKey;
 use crate::pod::{ApplyStats, PodState};
@@ -77,54 +78,10 @@ pub struct Pod {
     removed: AtomicBool,
     /// Distinct blocks held (the pod's share of the capacity).
     entries: AtomicU64,
-    /// Seqlock over the pod's blocks in the index: odd while a writer
-    /// changes them. With `closed_tier`, what lets a reader binary-search
-    /// this pod and know the answer held for one consistent state.
-    version: AtomicU64,
-    /// `PodState::closed_tier` as of the last write (`NOT_CLOSED`: none).
-    closed_tier: AtomicU8,
+    /// Whether readers may binary-search this pod (published by its
+    /// writer at each flush, see `closure`).
+    closure: Arc<Closure>,
     inner: Mutex<PodInner>,
-}
-
-const NOT_CLOSED: u8 = u8::MAX;
-
-/// A pod's state, locked for changing it (see `Pod::version`).
-struct Writing<'a> {
-    pod: &'a Pod,
-    inner: parking_lot::MutexGuard<'a, PodInner>,
-}
-
-impl<'a> Writing<'a> {
-    fn new(pod: &'a Pod) -> Writing<'a> {
-        let inner = pod.inner.lock();
-        pod.version.fetch_add(1, Ordering::Relaxed);
-        fence(Ordering::Release);
-        Writing { pod, inner }
-    }
-}
-
-impl std::ops::Deref for Writing<'_> {
-    type Target = PodInner;
-    fn deref(&self) -> &PodInner {
-        &self.inner
-    }
-}
-
-impl std::ops::DerefMut for Writing<'_> {
-    fn deref_mut(&mut self) -> &mut PodInner {
-        &mut self.inner
-    }
-}
-
-impl Drop for Writing<'_> {
-    fn drop(&mut self) {
-        let tier = self.inner.state.closed_tier();
-        self.pod.closed_tier.store(
-            tier.map_or(NOT_CLOSED, |t| t.index() as u8),
-            Ordering::Relaxed,
-        );
-        self.pod.version.fetch_add(1, Ordering::Release);
-    }
 }
 
 struct PodInner {
@@ -273,6 +230,11 @@ impl Indexer {
             return pods[id.0 as usize].clone();
         }
         let id = PodId(pods.len() as u32);
+        let state = if self.config.max_entries.is_some() {
+            PodState::new(id, model).bounded()
+        } else {
+            PodState::new(id, model)
+        };
         let slot = Arc::new(Pod {
             id,
             name: key.1.clone(),
@@ -284,14 +246,9 @@ impl Indexer {
             incomplete: AtomicBool::new(false),
             removed: AtomicBool::new(false),
             entries: AtomicU64::new(0),
-            version: AtomicU64::new(0),
-            closed_tier: AtomicU8::new(Tier::Gpu.index() as u8),
+            closure: state.closure(),
             inner: Mutex::new(PodInner {
-                state: if self.config.max_entries.is_some() {
-                    PodState::new(id, model).bounded()
-                } else {
-                    PodState::new(id, model)
-                },
+                state,
                 progress: Progress::default(),
             }),
         });
@@ -311,7 +268,7 @@ impl Indexer {
     /// same `seq` twice is a duplicate and is skipped.
     pub fn apply(&self, pod: &Pod, seq: u64, batch: &EventBatch) -> ApplyStats {
         let mut stats = ApplyStats::default();
-        let mut inner = Writing::new(pod);
+        let mut inner = pod.inner.lock();
         let PodInner { state, progress } = &mut *inner;
         match progress.last_seq {
             Some(last) if seq == last => {
@@ -392,7 +349,7 @@ impl Indexer {
                 .cloned();
             let Some(victim) = victim else { break };
             let excess = self.entries.load(Ordering::Relaxed) as usize - target;
-            let mut inner = Writing::new(&victim);
+            let mut inner = victim.inner.lock();
             // Chunks keep each pod lock short and the choice fair.
             let evicted = inner.state.evict_oldest(&self.blocks, excess.min(4096));
             let now = inner.state.entries();
@@ -471,7 +428,7 @@ impl Indexer {
         }
         for ps in &snapshot.pods {
             let pod = self.pod(&ps.model, &ps.pod, ps.dp_rank);
-            let mut inner = Writing::new(&pod);
+            let mut inner = pod.inner.lock();
             inner.state.import(
                 &self.blocks,
                 &ps.blocks,
@@ -504,7 +461,7 @@ impl Indexer {
         if let Some(m) = self.models.write().get_mut(model) {
             m.pods.retain(|p| *p != id);
         }
-        let mut inner = Writing::new(&pod);
+        let mut inner = pod.inner.lock();
         let held: u64 = inner.state.held_per_tier().iter().sum();
         let mut stats = ApplyStats::default();
         inner.state.clear(&self.blocks, &mut stats);
@@ -669,31 +626,27 @@ impl Indexer {
 
     /// Prefix matches of `ids` (sorted), in order. Pods whose held set is
     /// prefix-closed and on one tier are binary-searched (`score::jump`);
-    /// the others, and any a writer changed meanwhile (seqlock), walk block
-    /// by block. Both give the first-miss answer on the index's own state.
+    /// the others, and any whose closure a writer changed meanwhile, walk
+    /// block by block. Both give the first-miss answer on the index's own
+    /// state, or under concurrent events one between the states before and
+    /// after them (see `closure`).
     fn match_pods(&self, keys: &[BlockKey], ids: &[PodId], closure: bool) -> Vec<PrefixMatch> {
         let weights = &self.config.tier_weights;
         let pods = self.pods.read();
-        let mut closed: Vec<(PodId, u64, u8)> = Vec::with_capacity(ids.len());
+        let mut closed: Vec<(PodId, ClosedView)> = Vec::with_capacity(ids.len());
         let mut open: Vec<PodId> = Vec::new();
         for id in ids {
-            let pod = &pods[id.0 as usize];
-            let version = pod.version.load(Ordering::Acquire);
-            let tier = pod.closed_tier.load(Ordering::Relaxed);
-            if version % 2 == 0 && tier != NOT_CLOSED {
-                closed.push((*id, version, tier));
-            } else {
-                open.push(*id);
+            match pods[id.0 as usize].closure.view() {
+                Some(view) => closed.push((*id, view)),
+                None => open.push(*id),
             }
         }
-        let closed_ids: Vec<PodId> = closed.iter().map(|(id, _, _)| *id).collect();
+        let closed_ids: Vec<PodId> = closed.iter().map(|(id, _)| *id).collect();
         let depths = jump(&self.blocks, keys, &closed_ids);
-        fence(Ordering::Acquire);
         let mut found: Vec<(PodId, PrefixMatch)> = Vec::with_capacity(ids.len());
-        for ((id, version, tier), depth) in closed.iter().zip(depths) {
-            if pods[id.0 as usize].version.load(Ordering::Relaxed) == *version {
-                let tier = Tier::ALL[*tier as usize];
-                found.push((*id, PrefixMatch::on_one_tier(depth, tier, weights)));
+        for ((id, view), depth) in closed.iter().zip(depths) {
+            if pods[id.0 as usize].closure.unchanged(*view) {
+                found.push((*id, PrefixMatch::on_one_tier(depth, view.tier, weights)));
             } else {
                 open.push(*id);
             }
@@ -1202,14 +1155,101 @@ mod tests {
                         .collect();
                     assert_eq!(got, want, "round {round} step {step} probe {probe}");
                 }
-                closed_seen += pods
-                    .iter()
-                    .filter(|p| p.closed_tier.load(Ordering::Relaxed) != NOT_CLOSED)
-                    .count();
+                closed_seen += pods.iter().filter(|p| p.closure.is_closed()).count();
             }
         }
         // The fast path was taken, and not always.
         assert!(closed_seen > 1000, "{closed_seen}");
         assert!(closed_seen < 6 * 300 * 5, "{closed_seen}");
+    }
+
+    /// Readers binary-search pods while their writer applies events. The
+    /// writer repeats: store a 100-block chain (match 100); remove its
+    /// 50th block, a hole (match 49: the pod is no longer prefix-closed, and
+    /// a binary search would see the last block and answer 100); remove the
+    /// orphaned tail (49); remove the rest (0). A read that overlapped
+    /// states `k0..=k1` must answer within their matches; a read made wholly
+    /// inside the hole must answer 49. The writer waits for such a read in
+    /// every state.
+    #[test]
+    fn concurrent_reads_stay_between_the_states_they_overlap() {
+        use std::sync::atomic::AtomicU64;
+        let ix = engine_indexer();
+        let pod = ix.pod("m", "p", None);
+        let tokens = vec![7u32; 100 * 16];
+        let chain: Vec<u64> = (1..=100).collect();
+        let keys: Vec<BlockKey> = chain.iter().map(|h| BlockKey(*h)).collect();
+        let removed = |hashes: Vec<u64>| {
+            KvEvent::Removed(crate::event::BlockRemoved {
+                block_hashes: hashes.into_iter().map(EngineHash).collect(),
+                ..Default::default()
+            })
+        };
+        let script = [
+            (stored(&chain, None, &tokens, 16), 100),
+            (removed(vec![50]), 49),
+            (removed((51..=100).rev().collect()), 49),
+            (removed((1..=49).rev().collect()), 0),
+        ];
+        const ROUNDS: u64 = 300;
+        let total = ROUNDS * script.len() as u64;
+        let match_after = |k: u64| match k {
+            0 => 0,
+            k => script[((k - 1) % script.len() as u64) as usize].1,
+        };
+        // Events applied so far, and the last state read cleanly.
+        let applied = AtomicU64::new(0);
+        let read_in = AtomicU64::new(u64::MAX);
+        let reader_failed = AtomicBool::new(false);
+        // Set if the reader panics, so the writer stops waiting for it.
+        struct Flag<'a>(&'a AtomicBool);
+        impl Drop for Flag<'_> {
+            fn drop(&mut self) {
+                self.0.store(std::thread::panicking(), Ordering::Release);
+            }
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for k in 0..total {
+                    let (event, _) = &script[(k % script.len() as u64) as usize];
+                    ix.apply(&pod, k, &batch(vec![event.clone()]));
+                    applied.store(k + 1, Ordering::Release);
+                    let since = Instant::now();
+                    while read_in.load(Ordering::Acquire) != k + 1
+                        && since.elapsed() < Duration::from_secs(10)
+                        && !reader_failed.load(Ordering::Acquire)
+                    {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+            let _flag = Flag(&reader_failed);
+            let mut clean_reads = 0u64;
+            loop {
+                let k0 = applied.load(Ordering::Acquire);
+                let got = ix.prefix_matches("m", &keys)[0].1.matched_blocks;
+                let k1 = applied.load(Ordering::Acquire);
+                // States k0..=k1 were visible, and state k1 + 1 in flight.
+                let last = (k1 + 1).min(total);
+                let range = (k0..=last).map(match_after);
+                let (lo, hi) = (range.clone().min().unwrap(), range.max().unwrap());
+                assert!(
+                    (lo..=hi).contains(&got),
+                    "read over states {k0}..={last} answered {got}, not in {lo}..={hi}"
+                );
+                if k0 == k1 {
+                    if k0 % 4 == 2 {
+                        // Inside the hole, with only the tail's removal after it.
+                        assert_eq!(got, 49, "read inside the hole (state {k0})");
+                    }
+                    clean_reads += 1;
+                    read_in.store(k0, Ordering::Release);
+                }
+                if k0 == total {
+                    break;
+                }
+            }
+            assert!(clean_reads >= total, "{clean_reads}");
+        });
     }
 }

@@ -13,6 +13,9 @@
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
+use std::sync::Arc;
+
+use crate::closure::Closure;
 
 use crate::event::{
     is_full_attention_kind, BlockRemoved, BlockStored, EngineHash, ExtraKey, Tier, TIERS,
@@ -130,6 +133,9 @@ pub struct PodState {
     /// Index changes of the event being applied, flushed to the index in
     /// one batch at its end (`BlockIndex::apply`).
     pending: Vec<Change>,
+    /// What readers are told of this pod's closure, and its last value.
+    closure: Arc<Closure>,
+    published: Option<Tier>,
 }
 
 /// Every pod's first stores are checked, then one in `self_check_every`.
@@ -152,7 +158,14 @@ impl PodState {
             orphans: 0,
             born_clock: 0,
             pending: Vec::new(),
+            closure: Arc::default(),
+            published: Some(Tier::Gpu),
         }
+    }
+
+    /// Where this pod publishes its closure for lock-free readers.
+    pub fn closure(&self) -> Arc<Closure> {
+        self.closure.clone()
     }
 
     /// For a capacity-bounded index (see `half_full`).
@@ -375,6 +388,8 @@ impl PodState {
     ) {
         self.block_size = block_size;
         self.non_full_groups = non_full_groups.iter().copied().collect();
+        // Children may come before their parents: closed only once linked.
+        self.closure.open();
         let known_parents = parents.len() == blocks.len();
         for (i, (hash, key, counts)) in blocks.iter().enumerate() {
             if counts.iter().all(|c| *c == 0) {
@@ -406,10 +421,10 @@ impl PodState {
                 }
             }
             if self.pending.len() >= 4096 {
-                self.flush(index);
+                self.apply_pending(index);
             }
         }
-        self.flush(index);
+        self.apply_pending(index);
         // Link children to parents once all are in (a parent re-stored
         // after its child comes later in store order).
         let links: Vec<(EngineHash, Option<EngineHash>)> = self
@@ -428,6 +443,8 @@ impl PodState {
                 held.parent_born = born;
             }
         }
+        self.published = self.closed_tier();
+        self.closure.close(self.published);
     }
 
     /// Distinct blocks (engine hashes) held, any tier: this pod's share of
@@ -471,6 +488,7 @@ impl PodState {
                 }
             }
             if self.pending.len() >= 4096 {
+                // Releases only: from closed they stay between closed states.
                 index.apply(&mut self.pending);
             }
         }
@@ -525,10 +543,24 @@ impl PodState {
         }
     }
 
-    /// Applies the pending index changes. A huge event (a 100K-token
-    /// prompt) leaves a large buffer behind: let it go rather than keep it
-    /// per pod.
+    /// Applies the pending index changes (one event's: all acquires or all
+    /// releases), opening the closure seqlock only if they change whether
+    /// the pod is closed, or on which tier (see `closure`).
     fn flush(&mut self, index: &BlockIndex) {
+        let after = self.closed_tier();
+        if self.published.is_some() && after == self.published {
+            self.apply_pending(index);
+        } else {
+            self.closure.open();
+            self.apply_pending(index);
+            self.closure.close(after);
+            self.published = after;
+        }
+    }
+
+    /// A huge event (a 100K-token prompt) leaves a large buffer behind: let
+    /// it go rather than keep it per pod.
+    fn apply_pending(&mut self, index: &BlockIndex) {
         index.apply(&mut self.pending);
         if self.pending.capacity() > 1024 {
             self.pending = Vec::new();

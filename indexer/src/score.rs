@@ -191,7 +191,18 @@ impl Splitter {
         self.missing.clear();
         index.with_holders(key, |holders| {
             let holders = holders.unwrap_or(&[]);
-            // Both sorted by pod id: one merge pass.
+            // Both sorted by pod id: one merge pass, or a binary search per
+            // pod when a few pods are left against a long holder list (a
+            // system prompt's blocks, held by the whole fleet).
+            if pods.len() * 8 < holders.len() {
+                for pod in pods.iter() {
+                    match holders.binary_search_by_key(pod, |h| h.pod) {
+                        Ok(_) => self.held.push(*pod),
+                        Err(_) => self.missing.push(*pod),
+                    }
+                }
+                return;
+            }
             let mut h = holders.iter().peekable();
             for pod in pods.iter() {
                 while h.next_if(|x| x.pod < *pod).is_some() {}
