@@ -5,6 +5,7 @@ pub mod proto {
     pub mod kvindexer {
         pub mod v1 {
             tonic::include_proto!("kvindexer.v1");
+            pub use crate::token_ids::TokenIds;
         }
     }
 
@@ -32,5 +33,6 @@ pub mod metrics;
 mod ratelimit;
 pub mod replay;
 pub mod snapshots;
+pub mod token_ids;
 pub mod vllm_wire;
 mod worker;
