@@ -631,37 +631,48 @@ impl Indexer {
     /// state, or under concurrent events one between the states before and
     /// after them (see `closure`).
     fn match_pods(&self, keys: &[BlockKey], ids: &[PodId], closure: bool) -> Vec<PrefixMatch> {
+        debug_assert!(ids.windows(2).all(|w| w[0] < w[1]));
         let weights = &self.config.tier_weights;
         let pods = self.pods.read();
-        let mut closed: Vec<(PodId, ClosedView)> = Vec::with_capacity(ids.len());
-        let mut open: Vec<PodId> = Vec::new();
-        for id in ids {
-            match pods[id.0 as usize].closure.view() {
-                Some(view) => closed.push((*id, view)),
-                None => open.push(*id),
-            }
-        }
-        let closed_ids: Vec<PodId> = closed.iter().map(|(id, _)| *id).collect();
-        let depths = jump(&self.blocks, keys, &closed_ids);
-        let mut found: Vec<(PodId, PrefixMatch)> = Vec::with_capacity(ids.len());
-        for ((id, view), depth) in closed.iter().zip(depths) {
-            if pods[id.0 as usize].closure.unchanged(*view) {
-                found.push((*id, PrefixMatch::on_one_tier(depth, view.tier, weights)));
-            } else {
-                open.push(*id);
-            }
+        let views: Vec<Option<ClosedView>> = ids
+            .iter()
+            .map(|id| pods[id.0 as usize].closure.view())
+            .collect();
+        let closed: Vec<PodId> = ids
+            .iter()
+            .zip(&views)
+            .filter(|(_, view)| view.is_some())
+            .map(|(id, _)| *id)
+            .collect();
+        let mut depths = jump(&self.blocks, keys, &closed).into_iter();
+        // In id order; pods left open are walked below: (position, id).
+        let mut matches = Vec::with_capacity(ids.len());
+        let mut open: Vec<(usize, PodId)> = Vec::new();
+        for (pos, (id, view)) in ids.iter().zip(&views).enumerate() {
+            let searched = view.and_then(|view| {
+                let depth = depths.next().expect("a depth per closed pod");
+                pods[id.0 as usize]
+                    .closure
+                    .unchanged(view)
+                    .then(|| PrefixMatch::on_one_tier(depth, view.tier, weights))
+            });
+            matches.push(searched.unwrap_or_else(|| {
+                open.push((pos, *id));
+                PrefixMatch::default()
+            }));
         }
         drop(pods);
         if !open.is_empty() {
-            open.sort_unstable();
-            let mut matches = walk(&self.blocks, keys, &open, weights);
+            let open_ids: Vec<PodId> = open.iter().map(|(_, id)| *id).collect();
+            let mut walked = walk(&self.blocks, keys, &open_ids, weights);
             if closure {
-                extend_prefix_closed(&self.blocks, keys, &open, &mut matches, weights);
+                extend_prefix_closed(&self.blocks, keys, &open_ids, &mut walked, weights);
             }
-            found.extend(open.into_iter().zip(matches));
+            for ((pos, _), m) in open.iter().zip(walked) {
+                matches[*pos] = m;
+            }
         }
-        found.sort_unstable_by_key(|(id, _)| *id);
-        found.into_iter().map(|(_, m)| m).collect()
+        matches
     }
 
     /// Who holds each key (debugging).

@@ -40,12 +40,16 @@ pub struct PrefixMatch {
 impl PrefixMatch {
     /// `blocks` leading blocks, all held on `tier` only.
     pub fn on_one_tier(blocks: u32, tier: Tier, weights: &TierWeights) -> PrefixMatch {
+        // Built whole: one element stored at a variable index and the array
+        // then read back whole stalls store forwarding, per candidate pod.
+        let on_tier: [u32; TIERS] =
+            std::array::from_fn(|i| if i == tier.index() { blocks } else { 0 });
         let mut m = PrefixMatch {
             matched_blocks: blocks,
-            ..Default::default()
+            blocks_per_tier: on_tier,
+            best_tier_blocks: on_tier,
+            weighted_blocks: 0.0,
         };
-        m.blocks_per_tier[tier.index()] = blocks;
-        m.best_tier_blocks[tier.index()] = blocks;
         m.weigh(weights);
         m
     }
@@ -106,12 +110,12 @@ pub fn walk(
 /// in a range into those holding `keys[mid]` (their match is past `mid`)
 /// and the rest (at or before it), so pods that share a prefix share every
 /// probe, and the cost grows with the number of distinct match lengths, not
-/// with the number of pods. Two shortcuts: the first and last blocks are
-/// probed up front (prompts nobody holds, and prompts held whole, are the
-/// common cases and settle in one probe each), and a range with many pods
-/// for its length is scanned block by block (at most one probe per block,
-/// like the walk, instead of a binary search per distinct length). `pods`
-/// must be sorted; returns depths in the same order.
+/// with the number of pods (a fleet sharing a system prompt settles its
+/// depth in log2(n) probes, where scanning block by block would take one
+/// per block). One shortcut: the first and last blocks are probed up front
+/// (prompts nobody holds, and prompts held whole, are the common cases and
+/// settle in one probe each). `pods` must be sorted; returns depths in the
+/// same order.
 pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId]) -> Vec<u32> {
     debug_assert!(pods.windows(2).all(|w| w[0] < w[1]));
     let n = keys.len();
@@ -119,15 +123,16 @@ pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId]) -> Vec<u32> {
     if n == 0 || pods.is_empty() {
         return depth;
     }
-    let mut order: Vec<PodId> = pods.to_vec();
-    let mut split = Splitter::new(pods.len());
-    let settle = |pods_at: &[PodId], d: usize, depth: &mut [u32]| {
-        for pod in pods_at {
-            depth[pods.binary_search(pod).expect("a candidate")] = d as u32;
+    // Positions into `pods`, so a settled pod's depth is one store.
+    let mut order: Vec<u32> = (0..pods.len() as u32).collect();
+    let mut split = Splitter::new(pods, pods.len());
+    let settle = |at: &[u32], d: usize, depth: &mut [u32]| {
+        for pos in at {
+            depth[*pos as usize] = d as u32;
         }
     };
-    // (lo, hi, start, end): pods order[start..end] (sorted) match somewhere
-    // in lo..=hi blocks.
+    // (lo, hi, start, end): pods order[start..end] (in id order) match
+    // somewhere in lo..=hi blocks.
     let mut ranges = Vec::new();
     let end = order.len();
     let first = split.split(index, keys[0], &mut order[..end]);
@@ -144,20 +149,6 @@ pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId]) -> Vec<u32> {
             settle(&order[start..end], hi, &mut depth);
             continue;
         }
-        if (end - start) * 4 >= hi - lo {
-            // Dense: one probe per block until every pod has dropped out.
-            let mut end = end;
-            for (i, key) in keys.iter().enumerate().take(hi).skip(lo) {
-                let held = start + split.split(index, *key, &mut order[start..end]);
-                settle(&order[held..end], i, &mut depth);
-                end = held;
-                if end == start {
-                    break;
-                }
-            }
-            settle(&order[start..end], hi, &mut depth);
-            continue;
-        }
         let mid = lo + (hi - lo) / 2;
         let held = start + split.split(index, keys[mid], &mut order[start..end]);
         if held > start {
@@ -170,52 +161,57 @@ pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId]) -> Vec<u32> {
     depth
 }
 
-/// Partitions sorted pod lists by whether they hold a key, keeping both
-/// halves sorted; the scratch space is reused across probes.
-struct Splitter {
-    held: Vec<PodId>,
-    missing: Vec<PodId>,
+/// Partitions lists of candidates (positions into the sorted `pods`, in
+/// order) by whether they hold a key, keeping both halves in order; the
+/// scratch space is reused across probes.
+struct Splitter<'a> {
+    pods: &'a [PodId],
+    held: Vec<u32>,
+    missing: Vec<u32>,
 }
 
-impl Splitter {
-    fn new(capacity: usize) -> Splitter {
+impl<'a> Splitter<'a> {
+    fn new(pods: &'a [PodId], capacity: usize) -> Splitter<'a> {
         Splitter {
+            pods,
             held: Vec::with_capacity(capacity),
             missing: Vec::with_capacity(capacity),
         }
     }
 
-    /// Reorders `pods` as (holders of `key`, the rest); returns how many hold it.
-    fn split(&mut self, index: &BlockIndex, key: BlockKey, pods: &mut [PodId]) -> usize {
+    /// Reorders `at` as (holders of `key`, the rest); returns how many hold it.
+    fn split(&mut self, index: &BlockIndex, key: BlockKey, at: &mut [u32]) -> usize {
         self.held.clear();
         self.missing.clear();
+        let pods = self.pods;
         index.with_holders(key, |holders| {
             let holders = holders.unwrap_or(&[]);
             // Both sorted by pod id: one merge pass, or a binary search per
             // pod when a few pods are left against a long holder list (a
             // system prompt's blocks, held by the whole fleet).
-            if pods.len() * 8 < holders.len() {
-                for pod in pods.iter() {
-                    match holders.binary_search_by_key(pod, |h| h.pod) {
-                        Ok(_) => self.held.push(*pod),
-                        Err(_) => self.missing.push(*pod),
+            if at.len() * 8 < holders.len() {
+                for pos in at.iter() {
+                    match holders.binary_search_by_key(&pods[*pos as usize], |h| h.pod) {
+                        Ok(_) => self.held.push(*pos),
+                        Err(_) => self.missing.push(*pos),
                     }
                 }
                 return;
             }
             let mut h = holders.iter().peekable();
-            for pod in pods.iter() {
-                while h.next_if(|x| x.pod < *pod).is_some() {}
-                if h.peek().is_some_and(|x| x.pod == *pod) {
-                    self.held.push(*pod);
+            for pos in at.iter() {
+                let pod = pods[*pos as usize];
+                while h.next_if(|x| x.pod < pod).is_some() {}
+                if h.peek().is_some_and(|x| x.pod == pod) {
+                    self.held.push(*pos);
                 } else {
-                    self.missing.push(*pod);
+                    self.missing.push(*pos);
                 }
             }
         });
         let held = self.held.len();
-        pods[..held].copy_from_slice(&self.held);
-        pods[held..].copy_from_slice(&self.missing);
+        at[..held].copy_from_slice(&self.held);
+        at[held..].copy_from_slice(&self.missing);
         held
     }
 }
@@ -374,7 +370,7 @@ mod tests {
     }
 
     /// Pods holding prefixes of every length, dense and sparse, few and
-    /// many: the binary search and the dense scan agree with the walk.
+    /// many: the binary search agrees with the walk.
     #[test]
     fn jump_finds_every_prefix_length_exactly() {
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
