@@ -299,6 +299,7 @@ impl Indexer {
             }
         }
         progress.applied.add(&stats);
+        debug_assert!(state.closure_is_current());
         self.account(pod, state.entries());
         if let Some(bs) = state.block_size() {
             if pod.block_size.swap(bs, Ordering::Relaxed) != bs {
@@ -352,6 +353,7 @@ impl Indexer {
             let mut inner = victim.inner.lock();
             // Chunks keep each pod lock short and the choice fair.
             let evicted = inner.state.evict_oldest(&self.blocks, excess.min(4096));
+            debug_assert!(inner.state.closure_is_current());
             let now = inner.state.entries();
             drop(inner);
             self.account(&victim, now);

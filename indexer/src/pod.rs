@@ -492,10 +492,11 @@ impl PodState {
                 index.apply(&mut self.pending);
             }
         }
-        self.flush(index);
+        // Empty (and so closed) before the flush publishes it.
         self.held_per_tier = [0; TIERS];
         self.order.clear();
         self.orphans = 0;
+        self.flush(index);
         stats.clears += 1;
     }
 
@@ -556,6 +557,12 @@ impl PodState {
             self.closure.close(after);
             self.published = after;
         }
+    }
+
+    /// Whether readers are told the pod's closure as it now is (checked
+    /// after every change in debug builds).
+    pub fn closure_is_current(&self) -> bool {
+        self.published == self.closed_tier()
     }
 
     /// A huge event (a 100K-token prompt) leaves a large buffer behind: let
