@@ -18,7 +18,7 @@ use crate::index::{BlockIndex, PodId, TierMask};
 use crate::keys::BlockKey;
 use crate::pod::{ApplyStats, PodState};
 use crate::scheme::{KeyMode, KeySchemes};
-use crate::score::{extend_prefix_closed, jump, walk, PrefixMatch, TierWeights};
+use crate::score::{extend_prefix_closed, holding, jump, walk, PrefixMatch, TierWeights};
 use crate::snapshot::{PodSnapshot, Snapshot, SnapshotError};
 
 #[derive(Clone, Debug)]
@@ -590,9 +590,8 @@ impl Indexer {
             // Closure is only sound on engine keys: token keys of a block
             // whose parent was never seen do not exist at all.
             let closure = engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed);
-            let matches = self.match_pods(&keys, &ids, closure);
-            for ((_, pos), m) in group.iter().zip(matches) {
-                let s = &mut scores[*pos];
+            for (at, m) in self.match_pods(&keys, &ids, closure) {
+                let s = &mut scores[group[at].1];
                 s.matched = m;
                 if s.total_blocks > 0 {
                     s.score = m.weighted_blocks / f64::from(s.total_blocks);
@@ -613,44 +612,67 @@ impl Indexer {
         }
     }
 
-    /// The first-miss prefix match of every pod of `model` for a prompt
-    /// already turned into keys (`request_keys`, or engine hashes in engine
-    /// mode), in pod id order. No names, no sorting, no closure inference:
-    /// the index alone, as the comparison bench measures it against peers.
+    /// The first-miss prefix match of the pods of `model` holding at least
+    /// one block of a prompt already turned into keys (`request_keys`, or
+    /// engine hashes in engine mode), in pod id order. No names, no zeros,
+    /// no closure inference: the index alone, answering what the peers'
+    /// indexes answer, as the comparison bench measures it.
     pub fn prefix_matches(&self, model: &str, keys: &[BlockKey]) -> Vec<(PodId, PrefixMatch)> {
         let ids = match self.models.read().get(model) {
             Some(m) => m.pods.clone(),
             None => return Vec::new(),
         };
-        let matches = self.match_pods(keys, &ids, false);
-        ids.into_iter().zip(matches).collect()
+        self.match_pods(keys, &ids, false)
+            .into_iter()
+            .map(|(pos, m)| (ids[pos], m))
+            .collect()
     }
 
-    /// Prefix matches of `ids` (sorted), in order. Pods whose held set is
+    /// Prefix matches of `ids` (sorted) with at least one block, as
+    /// (position in `ids`, match) in id order. Pods whose held set is
     /// prefix-closed and on one tier are binary-searched (`score::jump`);
     /// the others, and any whose closure a writer changed meanwhile, walk
     /// block by block. Both give the first-miss answer on the index's own
     /// state, or under concurrent events one between the states before and
     /// after them (see `closure`).
-    fn match_pods(&self, keys: &[BlockKey], ids: &[PodId], closure: bool) -> Vec<PrefixMatch> {
+    ///
+    /// Only pods holding the first block can match (closure inference
+    /// aside, which credits blocks the index never saw): one probe picks
+    /// them, so with a large fleet a prompt pays per pod that holds its
+    /// start, not per pod of the model.
+    fn match_pods(
+        &self,
+        keys: &[BlockKey],
+        ids: &[PodId],
+        closure: bool,
+    ) -> Vec<(usize, PrefixMatch)> {
         debug_assert!(ids.windows(2).all(|w| w[0] < w[1]));
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let candidates: Vec<u32> = if closure {
+            (0..ids.len() as u32).collect()
+        } else {
+            holding(&self.blocks, keys[0], ids)
+        };
         let weights = &self.config.tier_weights;
         let pods = self.pods.read();
-        let views: Vec<Option<ClosedView>> = ids
+        let views: Vec<Option<ClosedView>> = candidates
             .iter()
-            .map(|id| pods[id.0 as usize].closure.view())
+            .map(|pos| pods[ids[*pos as usize].0 as usize].closure.view())
             .collect();
-        let closed: Vec<PodId> = ids
+        let closed: Vec<PodId> = candidates
             .iter()
             .zip(&views)
             .filter(|(_, view)| view.is_some())
-            .map(|(id, _)| *id)
+            .map(|(pos, _)| ids[*pos as usize])
             .collect();
         let mut depths = jump(&self.blocks, keys, &closed).into_iter();
-        // In id order; pods left open are walked below: (position, id).
-        let mut matches = Vec::with_capacity(ids.len());
-        let mut open: Vec<(usize, PodId)> = Vec::new();
-        for (pos, (id, view)) in ids.iter().zip(&views).enumerate() {
+        // In id order; entries left open are walked below.
+        let mut matches: Vec<(usize, PrefixMatch)> = Vec::with_capacity(candidates.len());
+        let mut open: Vec<usize> = Vec::new();
+        for (pos, view) in candidates.iter().zip(&views) {
+            let id = ids[*pos as usize];
             let searched = view.and_then(|view| {
                 let depth = depths.next().expect("a depth per closed pod");
                 pods[id.0 as usize]
@@ -658,22 +680,23 @@ impl Indexer {
                     .unchanged(view)
                     .then(|| PrefixMatch::on_one_tier(depth, view.tier, weights))
             });
-            matches.push(searched.unwrap_or_else(|| {
-                open.push((pos, *id));
-                PrefixMatch::default()
-            }));
+            if searched.is_none() {
+                open.push(matches.len());
+            }
+            matches.push((*pos as usize, searched.unwrap_or_default()));
         }
         drop(pods);
         if !open.is_empty() {
-            let open_ids: Vec<PodId> = open.iter().map(|(_, id)| *id).collect();
+            let open_ids: Vec<PodId> = open.iter().map(|k| ids[matches[*k].0]).collect();
             let mut walked = walk(&self.blocks, keys, &open_ids, weights);
             if closure {
                 extend_prefix_closed(&self.blocks, keys, &open_ids, &mut walked, weights);
             }
-            for ((pos, _), m) in open.iter().zip(walked) {
-                matches[*pos] = m;
+            for (k, m) in open.iter().zip(walked) {
+                matches[*k].1 = m;
             }
         }
+        matches.retain(|(_, m)| m.matched_blocks > 0);
         matches
     }
 
@@ -1160,12 +1183,13 @@ mod tests {
                 for probe in 0..6 {
                     let path = path_to(rnd(parent.len() as u64), &parent);
                     let keys: Vec<BlockKey> = path.iter().map(|h| BlockKey(*h)).collect();
-                    let want = walk(&ix.blocks, &keys, &ids, &ix.config.tier_weights);
-                    let got: Vec<PrefixMatch> = ix
-                        .prefix_matches("m", &keys)
-                        .into_iter()
-                        .map(|(_, m)| m)
+                    let want: Vec<(PodId, PrefixMatch)> = ids
+                        .iter()
+                        .copied()
+                        .zip(walk(&ix.blocks, &keys, &ids, &ix.config.tier_weights))
+                        .filter(|(_, m)| m.matched_blocks > 0)
                         .collect();
+                    let got = ix.prefix_matches("m", &keys);
                     assert_eq!(got, want, "round {round} step {step} probe {probe}");
                 }
                 closed_seen += pods.iter().filter(|p| p.closure.is_closed()).count();
@@ -1240,7 +1264,10 @@ mod tests {
             let mut clean_reads = 0u64;
             loop {
                 let k0 = applied.load(Ordering::Acquire);
-                let got = ix.prefix_matches("m", &keys)[0].1.matched_blocks;
+                let got = ix
+                    .prefix_matches("m", &keys)
+                    .first()
+                    .map_or(0, |(_, m)| m.matched_blocks);
                 let k1 = applied.load(Ordering::Acquire);
                 // States k0..=k1 were visible, and state k1 + 1 in flight.
                 let last = (k1 + 1).min(total);

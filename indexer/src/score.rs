@@ -161,6 +161,14 @@ pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId]) -> Vec<u32> {
     depth
 }
 
+/// Positions (into the sorted `pods`) of the pods holding `key`, in order.
+pub fn holding(index: &BlockIndex, key: BlockKey, pods: &[PodId]) -> Vec<u32> {
+    let mut at: Vec<u32> = (0..pods.len() as u32).collect();
+    let held = Splitter::new(pods, pods.len()).split(index, key, &mut at);
+    at.truncate(held);
+    at
+}
+
 /// Partitions lists of candidates (positions into the sorted `pods`, in
 /// order) by whether they hold a key, keeping both halves in order; the
 /// scratch space is reused across probes.
