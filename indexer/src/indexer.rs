@@ -667,7 +667,9 @@ impl Indexer {
             .filter(|(_, view)| view.is_some())
             .map(|(pos, _)| ids[*pos as usize])
             .collect();
-        let mut depths = jump(&self.blocks, keys, &closed).into_iter();
+        // Without closure inference the candidates are the holders of
+        // block 0, probed above.
+        let mut depths = jump(&self.blocks, keys, &closed, !closure).into_iter();
         // In id order; entries left open are walked below.
         let mut matches: Vec<(usize, PrefixMatch)> = Vec::with_capacity(candidates.len());
         let mut open: Vec<usize> = Vec::new();

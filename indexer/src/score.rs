@@ -116,7 +116,12 @@ pub fn walk(
 /// (prompts nobody holds, and prompts held whole, are the common cases and
 /// settle in one probe each). `pods` must be sorted; returns depths in the
 /// same order.
-pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId]) -> Vec<u32> {
+///
+/// `first_held`: the caller picked `pods` as holders of `keys[0]` with its
+/// own probe (`holding`), so that probe is not made again. A pod that let
+/// block 0 go since is searched as if it held it; its answer (at least 1)
+/// is still one it had during the lookup, which began with that probe.
+pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId], first_held: bool) -> Vec<u32> {
     debug_assert!(pods.windows(2).all(|w| w[0] < w[1]));
     let n = keys.len();
     let mut depth = vec![0u32; pods.len()];
@@ -135,7 +140,11 @@ pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId]) -> Vec<u32> {
     // somewhere in lo..=hi blocks.
     let mut ranges = Vec::new();
     let end = order.len();
-    let first = split.split(index, keys[0], &mut order[..end]);
+    let first = if first_held {
+        end
+    } else {
+        split.split(index, keys[0], &mut order[..end])
+    };
     settle(&order[first..end], 0, &mut depth);
     if first > 0 {
         let whole = split.split(index, keys[n - 1], &mut order[..first]);
@@ -415,9 +424,28 @@ mod tests {
                 .map(|m| m.matched_blocks)
                 .collect();
             assert_eq!(
-                jump(&index, &keys, &ids),
+                jump(&index, &keys, &ids, false),
                 want,
                 "case {case}: n {n}, {pods} pods"
+            );
+            // The holders of block 0, as `holding` picks them.
+            let (first_ids, first_want): (Vec<PodId>, Vec<u32>) = ids
+                .iter()
+                .zip(&want)
+                .filter(|(_, d)| **d > 0)
+                .map(|(id, d)| (*id, *d))
+                .unzip();
+            assert_eq!(
+                holding(&index, keys[0], &ids),
+                (0..ids.len() as u32)
+                    .filter(|i| want[*i as usize] > 0)
+                    .collect::<Vec<_>>(),
+                "case {case}: holders of block 0"
+            );
+            assert_eq!(
+                jump(&index, &keys, &first_ids, true),
+                first_want,
+                "case {case}: n {n}, {pods} pods, block 0 known held"
             );
         }
     }
