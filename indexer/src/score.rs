@@ -130,7 +130,7 @@ pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId], first_held: b
     }
     // Positions into `pods`, so a settled pod's depth is one store.
     let mut order: Vec<u32> = (0..pods.len() as u32).collect();
-    let mut split = Splitter::new(pods, pods.len());
+    let mut split = Splitter::new(pods);
     let settle = |at: &[u32], d: usize, depth: &mut [u32]| {
         for pos in at {
             depth[*pos as usize] = d as u32;
@@ -173,7 +173,7 @@ pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId], first_held: b
 /// Positions (into the sorted `pods`) of the pods holding `key`, in order.
 pub fn holding(index: &BlockIndex, key: BlockKey, pods: &[PodId]) -> Vec<u32> {
     let mut at: Vec<u32> = (0..pods.len() as u32).collect();
-    let held = Splitter::new(pods, pods.len()).split(index, key, &mut at);
+    let held = Splitter::new(pods).split(index, key, &mut at);
     at.truncate(held);
     at
 }
@@ -188,11 +188,11 @@ struct Splitter<'a> {
 }
 
 impl<'a> Splitter<'a> {
-    fn new(pods: &'a [PodId], capacity: usize) -> Splitter<'a> {
+    fn new(pods: &'a [PodId]) -> Splitter<'a> {
         Splitter {
             pods,
-            held: Vec::with_capacity(capacity),
-            missing: Vec::with_capacity(capacity),
+            held: Vec::with_capacity(pods.len()),
+            missing: Vec::with_capacity(pods.len()),
         }
     }
 
