@@ -1098,13 +1098,7 @@ mod tests {
     /// after every batch against `walk` on the same index.
     #[test]
     fn jump_search_equals_the_first_miss_walk_on_random_histories() {
-        let mut x = 0x1234_5678_9abc_def1u64;
-        let mut rnd = move |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut rnd = crate::test_rng::xorshift(0x1234_5678_9abc_def1u64);
         // Chains: node i's parent is node parent[i] (or none); hash = i + 1.
         let mut parent: Vec<Option<u64>> = Vec::new();
         for i in 0..400u64 {

@@ -14,6 +14,8 @@ pub mod pod;
 pub mod scheme;
 pub mod score;
 pub mod snapshot;
+#[cfg(test)]
+mod test_rng;
 pub mod topic;
 pub mod wire;
 

@@ -390,13 +390,7 @@ mod tests {
     /// many: the binary search agrees with the walk.
     #[test]
     fn jump_finds_every_prefix_length_exactly() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = move |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut rnd = crate::test_rng::xorshift(0x9e37_79b9_7f4a_7c15u64);
         for case in 0..60 {
             let n = [1usize, 2, 7, 128, 2048, 8192][case % 6];
             let pods = 1 + rnd(if case % 2 == 0 { 8 } else { 100 }) as u32;
