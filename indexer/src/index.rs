@@ -37,30 +37,47 @@ impl TierMask {
     }
 }
 
-/// One pod holding one key. `refs[tier]` counts the pod's distinct engine
-/// hashes that resolve to this key on that tier (normally 0 or 1; more only
-/// when an engine distinguishes blocks our keys cannot, e.g. old wire forms
-/// without extra keys).
+/// One pod holding one key, in one word: the pod's id in the low bits and
+/// the tiers it holds the key on in the top `TIERS` bits. A word, not a
+/// struct with per-tier counts, so a key's holder list stays inline in its
+/// table slot for up to `INLINE_HOLDERS` pods: at 128 pods a spilled list
+/// was a second cache miss on every change and lookup of a shared key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Holder {
-    pub pod: PodId,
-    refs: [u16; TIERS],
-}
+pub struct Holder(u32);
+
+const TIER_SHIFT: u32 = u32::BITS - TIERS as u32;
+
+/// Pod ids must leave room for the tier bits.
+pub const MAX_PODS: u32 = 1 << TIER_SHIFT;
 
 impl Holder {
-    pub fn tiers(&self) -> TierMask {
-        let mut mask = 0u8;
-        for (i, r) in self.refs.iter().enumerate() {
-            if *r > 0 {
-                mask |= 1 << i;
-            }
-        }
-        TierMask(mask)
+    fn new(pod: PodId, tier: Tier) -> Holder {
+        debug_assert!(pod.0 < MAX_PODS);
+        Holder(pod.0 | 1 << (TIER_SHIFT + tier.index() as u32))
+    }
+
+    pub fn pod(self) -> PodId {
+        PodId(self.0 & (MAX_PODS - 1))
+    }
+
+    pub fn tiers(self) -> TierMask {
+        TierMask((self.0 >> TIER_SHIFT) as u8)
+    }
+
+    fn with(self, tier: Tier) -> Holder {
+        Holder(self.0 | 1 << (TIER_SHIFT + tier.index() as u32))
+    }
+
+    fn without(self, tier: Tier) -> Holder {
+        Holder(self.0 & !(1 << (TIER_SHIFT + tier.index() as u32)))
     }
 }
 
+/// Holders kept in the slot itself before the list spills to the heap.
+const INLINE_HOLDERS: usize = 4;
+
 /// Holders of a key, sorted by pod id so scoring can intersect in one pass.
-pub type Holders = SmallVec<[Holder; 2]>;
+pub type Holders = SmallVec<[Holder; INLINE_HOLDERS]>;
 
 /// Hasher for 64-bit keys: one finalizer round (murmur3's fmix64) instead
 /// of SipHash. Our keys are xxh3 values, but engine hashes come from the
@@ -123,7 +140,17 @@ impl Change {
     }
 }
 
-type Shard = HashMap<BlockKey, Holders, KeyBuildHasher>;
+/// One shard: holders per key, and the rare extra references. A pod holds a
+/// key on a tier once per engine hash of its that resolves to the key
+/// (normally one; more only when an engine distinguishes blocks our keys
+/// cannot, e.g. old wire forms without extra keys). The holder's tier bit
+/// stands for the first; `extra` counts the rest, so the bit is cleared
+/// only when the last one goes.
+#[derive(Default)]
+struct Shard {
+    holders: HashMap<BlockKey, Holders, KeyBuildHasher>,
+    extra: HashMap<(BlockKey, PodId), [u16; TIERS]>,
+}
 
 /// One shard's lock on its own cache line (readers of one shard do not
 /// bounce the line of the next).
@@ -161,10 +188,13 @@ impl BlockIndex {
         BlockIndex {
             shards: (0..1usize << SHARD_BITS)
                 .map(|_| {
-                    Padded(RwLock::new(HashMap::with_capacity_and_hasher(
-                        keys >> SHARD_BITS,
-                        KeyBuildHasher::default(),
-                    )))
+                    Padded(RwLock::new(Shard {
+                        holders: HashMap::with_capacity_and_hasher(
+                            keys >> SHARD_BITS,
+                            KeyBuildHasher::default(),
+                        ),
+                        extra: HashMap::new(),
+                    }))
                 })
                 .collect(),
         }
@@ -242,17 +272,17 @@ impl BlockIndex {
 
     /// Runs `f` on the holders of `key` (`None` if nobody holds it).
     pub fn with_holders<R>(&self, key: BlockKey, f: impl FnOnce(Option<&[Holder]>) -> R) -> R {
-        let map = read_spinning(&self.shards[self.shard(key)].0);
-        f(map.get(&key).map(|h| h.as_slice()))
+        let shard = read_spinning(&self.shards[self.shard(key)].0);
+        f(shard.holders.get(&key).map(|h| h.as_slice()))
     }
 
     /// Number of distinct keys held by at least one pod.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.0.read().len()).sum()
+        self.shards.iter().map(|s| s.0.read().holders.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.shards.iter().all(|s| s.0.read().is_empty())
+        self.shards.iter().all(|s| s.0.read().holders.is_empty())
     }
 }
 
@@ -270,34 +300,47 @@ fn read_spinning(lock: &RwLock<Shard>) -> parking_lot::RwLockReadGuard<'_, Shard
     lock.read()
 }
 
-fn take(map: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
-    let holders = map.entry(key).or_default();
-    match holders.binary_search_by_key(&pod, |h| h.pod) {
-        Ok(i) => {
-            let r = &mut holders[i].refs[tier.index()];
-            *r = r.saturating_add(1);
+fn take(shard: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
+    let holders = shard.holders.entry(key).or_default();
+    match holders.binary_search_by_key(&pod, |h| h.pod()) {
+        Ok(i) if holders[i].tiers().contains(tier) => {
+            let extra = &mut shard.extra.entry((key, pod)).or_default()[tier.index()];
+            *extra = extra.saturating_add(1);
         }
-        Err(i) => {
-            let mut refs = [0; TIERS];
-            refs[tier.index()] = 1;
-            holders.insert(i, Holder { pod, refs });
-        }
+        Ok(i) => holders[i] = holders[i].with(tier),
+        Err(i) => holders.insert(i, Holder::new(pod, tier)),
     }
 }
 
-fn drop_ref(map: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
-    if let Entry::Occupied(mut entry) = map.entry(key) {
-        let holders = entry.get_mut();
-        if let Ok(i) = holders.binary_search_by_key(&pod, |h| h.pod) {
-            let r = &mut holders[i].refs[tier.index()];
-            *r = r.saturating_sub(1);
-            if holders[i].tiers().is_empty() {
-                holders.remove(i);
+fn drop_ref(shard: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
+    let Entry::Occupied(mut entry) = shard.holders.entry(key) else {
+        return;
+    };
+    let holders = entry.get_mut();
+    let Ok(i) = holders.binary_search_by_key(&pod, |h| h.pod()) else {
+        return;
+    };
+    if !holders[i].tiers().contains(tier) {
+        return;
+    }
+    if !shard.extra.is_empty() {
+        if let Entry::Occupied(mut extra) = shard.extra.entry((key, pod)) {
+            let n = &mut extra.get_mut()[tier.index()];
+            if *n > 0 {
+                *n -= 1;
+                if extra.get().iter().all(|n| *n == 0) {
+                    extra.remove();
+                }
+                return;
             }
         }
-        if holders.is_empty() {
-            entry.remove();
-        }
+    }
+    holders[i] = holders[i].without(tier);
+    if holders[i].tiers().is_empty() {
+        holders.remove(i);
+    }
+    if holders.is_empty() {
+        entry.remove();
     }
 }
 
@@ -309,7 +352,7 @@ mod tests {
         index.with_holders(key, |h| {
             h.unwrap_or(&[])
                 .iter()
-                .map(|h| (h.pod.0, h.tiers().0))
+                .map(|h| (h.pod().0, h.tiers().0))
                 .collect()
         })
     }
@@ -350,5 +393,31 @@ mod tests {
         index.release(BlockKey(9), PodId(0), Tier::Gpu);
         index.release(BlockKey(9), PodId(1), Tier::Cpu);
         assert_eq!(tiers_of(&index, BlockKey(9)), vec![(0, 0b010)]);
+    }
+
+    #[test]
+    fn a_slot_is_half_a_cache_line_with_four_holders_inline() {
+        assert_eq!(std::mem::size_of::<(BlockKey, Holders)>(), 32);
+        assert!(!Holders::from_slice(&[Holder::new(PodId(0), Tier::Gpu); 4]).spilled());
+    }
+
+    #[test]
+    fn extra_references_keep_each_tier_until_its_last() {
+        let index = BlockIndex::new();
+        let k = BlockKey(5);
+        let top = PodId(MAX_PODS - 1);
+        for _ in 0..3 {
+            index.acquire(k, top, Tier::Storage);
+        }
+        index.acquire(k, top, Tier::Gpu);
+        assert_eq!(tiers_of(&index, k), vec![(MAX_PODS - 1, 0b101)]);
+        index.release(k, top, Tier::Gpu);
+        index.release(k, top, Tier::Gpu);
+        index.release(k, top, Tier::Storage);
+        index.release(k, top, Tier::Storage);
+        assert_eq!(tiers_of(&index, k), vec![(MAX_PODS - 1, 0b100)]);
+        index.release(k, top, Tier::Storage);
+        assert!(index.is_empty());
+        assert!(index.shards.iter().all(|s| s.0.read().extra.is_empty()));
     }
 }

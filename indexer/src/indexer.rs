@@ -14,7 +14,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::closure::{ClosedView, Closure};
 use crate::event::{DecodeSkips, EventBatch, KvEvent, TIERS};
-use crate::index::{BlockIndex, PodId, TierMask};
+use crate::index::{BlockIndex, PodId, TierMask, MAX_PODS};
 use crate::keys::BlockKey;
 use crate::pod::{ApplyStats, PodState};
 use crate::scheme::{KeyMode, KeySchemes};
@@ -229,6 +229,11 @@ impl Indexer {
         if let Some(id) = self.by_name.get(&key) {
             return pods[id.0 as usize].clone();
         }
+        // Each pod costs far more memory than this many could ever fit in.
+        assert!(
+            pods.len() < MAX_PODS as usize,
+            "more than {MAX_PODS} pods interned"
+        );
         let id = PodId(pods.len() as u32);
         let state = if self.config.max_entries.is_some() {
             PodState::new(id, model).bounded()
@@ -711,7 +716,7 @@ impl Indexer {
                 pods: self.blocks.with_holders(*key, |h| {
                     h.unwrap_or(&[])
                         .iter()
-                        .map(|h| (pods[h.pod.0 as usize].name.clone(), h.tiers()))
+                        .map(|h| (pods[h.pod().0 as usize].name.clone(), h.tiers()))
                         .collect()
                 }),
             })

@@ -787,7 +787,7 @@ mod tests {
     fn held_keys(index: &BlockIndex, keys: &[BlockKey], pod: PodId) -> usize {
         keys.iter()
             .take_while(|k| {
-                index.with_holders(**k, |h| h.is_some_and(|h| h.iter().any(|x| x.pod == pod)))
+                index.with_holders(**k, |h| h.is_some_and(|h| h.iter().any(|x| x.pod() == pod)))
             })
             .count()
     }

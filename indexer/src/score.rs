@@ -208,7 +208,7 @@ impl<'a> Splitter<'a> {
             // system prompt's blocks, held by the whole fleet).
             if at.len() * 8 < holders.len() {
                 for pos in at.iter() {
-                    match holders.binary_search_by_key(&pods[*pos as usize], |h| h.pod) {
+                    match holders.binary_search_by_key(&pods[*pos as usize], |h| h.pod()) {
                         Ok(_) => self.held.push(*pos),
                         Err(_) => self.missing.push(*pos),
                     }
@@ -218,8 +218,8 @@ impl<'a> Splitter<'a> {
             let mut h = holders.iter().peekable();
             for pos in at.iter() {
                 let pod = pods[*pos as usize];
-                while h.next_if(|x| x.pod < pod).is_some() {}
-                if h.peek().is_some_and(|x| x.pod == pod) {
+                while h.next_if(|x| x.pod() < pod).is_some() {}
+                if h.peek().is_some_and(|x| x.pod() == pod) {
                     self.held.push(*pos);
                 } else {
                     self.missing.push(*pos);
@@ -236,10 +236,10 @@ impl<'a> Splitter<'a> {
 /// Holders are sorted by pod id; most keys have one or two.
 fn find(holders: &[Holder], pod: PodId) -> Option<&Holder> {
     if holders.len() <= 8 {
-        holders.iter().find(|h| h.pod == pod)
+        holders.iter().find(|h| h.pod() == pod)
     } else {
         holders
-            .binary_search_by_key(&pod, |h| h.pod)
+            .binary_search_by_key(&pod, |h| h.pod())
             .ok()
             .map(|i| &holders[i])
     }
@@ -294,7 +294,7 @@ pub fn extend_prefix_closed(
         let m = &mut matches[c];
         for key in &keys[m.matched_blocks as usize..=d] {
             let known = index.with_holders(*key, |h| {
-                find(h.unwrap_or(&[]), candidates[c]).map_or(TierMask(0), Holder::tiers)
+                find(h.unwrap_or(&[]), candidates[c]).map_or(TierMask(0), |h| h.tiers())
             });
             record(m, TierMask(known.0 | deepest_tiers.0), weights);
         }
