@@ -223,6 +223,9 @@ impl PodState {
         if n == 0 {
             return;
         }
+        // Up front: a long document's changes otherwise grow the buffer,
+        // copying it, a dozen times.
+        self.pending.reserve(n);
         let named_lora = named_lora(ev);
         // Engine keys unless this adapter's hashes cannot be reproduced.
         let engine = mode
@@ -327,6 +330,7 @@ impl PodState {
             return;
         }
         let tier = ev.tier();
+        self.pending.reserve(ev.block_hashes.len());
         for hash in &ev.block_hashes {
             let Entry::Occupied(mut entry) = self.by_hash.entry(*hash) else {
                 stats.unknown_removals += 1;
