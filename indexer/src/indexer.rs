@@ -4,6 +4,7 @@
 //! be applied in order anyway) and touches the shared `BlockIndex`, which is
 //! sharded. Readers (`score`, `lookup`) never take a pod lock.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use crate::index::{BlockIndex, PodId, TierMask, MAX_PODS};
 use crate::keys::BlockKey;
 use crate::pod::{ApplyStats, PodState};
 use crate::scheme::{KeyMode, KeySchemes};
-use crate::score::{extend_prefix_closed, holding, jump, walk, PrefixMatch, TierWeights};
+use crate::score::{extend_prefix_closed, holding, jump, walk, PrefixMatch, Scratch, TierWeights};
 use crate::snapshot::{PodSnapshot, Snapshot, SnapshotError};
 
 #[derive(Clone, Debug)]
@@ -169,10 +170,24 @@ pub struct KeyHolders {
 
 #[derive(Default)]
 struct ModelEntry {
-    /// Pods of this model, sorted by id.
-    pods: Vec<PodId>,
+    /// Pods of this model, sorted by id; shared, so a lookup takes the list
+    /// without copying it (pods come and go rarely).
+    pods: Arc<[PodId]>,
     /// Last block size a pod of this model reported (0 = none yet).
     block_size: u32,
+}
+
+/// What a lookup reuses from the last one on its thread (see `Scratch`).
+#[derive(Default)]
+struct LookupScratch {
+    search: Scratch,
+    candidates: Vec<u32>,
+    views: Vec<Option<ClosedView>>,
+    closed: Vec<PodId>,
+}
+
+thread_local! {
+    static LOOKUP_SCRATCH: RefCell<LookupScratch> = RefCell::new(LookupScratch::default());
 }
 
 pub struct Indexer {
@@ -260,7 +275,7 @@ impl Indexer {
         pods.push(slot.clone());
         let mut models = self.models.write();
         let entry = models.entry(model.to_owned()).or_default();
-        entry.pods.push(id);
+        entry.pods = entry.pods.iter().copied().chain([id]).collect();
         self.by_name.insert(key, id);
         slot
     }
@@ -466,7 +481,7 @@ impl Indexer {
         let pod = self.pods.read()[id.0 as usize].clone();
         pod.removed.store(true, Ordering::Relaxed);
         if let Some(m) = self.models.write().get_mut(model) {
-            m.pods.retain(|p| *p != id);
+            m.pods = m.pods.iter().copied().filter(|p| *p != id).collect();
         }
         let mut inner = pod.inner.lock();
         let held: u64 = inner.state.held_per_tier().iter().sum();
@@ -655,33 +670,53 @@ impl Indexer {
         if keys.is_empty() {
             return Vec::new();
         }
-        let candidates: Vec<u32> = if closure {
-            (0..ids.len() as u32).collect()
+        LOOKUP_SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => self.match_pods_with(keys, ids, closure, &mut scratch),
+            Err(_) => self.match_pods_with(keys, ids, closure, &mut LookupScratch::default()),
+        })
+    }
+
+    fn match_pods_with(
+        &self,
+        keys: &[BlockKey],
+        ids: &[PodId],
+        closure: bool,
+        scratch: &mut LookupScratch,
+    ) -> Vec<(usize, PrefixMatch)> {
+        let LookupScratch {
+            search,
+            candidates,
+            views,
+            closed,
+        } = scratch;
+        if closure {
+            candidates.clear();
+            candidates.extend(0..ids.len() as u32);
         } else {
-            holding(&self.blocks, keys[0], ids)
-        };
+            holding(&self.blocks, keys[0], ids, search, candidates);
+        }
         let weights = &self.config.tier_weights;
         let pods = self.pods.read();
-        let views: Vec<Option<ClosedView>> = candidates
-            .iter()
-            .map(|pos| pods[ids[*pos as usize].0 as usize].closure.view())
-            .collect();
-        let closed: Vec<PodId> = candidates
-            .iter()
-            .zip(&views)
-            .filter(|(_, view)| view.is_some())
-            .map(|(pos, _)| ids[*pos as usize])
-            .collect();
+        views.clear();
+        closed.clear();
+        for pos in candidates.iter() {
+            let id = ids[*pos as usize];
+            let view = pods[id.0 as usize].closure.view();
+            if view.is_some() {
+                closed.push(id);
+            }
+            views.push(view);
+        }
         // Without closure inference the candidates are the holders of
         // block 0, probed above.
-        let mut depths = jump(&self.blocks, keys, &closed, !closure).into_iter();
+        let mut depths = jump(&self.blocks, keys, closed, !closure, search).iter();
         // In id order; entries left open are walked below.
         let mut matches: Vec<(usize, PrefixMatch)> = Vec::with_capacity(candidates.len());
         let mut open: Vec<usize> = Vec::new();
-        for (pos, view) in candidates.iter().zip(&views) {
+        for (pos, view) in candidates.iter().zip(views.iter()) {
             let id = ids[*pos as usize];
             let searched = view.and_then(|view| {
-                let depth = depths.next().expect("a depth per closed pod");
+                let depth = *depths.next().expect("a depth per closed pod");
                 pods[id.0 as usize]
                     .closure
                     .unchanged(view)

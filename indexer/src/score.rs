@@ -121,16 +121,31 @@ pub fn walk(
 /// own probe (`holding`), so that probe is not made again. A pod that let
 /// block 0 go since is searched as if it held it; its answer (at least 1)
 /// is still one it had during the lookup, which began with that probe.
-pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId], first_held: bool) -> Vec<u32> {
+pub fn jump<'s>(
+    index: &BlockIndex,
+    keys: &[BlockKey],
+    pods: &[PodId],
+    first_held: bool,
+    scratch: &'s mut Scratch,
+) -> &'s [u32] {
     debug_assert!(pods.windows(2).all(|w| w[0] < w[1]));
     let n = keys.len();
-    let mut depth = vec![0u32; pods.len()];
+    let Scratch {
+        depth,
+        order,
+        held,
+        missing,
+        ranges,
+    } = scratch;
+    depth.clear();
+    depth.resize(pods.len(), 0);
     if n == 0 || pods.is_empty() {
         return depth;
     }
     // Positions into `pods`, so a settled pod's depth is one store.
-    let mut order: Vec<u32> = (0..pods.len() as u32).collect();
-    let mut split = Splitter::new(pods);
+    order.clear();
+    order.extend(0..pods.len() as u32);
+    let mut split = |key: BlockKey, at: &mut [u32]| split(index, key, pods, at, held, missing);
     let settle = |at: &[u32], d: usize, depth: &mut [u32]| {
         for pos in at {
             depth[*pos as usize] = d as u32;
@@ -138,28 +153,28 @@ pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId], first_held: b
     };
     // (lo, hi, start, end): pods order[start..end] (in id order) match
     // somewhere in lo..=hi blocks.
-    let mut ranges = Vec::new();
+    ranges.clear();
     let end = order.len();
     let first = if first_held {
         end
     } else {
-        split.split(index, keys[0], &mut order[..end])
+        split(keys[0], &mut order[..end])
     };
-    settle(&order[first..end], 0, &mut depth);
+    settle(&order[first..end], 0, depth);
     if first > 0 {
-        let whole = split.split(index, keys[n - 1], &mut order[..first]);
-        settle(&order[..whole], n, &mut depth);
+        let whole = split(keys[n - 1], &mut order[..first]);
+        settle(&order[..whole], n, depth);
         if first > whole {
             ranges.push((1, n - 1, whole, first));
         }
     }
     while let Some((lo, hi, start, end)) = ranges.pop() {
         if lo >= hi {
-            settle(&order[start..end], hi, &mut depth);
+            settle(&order[start..end], hi, depth);
             continue;
         }
         let mid = lo + (hi - lo) / 2;
-        let held = start + split.split(index, keys[mid], &mut order[start..end]);
+        let held = start + split(keys[mid], &mut order[start..end]);
         if held > start {
             ranges.push((mid + 1, hi, start, held));
         }
@@ -170,67 +185,82 @@ pub fn jump(index: &BlockIndex, keys: &[BlockKey], pods: &[PodId], first_held: b
     depth
 }
 
-/// Positions (into the sorted `pods`) of the pods holding `key`, in order.
-pub fn holding(index: &BlockIndex, key: BlockKey, pods: &[PodId]) -> Vec<u32> {
-    let mut at: Vec<u32> = (0..pods.len() as u32).collect();
-    let held = Splitter::new(pods).split(index, key, &mut at);
-    at.truncate(held);
-    at
-}
-
-/// Partitions lists of candidates (positions into the sorted `pods`, in
-/// order) by whether they hold a key, keeping both halves in order; the
-/// scratch space is reused across probes.
-struct Splitter<'a> {
-    pods: &'a [PodId],
+/// Buffers a search reuses from one lookup to the next (the indexer keeps
+/// one per thread): with 128 pods a lookup made a dozen allocations, a
+/// fifth of its time.
+#[derive(Default)]
+pub struct Scratch {
+    depth: Vec<u32>,
+    order: Vec<u32>,
     held: Vec<u32>,
     missing: Vec<u32>,
+    ranges: Vec<(usize, usize, usize, usize)>,
 }
 
-impl<'a> Splitter<'a> {
-    fn new(pods: &'a [PodId]) -> Splitter<'a> {
-        Splitter {
-            pods,
-            held: Vec::with_capacity(pods.len()),
-            missing: Vec::with_capacity(pods.len()),
-        }
-    }
+/// Positions (into the sorted `pods`) of the pods holding `key`, in order,
+/// into `out`.
+pub fn holding(
+    index: &BlockIndex,
+    key: BlockKey,
+    pods: &[PodId],
+    scratch: &mut Scratch,
+    out: &mut Vec<u32>,
+) {
+    out.clear();
+    out.extend(0..pods.len() as u32);
+    let held = split(
+        index,
+        key,
+        pods,
+        out,
+        &mut scratch.held,
+        &mut scratch.missing,
+    );
+    out.truncate(held);
+}
 
-    /// Reorders `at` as (holders of `key`, the rest); returns how many hold it.
-    fn split(&mut self, index: &BlockIndex, key: BlockKey, at: &mut [u32]) -> usize {
-        self.held.clear();
-        self.missing.clear();
-        let pods = self.pods;
-        index.with_holders(key, |holders| {
-            let holders = holders.unwrap_or(&[]);
-            // Both sorted by pod id: one merge pass, or a binary search per
-            // pod when a few pods are left against a long holder list (a
-            // system prompt's blocks, held by the whole fleet).
-            if at.len() * 8 < holders.len() {
-                for pos in at.iter() {
-                    match holders.binary_search_by_key(&pods[*pos as usize], |h| h.pod()) {
-                        Ok(_) => self.held.push(*pos),
-                        Err(_) => self.missing.push(*pos),
-                    }
-                }
-                return;
-            }
-            let mut h = holders.iter().peekable();
+/// Reorders `at` (positions into the sorted `pods`, in order) as (holders
+/// of `key`, the rest), each half still in order; returns how many hold
+/// it. `held` and `missing` are scratch space.
+fn split(
+    index: &BlockIndex,
+    key: BlockKey,
+    pods: &[PodId],
+    at: &mut [u32],
+    held: &mut Vec<u32>,
+    missing: &mut Vec<u32>,
+) -> usize {
+    held.clear();
+    missing.clear();
+    index.with_holders(key, |holders| {
+        let holders = holders.unwrap_or(&[]);
+        // Both sorted by pod id: one merge pass, or a binary search per
+        // pod when a few pods are left against a long holder list (a
+        // system prompt's blocks, held by the whole fleet).
+        if at.len() * 8 < holders.len() {
             for pos in at.iter() {
-                let pod = pods[*pos as usize];
-                while h.next_if(|x| x.pod() < pod).is_some() {}
-                if h.peek().is_some_and(|x| x.pod() == pod) {
-                    self.held.push(*pos);
-                } else {
-                    self.missing.push(*pos);
+                match holders.binary_search_by_key(&pods[*pos as usize], |h| h.pod()) {
+                    Ok(_) => held.push(*pos),
+                    Err(_) => missing.push(*pos),
                 }
             }
-        });
-        let held = self.held.len();
-        at[..held].copy_from_slice(&self.held);
-        at[held..].copy_from_slice(&self.missing);
-        held
-    }
+            return;
+        }
+        let mut h = holders.iter().peekable();
+        for pos in at.iter() {
+            let pod = pods[*pos as usize];
+            while h.next_if(|x| x.pod() < pod).is_some() {}
+            if h.peek().is_some_and(|x| x.pod() == pod) {
+                held.push(*pos);
+            } else {
+                missing.push(*pos);
+            }
+        }
+    });
+    let n = held.len();
+    at[..n].copy_from_slice(held);
+    at[n..].copy_from_slice(missing);
+    n
 }
 
 /// Holders are sorted by pod id; most keys have one or two.
@@ -391,6 +421,10 @@ mod tests {
     #[test]
     fn jump_finds_every_prefix_length_exactly() {
         let mut rnd = crate::test_rng::xorshift(0x9e37_79b9_7f4a_7c15u64);
+        // One scratch for every case: buffers left from a longer search
+        // must not leak into the next.
+        let mut scratch = Scratch::default();
+        let mut first = Vec::new();
         for case in 0..60 {
             let n = [1usize, 2, 7, 128, 2048, 8192][case % 6];
             let pods = 1 + rnd(if case % 2 == 0 { 8 } else { 100 }) as u32;
@@ -418,8 +452,8 @@ mod tests {
                 .map(|m| m.matched_blocks)
                 .collect();
             assert_eq!(
-                jump(&index, &keys, &ids, false),
-                want,
+                jump(&index, &keys, &ids, false, &mut scratch),
+                &want[..],
                 "case {case}: n {n}, {pods} pods"
             );
             // The holders of block 0, as `holding` picks them.
@@ -429,16 +463,17 @@ mod tests {
                 .filter(|(_, d)| **d > 0)
                 .map(|(id, d)| (*id, *d))
                 .unzip();
+            holding(&index, keys[0], &ids, &mut scratch, &mut first);
             assert_eq!(
-                holding(&index, keys[0], &ids),
+                first,
                 (0..ids.len() as u32)
                     .filter(|i| want[*i as usize] > 0)
                     .collect::<Vec<_>>(),
                 "case {case}: holders of block 0"
             );
             assert_eq!(
-                jump(&index, &keys, &first_ids, true),
-                first_want,
+                jump(&index, &keys, &first_ids, true, &mut scratch),
+                &first_want[..],
                 "case {case}: n {n}, {pods} pods, block 0 known held"
             );
         }
