@@ -38,7 +38,7 @@ fn main() {
     let (med, p90) = measure(budget, || {
         black_box(prompt_keys(seed, black_box(&tokens), block_size));
     });
-    report("token keys (xxh3-64 chain)", med, p90, blocks);
+    report("token keys (xxh3-64 per block, mum fold)", med, p90, blocks);
 
     for algo in [
         HashAlgo::Sha256,

@@ -410,7 +410,12 @@ impl Indexer {
             .map(|(m, k)| format!("{m}={k:?}"))
             .collect();
         per_model.sort();
-        let text = format!("{:?}|{}", self.config.keys.default, per_model.join(","));
+        let text = format!(
+            "{}|{:?}|{}",
+            crate::keys::SCHEME,
+            self.config.keys.default,
+            per_model.join(",")
+        );
         xxhash_rust::xxh3::xxh3_64(text.as_bytes())
     }
 
