@@ -33,6 +33,8 @@ const SIZES: [usize; 3] = [128, 2048, 8192];
 #[derive(Clone, Copy)]
 struct Plan {
     find_rounds: usize,
+    /// Apply and mixed passes per indexer (alternating; medians reported).
+    passes: usize,
     timed: bool,
 }
 
@@ -53,11 +55,36 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_nanos() as f64
 }
 
-fn measure<C: Contender>(trace: &Trace, input: Input, plan: Plan) -> Measured {
-    let mut m = Measured::default();
+/// One indexer filled with the whole trace, its queries prepared: what the
+/// interleaved find rounds time. Object-safe, so the contenders' different
+/// types sit side by side.
+trait Filled {
+    /// Runs query `q` of size index `size` once and returns its time.
+    fn time_find(&self, size: usize, q: usize) -> Duration;
+    fn queries(&self, size: usize) -> usize;
+}
 
-    // Pass 1: fill the index (allocator counting on), check every answer,
-    // then time the finds on that state.
+struct FilledWith<C: Contender> {
+    c: C,
+    queries: Vec<Vec<C::Query>>,
+}
+
+impl<C: Contender> Filled for FilledWith<C> {
+    fn time_find(&self, size: usize, q: usize) -> Duration {
+        let query = &self.queries[size][q];
+        let t = Instant::now();
+        black_box(self.c.find(black_box(query)));
+        t.elapsed()
+    }
+
+    fn queries(&self, size: usize) -> usize {
+        self.queries[size].len()
+    }
+}
+
+/// Fills a fresh `C` with the trace (allocator counting on), checks every
+/// answer against the pods' caches and keeps it for the find rounds.
+fn fill<C: Contender + 'static>(trace: &Trace, input: Input, m: &mut Measured) -> Box<dyn Filled> {
     let (c, bytes) = alloc::retained(|| {
         let c = C::new(trace, input);
         for b in &trace.batches {
@@ -68,27 +95,25 @@ fn measure<C: Contender>(trace: &Trace, input: Input, plan: Plan) -> Measured {
         c
     });
     m.bytes_per_entry = bytes as f64 / trace.live_entries as f64;
-    let queries: Vec<(usize, Vec<C::Query>)> = trace
+    let queries: Vec<Vec<C::Query>> = trace
         .queries
         .iter()
-        .map(|(size, qs)| {
-            (
-                *size,
-                qs.iter()
-                    .map(|q| c.prepare_query(&trace.nodes, &q.nodes))
-                    .collect(),
-            )
+        .map(|(_, qs)| {
+            qs.iter()
+                .map(|q| c.prepare_query(&trace.nodes, &q.nodes))
+                .collect()
         })
         .collect();
-    for ((size, prepared), (_, qs)) in queries.iter().zip(&trace.queries) {
+    for (prepared, (size, qs)) in queries.iter().zip(&trace.queries) {
         for (i, (pq, q)) in prepared.iter().zip(qs).enumerate() {
             let got = c.normalize(&c.find(pq));
             if got != q.expected {
                 m.disagreements += 1;
                 m.first_disagreement.get_or_insert_with(|| {
                     format!(
-                        "{} {size}-block query {i}: got {:?}, pods hold {:?}",
+                        "{} {}-block query {i}: got {:?}, pods hold {:?}",
                         C::name(),
+                        size,
                         &got[..got.len().min(6)],
                         &q.expected[..q.expected.len().min(6)]
                     )
@@ -96,27 +121,12 @@ fn measure<C: Contender>(trace: &Trace, input: Input, plan: Plan) -> Measured {
             }
         }
     }
-    if !plan.timed {
-        return m;
-    }
-    for (size, prepared) in &queries {
-        let mut samples = Vec::with_capacity(prepared.len() * plan.find_rounds);
-        for _ in 0..plan.find_rounds {
-            for q in prepared {
-                let t = Instant::now();
-                black_box(c.find(black_box(q)));
-                samples.push(t.elapsed());
-            }
-        }
-        samples.sort_unstable();
-        m.find.insert(
-            *size,
-            (percentile(&samples, 0.5), percentile(&samples, 0.99)),
-        );
-    }
-    drop(c);
+    Box::new(FilledWith { c, queries })
+}
 
-    // Pass 2: apply throughput from a fresh index, inputs built beforehand.
+/// Apply throughput from a fresh index, inputs built beforehand: stored +
+/// removed blocks / wall time from the first event to all visible.
+fn apply_pass<C: Contender>(trace: &Trace, input: Input) -> f64 {
     let c = C::new(trace, input);
     let prepared: Vec<C::Batch> = trace
         .batches
@@ -128,13 +138,14 @@ fn measure<C: Contender>(trace: &Trace, input: Input, plan: Plan) -> Measured {
         c.apply(b);
     }
     c.flush();
-    m.apply_blocks_per_s = trace.block_ops() as f64 / t.elapsed().as_secs_f64();
-    drop(c);
+    trace.block_ops() as f64 / t.elapsed().as_secs_f64()
+}
 
-    // Pass 3: mixed. The first 60% of the trace is applied, then one thread
-    // applies the rest while another answers 2048-block queries. Throughput
-    // in block operations (stored + removed + looked-up blocks) per second,
-    // the open-loop indexer benchmarks' unit.
+/// Mixed: the first 60% of the trace is applied, then one thread applies
+/// the rest while another answers 2048-block queries. Throughput in block
+/// operations (stored + removed + looked-up blocks) per second, the
+/// open-loop indexer benchmarks' unit, and lookups per second.
+fn mixed_pass<C: Contender>(trace: &Trace, input: Input) -> (f64, f64) {
     let c = C::new(trace, input);
     let split = trace.batches.len() * 6 / 10;
     for b in &trace.batches[..split] {
@@ -155,7 +166,15 @@ fn measure<C: Contender>(trace: &Trace, input: Input, plan: Plan) -> Measured {
             }
         })
         .sum();
-    let q2048 = &queries.iter().find(|(s, _)| *s == 2048).expect("2048").1;
+    let q2048: Vec<C::Query> = trace
+        .queries
+        .iter()
+        .find(|(s, _)| *s == 2048)
+        .expect("2048")
+        .1
+        .iter()
+        .map(|q| c.prepare_query(&trace.nodes, &q.nodes))
+        .collect();
     let done = AtomicBool::new(false);
     let looked_up = AtomicU64::new(0);
     let t = Instant::now();
@@ -176,9 +195,93 @@ fn measure<C: Contender>(trace: &Trace, input: Input, plan: Plan) -> Measured {
     });
     let secs = t.elapsed().as_secs_f64();
     let queries_done = looked_up.load(Ordering::Relaxed);
-    m.mixed_ops_per_s = (rest_ops + queries_done * 2048) as f64 / secs;
-    m.mixed_queries_per_s = queries_done as f64 / secs;
-    m
+    (
+        (rest_ops + queries_done * 2048) as f64 / secs,
+        queries_done as f64 / secs,
+    )
+}
+
+/// One contender's entry points, monomorphised.
+struct Entry {
+    name: &'static str,
+    fill: fn(&Trace, Input, &mut Measured) -> Box<dyn Filled>,
+    apply: fn(&Trace, Input) -> f64,
+    mixed: fn(&Trace, Input) -> (f64, f64),
+}
+
+fn entry<C: Contender + 'static>() -> Entry {
+    Entry {
+        name: C::name(),
+        fill: fill::<C>,
+        apply: apply_pass::<C>,
+        mixed: mixed_pass::<C>,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Every contender on one trace. The machine is shared and its speed drifts
+/// by up to 2x within a minute, so nothing is measured for one indexer and
+/// then for the next: find rounds take turns between the indexers, and the
+/// apply and mixed passes alternate between them `plan.passes` times
+/// (medians reported). Ratios from one run then compare indexers measured
+/// under the same conditions.
+fn measure_all(trace: &Trace, input: Input, plan: Plan, entries: &[Entry]) -> Vec<Measured> {
+    let mut measured = vec![Measured::default(); entries.len()];
+    let filled: Vec<Box<dyn Filled>> = entries
+        .iter()
+        .zip(measured.iter_mut())
+        .map(|(e, m)| (e.fill)(trace, input, m))
+        .collect();
+    if !plan.timed {
+        return measured;
+    }
+    for (si, size) in SIZES.iter().enumerate() {
+        let mut samples = vec![Vec::new(); entries.len()];
+        for round in 0..plan.find_rounds {
+            // Each round, every indexer answers the whole query set in turn,
+            // starting with a different one: once untimed, so that its cache
+            // holds what its own lookups leave rather than what the previous
+            // indexer's did, then timed. Interleaved query by query, or
+            // without the warm-up, the comparison measured whose structure
+            // the others' evicted most.
+            for k in 0..filled.len() {
+                let i = (k + round) % filled.len();
+                for q in 0..filled[i].queries(si) {
+                    filled[i].time_find(si, q);
+                }
+                for q in 0..filled[i].queries(si) {
+                    samples[i].push(filled[i].time_find(si, q));
+                }
+            }
+        }
+        for (m, mut s) in measured.iter_mut().zip(samples) {
+            s.sort_unstable();
+            m.find
+                .insert(*size, (percentile(&s, 0.5), percentile(&s, 0.99)));
+        }
+    }
+    drop(filled);
+    let mut apply = vec![Vec::new(); entries.len()];
+    let mut mixed = vec![Vec::new(); entries.len()];
+    for pass in 0..plan.passes {
+        for k in 0..entries.len() {
+            let i = (k + pass) % entries.len();
+            apply[i].push((entries[i].apply)(trace, input));
+            mixed[i].push((entries[i].mixed)(trace, input));
+        }
+    }
+    for ((m, a), x) in measured.iter_mut().zip(apply).zip(mixed) {
+        m.apply_blocks_per_s = median(a);
+        let ops = median(x.iter().map(|x| x.0).collect());
+        let queries = median(x.iter().map(|x| x.1).collect());
+        m.mixed_ops_per_s = ops;
+        m.mixed_queries_per_s = queries;
+    }
+    measured
 }
 
 struct Run {
@@ -189,35 +292,24 @@ struct Run {
 }
 
 fn run_all(trace: &Trace, input: Input, plan: Plan) -> Vec<(&'static str, Measured)> {
-    let mut out = Vec::new();
     // COMPARE_ONLY=ours (or dynamo, smg...) for profiling one indexer.
     let only = std::env::var("COMPARE_ONLY").ok();
-    let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
-    let mut go = |name: &'static str, m: Measured| {
-        if let Some(d) = &m.first_disagreement {
-            eprintln!("DISAGREEMENT ({} queries): {d}", m.disagreements);
-        }
-        out.push((name, m));
-    };
-    if wanted(Ours::name()) {
-        go(Ours::name(), measure::<Ours>(trace, input, plan));
+    let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
+    if input == Input::PreHashed {
+        entries.push(entry::<DynamoPositional>());
     }
-    if wanted(DynamoRadix::name()) {
-        go(
-            DynamoRadix::name(),
-            measure::<DynamoRadix>(trace, input, plan),
-        );
-    }
-    if wanted(Smg::name()) {
-        go(Smg::name(), measure::<Smg>(trace, input, plan));
-    }
-    if input == Input::PreHashed && wanted(DynamoPositional::name()) {
-        go(
-            DynamoPositional::name(),
-            measure::<DynamoPositional>(trace, input, plan),
-        );
-    }
-    out
+    entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
+    let measured = measure_all(trace, input, plan, &entries);
+    entries
+        .iter()
+        .zip(measured)
+        .map(|(e, m)| {
+            if let Some(d) = &m.first_disagreement {
+                eprintln!("DISAGREEMENT ({} queries): {d}", m.disagreements);
+            }
+            (e.name, m)
+        })
+        .collect()
 }
 
 fn by_name(results: &[(&'static str, Measured)], f: impl Fn(&Measured) -> f64) -> Value {
@@ -329,6 +421,7 @@ fn main() {
     }
     let plan = Plan {
         find_rounds: if quick { 2 } else { 5 },
+        passes: 3,
         timed: true,
     };
     let started = Instant::now();
@@ -409,6 +502,7 @@ fn smoke() {
     assert!(trace.removed_blocks > 0, "the trace must evict");
     let plan = Plan {
         find_rounds: 0,
+        passes: 0,
         timed: false,
     };
     for input in [Input::PreHashed, Input::Tokens] {
