@@ -397,9 +397,6 @@ async fn ingest(zmq: &str, client: &mut KvIndexerClient<Channel>, quick: bool) -
 
 // ------------------------------------------------------------------ score
 
-/// Runs `requests` at `rate`/s (open loop: each request leaves on schedule
-/// on its own task, whatever the others are doing) and returns the sorted
-/// latencies and the achieved rate.
 /// Sends a Score request encoded once up front: the load generator shares
 /// the cores with the service, so it should not re-encode 32K varints per
 /// request (what a Go or Python EPP spends encoding is its own business).

@@ -7,6 +7,8 @@
 //! latency, mixed read/write throughput on 2 threads and allocator-measured
 //! bytes per (block, pod) entry, checks every answer against the simulated
 //! pods' real caches, prints tables and writes `target/bench/compare.json`.
+//! The indexers are measured side by side (see `measure_all`), so that the
+//! machine's drifting speed weighs on all of them alike.
 //!
 //! Run without `--bench` (as `cargo test --all-targets` does) it is a smoke
 //! test: a tiny trace, the agreement check only, a non-zero exit on any
