@@ -3,10 +3,14 @@
 //! the same message. `cargo bench --bench decode` prints medians of
 //! repeated runs, both measured in the same run.
 
+#[path = "../indexer/benches/common/measure.rs"]
+mod measure;
+
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kv_indexer::proto::kvindexer::v1 as pb;
+use measure::measure;
 use prost::Message;
 
 /// `ScoreRequest` with just the fields used here, as prost generates it.
@@ -22,20 +26,6 @@ struct GeneratedRequest {
 struct GeneratedIds {
     #[prost(uint32, repeated, tag = "1")]
     ids: Vec<u32>,
-}
-
-/// Runs `f` repeatedly for about `budget`, returns the median per call.
-fn median(budget: Duration, mut f: impl FnMut()) -> Duration {
-    f();
-    let mut samples = Vec::new();
-    let start = Instant::now();
-    while start.elapsed() < budget || samples.len() < 10 {
-        let t = Instant::now();
-        f();
-        samples.push(t.elapsed());
-    }
-    samples.sort();
-    samples[samples.len() / 2]
 }
 
 fn main() {
@@ -68,10 +58,10 @@ fn main() {
         request
     );
 
-    let ours = median(budget, || {
+    let (ours, _) = measure(budget, || {
         black_box(pb::ScoreRequest::decode(black_box(&bytes[..])).expect("decodes"));
     });
-    let prost = median(budget, || {
+    let (prost, _) = measure(budget, || {
         black_box(GeneratedRequest::decode(black_box(&bytes[..])).expect("decodes"));
     });
     println!(

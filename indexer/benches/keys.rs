@@ -2,25 +2,15 @@
 //! engine hashes (sha256 over pickle, sha256 over CBOR, xxh3-128).
 //! `cargo bench -p indexer --bench keys` prints medians of repeated runs.
 
+#[path = "common/measure.rs"]
+mod measure;
+
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
 use indexer::keys::{prompt_keys, request_root_seed};
-
-/// Runs `f` repeatedly for about `budget`, returns (median, p90) per call.
-fn measure(budget: Duration, mut f: impl FnMut()) -> (Duration, Duration) {
-    f(); // warm up
-    let mut samples = Vec::new();
-    let start = Instant::now();
-    while start.elapsed() < budget || samples.len() < 10 {
-        let t = Instant::now();
-        f();
-        samples.push(t.elapsed());
-    }
-    samples.sort();
-    (samples[samples.len() / 2], samples[samples.len() * 9 / 10])
-}
+use measure::measure;
 
 fn main() {
     // `cargo test --all-targets` runs benches without `--bench`: keep that short.
