@@ -1,0 +1,108 @@
+//! `Indexer::score`, the index's part of a `Score` request, in the end-to-end
+//! bench's shape: a 2,048-block prompt (32K token ids) and 64 pods holding
+//! its first 32, 64, ... 2,048 blocks (every pod ends at a different depth,
+//! the most probes a search can take), against 64 pods all holding the same
+//! 1,024 blocks, and a one-block prompt (the per-request cost of naming and
+//! sorting 64 pods). `cargo bench -p indexer --bench score` prints medians.
+
+#[path = "common/measure.rs"]
+mod measure;
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use indexer::event::{BlockStored, EngineHash, EventBatch, KvEvent};
+use indexer::{Indexer, IndexerConfig, ScoreQuery};
+use measure::measure;
+
+const BLOCK: usize = 16;
+const BLOCKS: usize = 2048;
+const PODS: usize = 64;
+
+fn fleet(depth: impl Fn(usize) -> usize, tokens: &[u32]) -> Indexer {
+    let ix = Indexer::new(IndexerConfig::default());
+    for i in 0..PODS {
+        let pod = ix.pod("m", &format!("pod-{i:02}"), None);
+        let d = depth(i);
+        let stored = KvEvent::Stored(BlockStored {
+            block_hashes: (0..d as u64).map(|h| EngineHash(0x5c0e_0000 + h)).collect(),
+            token_ids: tokens[..d * BLOCK].to_vec(),
+            block_size: Some(BLOCK as u32),
+            ..Default::default()
+        });
+        let batch = EventBatch {
+            events: vec![stored],
+            ..Default::default()
+        };
+        ix.apply(&pod, 0, &batch);
+    }
+    ix
+}
+
+fn main() {
+    // `cargo test --all-targets` runs benches without `--bench`: keep that short.
+    let quick = std::env::args().any(|a| a == "--quick" || a == "--test")
+        || !std::env::args().any(|a| a == "--bench");
+    let budget = Duration::from_millis(if quick { 300 } else { 3000 });
+    let mut x = 42u64;
+    let tokens: Vec<u32> = (0..BLOCKS * BLOCK)
+        .map(|_| {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            ((x >> 33) % 150_000) as u32
+        })
+        .collect();
+    println!("Indexer::score, {PODS} pods, block size {BLOCK}; median (p90) per request");
+    let cases: [(&str, Indexer, usize, usize); 3] = [
+        (
+            "2048 blocks, 64 different depths",
+            fleet(|i| (i + 1) * BLOCKS / PODS, &tokens),
+            BLOCKS,
+            BLOCKS * PODS / 2 + BLOCKS / 2,
+        ),
+        (
+            "2048 blocks, one depth (1024)",
+            fleet(|_| BLOCKS / 2, &tokens),
+            BLOCKS,
+            BLOCKS * PODS / 2,
+        ),
+        (
+            "1 block",
+            fleet(|i| (i + 1) * BLOCKS / PODS, &tokens),
+            1,
+            PODS,
+        ),
+    ];
+    for (name, ix, blocks, expect) in &cases {
+        let q = ScoreQuery {
+            model: "m",
+            tokens: &tokens[..blocks * BLOCK],
+            lora_name: None,
+            cache_salt: None,
+            pods: &[],
+        };
+        let matched: usize = ix
+            .score(&q)
+            .pods
+            .iter()
+            .map(|p| p.matched.matched_blocks as usize)
+            .sum();
+        assert_eq!(matched, *expect, "{name}: wrong answer");
+        let (med, p90) = measure(budget, || {
+            black_box(ix.score(black_box(&q)));
+        });
+        let keys = ix.request_keys("m", None, None, q.tokens, BLOCK as u32);
+        let (kmed, _) = measure(budget, || {
+            black_box(ix.request_keys("m", None, None, black_box(q.tokens), BLOCK as u32));
+        });
+        let (mmed, _) = measure(budget, || {
+            black_box(ix.prefix_matches("m", black_box(&keys)));
+        });
+        println!(
+            "  {name:<34} {:>8.1} us ({:>8.1})   keys {:>6.1} us, search {:>6.1} us",
+            med.as_secs_f64() * 1e6,
+            p90.as_secs_f64() * 1e6,
+            kmed.as_secs_f64() * 1e6,
+            mmed.as_secs_f64() * 1e6,
+        );
+    }
+}
