@@ -36,9 +36,12 @@ use zeromq::{Socket, SocketSend, ZmqMessage};
 const MODEL: &str = "bench/model";
 const TEXT_MODEL: &str = "bench/qwen3";
 const BLOCK: usize = 16;
+const PARTS: [&str; 3] = ["ingest", "score", "text"];
 
 struct Opts {
     quick: bool,
+    /// Parts to run (`ingest`, `score`, `text`); all when empty.
+    only: Vec<String>,
     grpc: Option<String>,
     zmq: Option<String>,
     metrics: Option<String>,
@@ -48,6 +51,7 @@ struct Opts {
 fn opts() -> Opts {
     let mut o = Opts {
         quick: false,
+        only: Vec::new(),
         grpc: None,
         zmq: None,
         metrics: None,
@@ -57,6 +61,18 @@ fn opts() -> Opts {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--quick" => o.quick = true,
+            "--only" => {
+                o.only = args
+                    .next()
+                    .unwrap_or_default()
+                    .split(',')
+                    .map(str::to_string)
+                    .collect();
+                if let Some(bad) = o.only.iter().find(|p| !PARTS.contains(&p.as_str())) {
+                    eprintln!("--only: unknown part {bad:?} (parts: {})", PARTS.join(","));
+                    std::process::exit(2);
+                }
+            }
             "--grpc" => o.grpc = args.next(),
             "--zmq" => o.zmq = args.next(),
             "--metrics" => o.metrics = args.next(),
@@ -64,7 +80,7 @@ fn opts() -> Opts {
             "--bench" => {}
             "-h" | "--help" => {
                 println!(
-                    "kv-indexer-bench [--quick] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR]\n\
+                    "kv-indexer-bench [--quick] [--only ingest,score,text] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR]\n\
                      Without --grpc/--zmq it starts the kv-indexer binary next to it. A running\n\
                      service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs."
                 );
@@ -748,13 +764,23 @@ fn main() {
         };
         let mut client = connect(&grpc).await;
         let started = Instant::now();
-        let ingest = ingest(&zmq, &mut client, o.quick).await;
-        let score = score_tokens(&grpc, &zmq, metrics.as_deref(), &mut client, o.quick).await;
-        let text = score_text(&mut client, o.quick).await;
+        let runs = |part: &str| o.only.is_empty() || o.only.iter().any(|p| p == part);
+        let mut ingest_rows = Vec::new();
+        if runs("ingest") {
+            ingest_rows = ingest(&zmq, &mut client, o.quick).await;
+        }
+        let mut score = Value::Null;
+        if runs("score") {
+            score = score_tokens(&grpc, &zmq, metrics.as_deref(), &mut client, o.quick).await;
+        }
+        let mut text = Value::Null;
+        if runs("text") {
+            text = score_text(&mut client, o.quick).await;
+        }
         let out = json!({
             "mode": if o.quick { "quick" } else { "full" },
             "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
-            "ingest": ingest,
+            "ingest": ingest_rows,
             "score_token_ids": score,
             "score_text": text,
             "seconds": started.elapsed().as_secs_f64(),
