@@ -1,6 +1,6 @@
-//! Repeated timing for the benches that print medians: `keys` here and the
-//! service's `decode`, which includes this file by path (there is no bench
-//! crate both depend on).
+//! Repeated timing for the benches that print medians: `keys` and `score`
+//! here and the service's `decode`, which includes this file by path (there
+//! is no bench crate they all depend on).
 
 use std::time::{Duration, Instant};
 
