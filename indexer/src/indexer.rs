@@ -586,14 +586,14 @@ impl Indexer {
         // Pods of one model may run different block sizes: chunk per size.
         let mut by_size: BTreeMap<u32, Vec<(PodId, usize)>> = BTreeMap::new();
         let mut scores: Vec<PodScore> = Vec::with_capacity(candidates.len());
-        for (pos, (name, pod)) in candidates.iter().enumerate() {
+        for (pos, (name, pod)) in candidates.into_iter().enumerate() {
             let bs = self.pod_block_size(pod.as_deref(), q.model);
             let total = (q.tokens.len() / bs as usize) as u32;
             let incomplete = pod
                 .as_ref()
                 .is_some_and(|p| p.incomplete.load(Ordering::Relaxed));
             scores.push(PodScore {
-                pod: name.clone(),
+                pod: name,
                 matched: PrefixMatch::default(),
                 score: 0.0,
                 block_size: bs,
