@@ -747,6 +747,7 @@ impl PodState {
             let tier = Tier::ALL[i];
             match held.links.holds(tier) {
                 false => 0,
+                true if self.extra.is_empty() => 1,
                 true => 1 + self.extra.get(&(hash, tier)).copied().unwrap_or(0),
             }
         })
