@@ -492,6 +492,38 @@ async fn score_at_rate(
     (lat, achieved)
 }
 
+/// One Score step at one rate.
+struct Step {
+    achieved: f64,
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    /// Mean time inside the service's Score handler over the step.
+    service_us: Option<f64>,
+}
+
+async fn score_step(
+    channels: &[Channel],
+    encoded: &bytes::Bytes,
+    metrics: Option<&str>,
+    rate: f64,
+    seconds: f64,
+) -> Step {
+    let before = server_score_time(metrics);
+    let (lat, achieved) = score_at_rate(channels, encoded.clone(), rate, seconds).await;
+    let service_us = match (before, server_score_time(metrics)) {
+        (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) / (n1 - n0) * 1e6),
+        _ => None,
+    };
+    Step {
+        achieved,
+        p50: percentile(&lat, 0.5),
+        p99: percentile(&lat, 0.99),
+        p999: percentile(&lat, 0.999),
+        service_us,
+    }
+}
+
 async fn score_tokens(
     grpc: &str,
     zmq: &str,
@@ -568,35 +600,43 @@ async fn score_tokens(
         );
     }
     let encoded = bytes::Bytes::from(prost::Message::encode_to_vec(&*request));
-    let seconds = if quick { 1.0 } else { 3.0 };
+    let (seconds, repeats) = if quick { (1.0, 1) } else { (3.0, 3) };
     // Warm up connections and the service.
     let _ = score_at_rate(&channels, encoded.clone(), 200.0, 0.5).await;
-    println!("\nScore, token ids: 2048 blocks (32768 tokens), 64 pods, 8 connections, open loop");
     println!(
-        "{:>10} {:>10} {:>10} {:>10} {:>10} {:>12}",
-        "offered/s", "achieved/s", "p50 us", "p99 us", "p999 us", "service us"
+        "\nScore, token ids: 2048 blocks (32768 tokens), 64 pods, 8 connections, open loop; \
+         per rate the run with the median p99 of {repeats}"
+    );
+    println!(
+        "{:>10} {:>10} {:>10} {:>10} {:>10} {:>12} {:>16}",
+        "offered/s", "achieved/s", "p50 us", "p99 us", "p999 us", "service us", "p99 of runs us"
     );
     let mut rows = Vec::new();
     let mut best_within_1ms: Option<f64> = None;
     for rate in [250.0, 500.0, 1000.0, 2000.0, 3000.0, 4000.0, 6000.0, 8000.0] {
-        let before = server_score_time(metrics);
-        let (lat, achieved) = score_at_rate(&channels, encoded.clone(), rate, seconds).await;
-        // Mean time inside the service's Score handler over this step.
-        let service_us = match (before, server_score_time(metrics)) {
-            (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) / (n1 - n0) * 1e6),
-            _ => None,
-        };
-        let (p50, p99, p999) = (
-            percentile(&lat, 0.5),
-            percentile(&lat, 0.99),
-            percentile(&lat, 0.999),
-        );
+        // Each rate `repeats` times back to back; the run with the median
+        // p99 is reported whole (the machine's load drifts between runs).
+        let mut runs = Vec::new();
+        for _ in 0..repeats {
+            runs.push(score_step(&channels, &encoded, metrics, rate, seconds).await);
+        }
+        runs.sort_by(|a, b| a.p99.total_cmp(&b.p99));
+        let p99_runs: Vec<f64> = runs.iter().map(|r| r.p99).collect();
+        let Step {
+            achieved,
+            p50,
+            p99,
+            p999,
+            service_us,
+        } = runs.swap_remove(runs.len() / 2);
         println!(
-            "{rate:>10.0} {achieved:>10.0} {p50:>10.0} {p99:>10.0} {p999:>10.0} {:>12}",
-            service_us.map_or("-".to_string(), |u| format!("{u:.0}"))
+            "{rate:>10.0} {achieved:>10.0} {p50:>10.0} {p99:>10.0} {p999:>10.0} {:>12} {:>16}",
+            service_us.map_or("-".to_string(), |u| format!("{u:.0}")),
+            format!("{:.0}-{:.0}", p99_runs[0], p99_runs[p99_runs.len() - 1]),
         );
         rows.push(json!({"offered_per_s": rate, "achieved_per_s": achieved,
-            "p50_us": p50, "p99_us": p99, "p999_us": p999, "service_mean_us": service_us}));
+            "p50_us": p50, "p99_us": p99, "p999_us": p999, "service_mean_us": service_us,
+            "p99_us_runs": p99_runs}));
         if p99 <= 1000.0 && achieved >= 0.95 * rate {
             best_within_1ms = Some(rate);
         }
