@@ -300,11 +300,14 @@ impl PodState {
             let mut parent = ev.parent_block_hash;
             for hash in &ev.block_hashes {
                 let linked_to = parent.replace(*hash);
-                if engine.is_none() && !self.by_hash.contains_key(hash) {
+                let held = self.by_hash.contains_key(hash);
+                if engine.is_none() && !held {
                     stats.unkeyable_blocks += 1;
                     continue;
                 }
-                self.store_block(*hash, BlockKey(hash.0), linked_to, tier);
+                // Usually a new tier for a held block: linked only if new.
+                let link = linked_to.filter(|_| !held).map(|p| self.link_to(p));
+                self.store_block(*hash, BlockKey(hash.0), link, tier, false);
                 stats.stored_blocks += 1;
             }
             return;
@@ -321,10 +324,9 @@ impl PodState {
 
         if let Some(engine) = engine {
             self.self_check(ev, block_size, engine, stats);
-            let mut parent = ev.parent_block_hash;
-            for hash in &ev.block_hashes {
-                let linked_to = parent.replace(*hash);
-                self.store_block(*hash, BlockKey(hash.0), linked_to, tier);
+            let mut link = ev.parent_block_hash.map(|p| self.link_to(p));
+            for (i, hash) in ev.block_hashes.iter().enumerate() {
+                link = self.store_block(*hash, BlockKey(hash.0), link, tier, i + 1 < n);
                 stats.stored_blocks += 1;
             }
             return;
@@ -358,6 +360,7 @@ impl PodState {
                 }
             },
         };
+        let mut link = ev.parent_block_hash.map(|p| self.link_to(p));
         for (i, (hash, tokens)) in ev
             .block_hashes
             .iter()
@@ -370,11 +373,7 @@ impl PodState {
                 key = fold_extras(key, &extras_of(i));
             }
             prev = key.0;
-            let linked_to = match i {
-                0 => ev.parent_block_hash,
-                _ => Some(ev.block_hashes[i - 1]),
-            };
-            self.store_block(*hash, key, linked_to, tier);
+            link = self.store_block(*hash, key, link, tier, i + 1 < n);
             stats.stored_blocks += 1;
         }
     }
@@ -651,34 +650,38 @@ impl PodState {
         }
     }
 
-    /// One store of `hash` on `tier`: its entry (created, and linked to
-    /// `parent`, if new; `key` is only used then), one more count, a new
-    /// store stamp.
+    /// One store of `hash` on `tier`: its entry (created, under `link`, if
+    /// new; `key` is only used then), one more count, a new store stamp.
+    ///
+    /// One table lookup per block: a new block's link to its parent is made
+    /// before its own lookup (`link_to`), by the caller for an event's first
+    /// block and, for the rest, by the store of the block before, which
+    /// counts the next one as its child in advance when `has_next` and
+    /// returns that link. A block found already held takes its link back.
     fn store_block(
         &mut self,
         hash: EngineHash,
         key: BlockKey,
-        parent: Option<EngineHash>,
+        link: Option<Link>,
         tier: Tier,
-    ) {
+        has_next: bool,
+    ) -> Option<Link> {
         self.reserve_one();
         let stamp = self.tick();
-        // A new entry counts as its parent's child, or as an orphan.
-        let (born, parent_born) = if self.by_hash.contains_key(&hash) {
-            (0, None)
-        } else {
-            (self.next_born(), parent.map(|p| self.adopt(p)))
-        };
-        let held = self.by_hash.entry(hash).or_insert_with(|| {
-            let mut held = HeldBlock::new(key);
-            held.born = born;
-            if let (Some(p), Some(parent_born)) = (parent, parent_born) {
-                held.links.set_has_parent();
-                held.parent = p;
-                held.parent_born = parent_born;
+        let (held, new) = match self.by_hash.entry(hash) {
+            Entry::Occupied(e) => (e.into_mut(), false),
+            Entry::Vacant(v) => {
+                self.born_clock = self.born_clock.wrapping_add(1).max(1);
+                let mut held = HeldBlock::new(key);
+                held.born = self.born_clock;
+                if let Some(link) = link {
+                    held.links.set_has_parent();
+                    held.parent = link.parent;
+                    held.parent_born = link.born;
+                }
+                (v.insert(held), true)
             }
-            held
-        });
+        };
         if held.links.holds(tier) {
             let extra = self.extra.entry((hash, tier)).or_default();
             *extra = extra.saturating_add(1);
@@ -688,6 +691,12 @@ impl PodState {
             self.held_per_tier[tier.index()] += 1;
         }
         held.stamp = stamp;
+        let next = has_next.then(|| link_child(held, hash, &mut self.orphans));
+        if !new {
+            if let Some(link) = link {
+                self.unlink_advance(link);
+            }
+        }
         // Only a bounded index evicts: the rest never reads `order`.
         if self.half_full {
             self.order.push_back((hash, stamp));
@@ -695,6 +704,32 @@ impl PodState {
             // before they outnumber the live ones (O(1) amortised).
             if self.order.len() > 2 * self.by_hash.len() + 64 {
                 self.rebuild_order();
+            }
+        }
+        next
+    }
+
+    /// A link for a block about to be stored under `parent` (see `adopt`).
+    fn link_to(&mut self, parent: EngineHash) -> Link {
+        Link {
+            parent,
+            born: self.adopt(parent),
+        }
+    }
+
+    /// Takes back a link made in advance for a block that was held already.
+    fn unlink_advance(&mut self, link: Link) {
+        match self.by_hash.get_mut(&link.parent) {
+            Some(up) if link.born != 0 => {
+                debug_assert_eq!(up.born, link.born, "the parent changed meanwhile");
+                up.links.remove_child();
+            }
+            _ => {
+                debug_assert!(
+                    link.born == 0 && self.orphans > 0,
+                    "orphan count out of step"
+                );
+                self.orphans -= 1;
             }
         }
     }
@@ -831,6 +866,34 @@ impl PodState {
     }
 }
 
+/// A new block's link to its parent, made before the block's own lookup:
+/// the parent's `born` (the parent counts one more child), or 0 (the pod
+/// counts one more orphan). See `PodState::store_block`.
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    parent: EngineHash,
+    born: u32,
+}
+
+/// Counts one more child of `held` (stored as `hash`): the link for the
+/// block stored next under it, or, beyond any real pod's child counts, an
+/// orphan.
+fn link_child(held: &mut HeldBlock, hash: EngineHash, orphans: &mut u64) -> Link {
+    if held.links.children() < MAX_CHILDREN {
+        held.links.add_child();
+        Link {
+            parent: hash,
+            born: held.born,
+        }
+    } else {
+        *orphans += 1;
+        Link {
+            parent: hash,
+            born: 0,
+        }
+    }
+}
+
 /// Takes back one of the stores of `hash` on `tier` beyond the first, if
 /// there are any (then the tier stays held).
 fn drop_extra(extra: &mut HashMap<(EngineHash, Tier), u32>, hash: EngineHash, tier: Tier) -> bool {
@@ -901,6 +964,7 @@ fn non_lora_extras(extras: &[ExtraKey], lora: Option<&str>, lora_id: Option<i64>
 mod tests {
     use super::*;
     use crate::keys::{prompt_keys, request_root_seed};
+    use crate::scheme::KeySchemes;
 
     const BS: usize = 4;
 
@@ -1001,6 +1065,71 @@ mod tests {
             pod.store_t(&index, &store(&[5], None, &tokens(4, 50)), &mut stats);
         }
         assert!(pod.order.len() <= 2 * pod.entries() + 64);
+    }
+
+    /// Children and orphans counted from scratch: what `adopt`, the links
+    /// made in advance and `unlink` must keep.
+    fn recount(pod: &PodState) -> (u64, HashMap<EngineHash, u32>) {
+        let mut orphans = 0;
+        let mut children: HashMap<EngineHash, u32> = HashMap::new();
+        for held in pod.by_hash.values() {
+            if !held.links.has_parent() {
+                continue;
+            }
+            match pod.by_hash.get(&held.parent) {
+                Some(up) if held.parent_born != 0 && up.born == held.parent_born => {
+                    *children.entry(held.parent).or_default() += 1;
+                }
+                _ => orphans += 1,
+            }
+        }
+        (orphans, children)
+    }
+
+    #[test]
+    fn child_and_orphan_counts_stay_exact_under_random_events() {
+        let index = BlockIndex::new();
+        let mut rnd = crate::test_rng::xorshift(0x5eed_0fc4_11d5);
+        let engine = crate::engine_hash::EngineHasher::new(
+            crate::engine_hash::HashAlgo::Sha256,
+            crate::engine_hash::DEFAULT_SEED,
+            crate::engine_hash::ExtraKeyStyle::Tagged,
+        );
+        let engine = KeySchemes::engine(engine, false, 0).default;
+        for mode in [KeyMode::Token, engine] {
+            let mut pod = PodState::new(PodId(0), "m");
+            let mut stats = ApplyStats::default();
+            for step in 0..3000 {
+                // A small hash space: re-stores, repeats within an event,
+                // blocks that are their own parent, unknown parents.
+                let n = 1 + rnd(6) as usize;
+                let hashes: Vec<u64> = (0..n).map(|_| 1 + rnd(40)).collect();
+                match rnd(10) {
+                    0..=5 => {
+                        let parent = (rnd(3) > 0).then(|| 1 + rnd(40));
+                        let mut ev = store(&hashes, parent, &tokens(n * BS, rnd(3) as u32));
+                        if rnd(8) == 0 {
+                            ev.token_ids.clear();
+                            ev.medium = Some("CPU".into());
+                        }
+                        pod.store(&index, &ev, &mode, &mut stats);
+                    }
+                    6..=8 => pod.remove(&index, &removed(&hashes), &mut stats),
+                    _ if rnd(20) == 0 => pod.clear(&index, &mut stats),
+                    _ => {}
+                }
+                let (orphans, children) = recount(&pod);
+                assert_eq!(pod.orphans, orphans, "step {step}");
+                for (hash, held) in &pod.by_hash {
+                    let want = children.get(hash).copied().unwrap_or(0);
+                    assert_eq!(held.links.children(), want, "step {step}, block {hash:?}");
+                }
+            }
+            assert!(
+                stats.stored_blocks > 1000 && stats.removed_blocks > 500,
+                "{stats:?}"
+            );
+        }
     }
 
     #[test]
