@@ -421,6 +421,10 @@ fn main() {
         smoke();
         return;
     }
+    if args.iter().any(|a| a == "--profile-apply") {
+        profile_apply();
+        return;
+    }
     let plan = Plan {
         find_rounds: if quick { 2 } else { 5 },
         passes: 3,
@@ -489,6 +493,50 @@ fn main() {
     );
     if !agree {
         std::process::exit(1);
+    }
+}
+
+/// `--profile-apply`: one apply pass per indexer on the quick traces and
+/// nothing else (no fills, finds or mixed passes), for a profiler run that
+/// should see applying alone, e.g. `valgrind --tool=callgrind
+/// --cache-sim=yes --toggle-collect='compare::apply_pass*'` (`COMPARE_ONLY`,
+/// `COMPARE_PODS=16` or `128` and `COMPARE_INPUT=pre-hashed` or `token ids`
+/// narrow it down).
+fn profile_apply() {
+    let only = std::env::var("COMPARE_ONLY").ok();
+    let pods_only: Option<usize> = std::env::var("COMPARE_PODS")
+        .ok()
+        .and_then(|p| p.parse().ok());
+    let input_only = std::env::var("COMPARE_INPUT").ok();
+    for (pods, capacity, target) in [(16usize, 30_000usize, 700_000u64), (128, 9_000, 1_400_000)] {
+        if pods_only.is_some_and(|p| p != pods) {
+            continue;
+        }
+        let trace = Trace::generate(Params {
+            pods,
+            target_stored: target,
+            capacity,
+            queries_per_size: 1,
+            seed: 0x6b76_2d69_6e64 + pods as u64,
+        });
+        for input in [Input::PreHashed, Input::Tokens] {
+            if input_only.as_deref().is_some_and(|i| i != input.name()) {
+                continue;
+            }
+            let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
+            entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
+            for e in entries {
+                let rate = (e.apply)(&trace, input);
+                println!(
+                    "{} pods, {}, {}: {} block ops at {:.2} M/s",
+                    pods,
+                    input.name(),
+                    e.name,
+                    trace.block_ops(),
+                    rate / 1e6
+                );
+            }
+        }
     }
 }
 
