@@ -362,7 +362,17 @@ fn read_spinning(lock: &RwLock<Shard>) -> parking_lot::RwLockReadGuard<'_, Shard
 }
 
 fn take(shard: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
-    let holders = shard.holders.entry(key).or_default();
+    let holders = match shard.holders.entry(key) {
+        // The common case while caches fill: a key's first holder.
+        Entry::Vacant(v) => {
+            v.insert(Holders::from_buf_and_len(
+                [Holder::new(pod, tier); INLINE_HOLDERS],
+                1,
+            ));
+            return;
+        }
+        Entry::Occupied(o) => o.into_mut(),
+    };
     match holders.binary_search_by_key(&pod, |h| h.pod()) {
         Ok(i) if holders[i].tiers().contains(tier) => {
             let extra = &mut shard.extra.entry((key, pod)).or_default()[tier.index()];
