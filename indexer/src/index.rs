@@ -477,31 +477,25 @@ mod tests {
         let index = BlockIndex::new();
         for n in [5, COUNTING_MIN - 1, COUNTING_MIN, 3000] {
             let keys: Vec<BlockKey> = (0..n as u64).map(|k| BlockKey(k * 7 + 1)).collect();
-            let mut batch: Vec<Change> = keys
-                .iter()
-                .flat_map(|k| {
-                    [
-                        Change::acquire(*k, PodId(1), Tier::Gpu),
-                        Change::acquire(*k, PodId(0), Tier::Cpu),
-                    ]
-                })
-                .collect();
-            index.apply(&mut batch);
-            assert!(batch.is_empty());
+            // Two pods per key, on two tiers.
+            let batch = |change: fn(BlockKey, PodId, Tier) -> Change| -> Vec<Change> {
+                keys.iter()
+                    .flat_map(|k| {
+                        [
+                            change(*k, PodId(1), Tier::Gpu),
+                            change(*k, PodId(0), Tier::Cpu),
+                        ]
+                    })
+                    .collect()
+            };
+            let mut acquires = batch(Change::acquire);
+            index.apply(&mut acquires);
+            assert!(acquires.is_empty());
             assert_eq!(index.len(), n);
             for k in &keys {
                 assert_eq!(tiers_of(&index, *k), vec![(0, 0b010), (1, 0b001)], "{n}");
             }
-            let mut batch: Vec<Change> = keys
-                .iter()
-                .flat_map(|k| {
-                    [
-                        Change::release(*k, PodId(0), Tier::Cpu),
-                        Change::release(*k, PodId(1), Tier::Gpu),
-                    ]
-                })
-                .collect();
-            index.apply(&mut batch);
+            index.apply(&mut batch(Change::release));
             assert!(index.is_empty(), "{n}");
         }
         let mut grouped = Vec::new();
