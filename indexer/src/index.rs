@@ -170,8 +170,9 @@ const SHARD_BITS: u32 = 8;
 /// Most changes applied under one shard lock.
 const MAX_GROUP: usize = 32;
 
-/// Batches from this size on are grouped by counting: below it, zeroing and
-/// summing the per-shard table costs more than sorting.
+/// Batches from this size on are grouped by counting: for a few dozen
+/// changes, zeroing and summing the 256-entry table costs about what
+/// sorting them does.
 const COUNTING_MIN: usize = 64;
 
 /// A grouping buffer larger than this (a long document's event) is let go.
