@@ -237,22 +237,30 @@ impl PodState {
         self
     }
 
-    /// Room for one more entry, growing early when bounded: the table is
-    /// replaced by one twice the size whose every slot was touched once
-    /// (filled, then cleared: capacity stays, no tombstones), so its memory
-    /// is resident now rather than creeping in as churn reaches its pages.
+    /// Room for one more entry, growing early when bounded (see `grow`).
+    /// The check inline, the growth not: it runs on every stored block.
+    #[inline]
     fn reserve_one(&mut self) {
         if self.half_full && (self.by_hash.len() + 1) * 2 > self.by_hash.capacity() {
-            let mut fresh: HashMap<EngineHash, HeldBlock, BuildHasherDefault<KeyHasher>> =
-                HashMap::with_capacity_and_hasher(2 * self.by_hash.len() + 2, Default::default());
-            let filler = HeldBlock::new(BlockKey(0));
-            for i in 0..fresh.capacity() as u64 {
-                fresh.insert(EngineHash(i), filler);
-            }
-            fresh.clear();
-            fresh.extend(self.by_hash.drain());
-            self.by_hash = fresh;
+            self.grow();
         }
+    }
+
+    /// Replaces the table by one twice the size whose every slot was
+    /// touched once (filled, then cleared: capacity stays, no tombstones),
+    /// so its memory is resident now rather than creeping in as churn
+    /// reaches its pages.
+    #[cold]
+    fn grow(&mut self) {
+        let mut fresh: HashMap<EngineHash, HeldBlock, BuildHasherDefault<KeyHasher>> =
+            HashMap::with_capacity_and_hasher(2 * self.by_hash.len() + 2, Default::default());
+        let filler = HeldBlock::new(BlockKey(0));
+        for i in 0..fresh.capacity() as u64 {
+            fresh.insert(EngineHash(i), filler);
+        }
+        fresh.clear();
+        fresh.extend(self.by_hash.drain());
+        self.by_hash = fresh;
     }
 
     /// Block size learned from this pod's stores.
