@@ -15,6 +15,7 @@ use smallvec::SmallVec;
 
 use crate::event::{Tier, TIERS};
 use crate::keys::BlockKey;
+use crate::repeats::Repeats;
 
 /// Interned pod identity: an index into the indexer's pod table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -144,13 +145,12 @@ impl Change {
 /// One shard: holders per key, and the rare extra references. A pod holds a
 /// key on a tier once per engine hash of its that resolves to the key
 /// (normally one; more only when an engine distinguishes blocks our keys
-/// cannot, e.g. old wire forms without extra keys). The holder's tier bit
-/// stands for the first; `extra` counts the rest, so the bit is cleared
-/// only when the last one goes.
+/// cannot, e.g. old wire forms without extra keys): the holder's tier bit
+/// stands for the first, `extra` counts the rest.
 #[derive(Default)]
 struct Shard {
     holders: HashMap<BlockKey, Holders, KeyBuildHasher>,
-    extra: HashMap<(BlockKey, PodId), [u16; TIERS]>,
+    extra: Repeats<(BlockKey, PodId)>,
 }
 
 /// One shard's lock on its own cache line (readers of one shard do not
@@ -229,7 +229,7 @@ impl BlockIndex {
                             keys >> SHARD_BITS,
                             KeyBuildHasher::default(),
                         ),
-                        extra: HashMap::new(),
+                        extra: Repeats::default(),
                     }))
                 })
                 .collect(),
@@ -375,10 +375,7 @@ fn take(shard: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
         Entry::Occupied(o) => o.into_mut(),
     };
     match holders.binary_search_by_key(&pod, |h| h.pod()) {
-        Ok(i) if holders[i].tiers().contains(tier) => {
-            let extra = &mut shard.extra.entry((key, pod)).or_default()[tier.index()];
-            *extra = extra.saturating_add(1);
-        }
+        Ok(i) if holders[i].tiers().contains(tier) => shard.extra.add((key, pod), tier),
         Ok(i) => holders[i] = holders[i].with(tier),
         Err(i) => holders.insert(i, Holder::new(pod, tier)),
     }
@@ -395,17 +392,8 @@ fn drop_ref(shard: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
     if !holders[i].tiers().contains(tier) {
         return;
     }
-    if !shard.extra.is_empty() {
-        if let Entry::Occupied(mut extra) = shard.extra.entry((key, pod)) {
-            let n = &mut extra.get_mut()[tier.index()];
-            if *n > 0 {
-                *n -= 1;
-                if extra.get().iter().all(|n| *n == 0) {
-                    extra.remove();
-                }
-                return;
-            }
-        }
+    if shard.extra.take((key, pod), tier) {
+        return;
     }
     holders[i] = holders[i].without(tier);
     if holders[i].tiers().is_empty() {

@@ -11,6 +11,7 @@ pub mod index;
 mod indexer;
 pub mod keys;
 pub mod pod;
+pub mod repeats;
 pub mod scheme;
 pub mod score;
 pub mod snapshot;

@@ -22,6 +22,7 @@ use crate::event::{
 };
 use crate::index::{BlockIndex, Change, KeyHasher, PodId};
 use crate::keys::{chain, fold_extras, BlockKey, KeyScope};
+use crate::repeats::Repeats;
 use crate::scheme::{EngineKeys, KeyMode};
 use crate::snapshot::SnapshotBlock;
 
@@ -176,9 +177,8 @@ pub struct PodState {
     /// Engine mode: stores eligible for the hash self-check seen so far.
     checkable_stores: u64,
     check_buf: Vec<u8>,
-    /// Stores of a hash on a tier it already holds: how many beyond the
-    /// first (rare; see `Links`).
-    extra: HashMap<(EngineHash, Tier), u32>,
+    /// Stores of a hash on a tier it already holds, beyond the first.
+    extra: Repeats<EngineHash>,
     /// Store clock, and (hash, stamp) in store order for eviction. An
     /// entry whose stamp no longer matches was re-stored or removed since:
     /// skipped, and compacted away when they pile up.
@@ -214,7 +214,7 @@ impl PodState {
             held_per_tier: [0; TIERS],
             checkable_stores: 0,
             check_buf: Vec::new(),
-            extra: HashMap::new(),
+            extra: Repeats::default(),
             clock: 0,
             order: VecDeque::new(),
             half_full: false,
@@ -412,7 +412,7 @@ impl PodState {
                 continue;
             }
             stats.removed_blocks += 1;
-            if drop_extra(&mut self.extra, *hash, tier) {
+            if self.extra.take(*hash, tier) {
                 continue;
             }
             held.links.release(tier);
@@ -490,9 +490,7 @@ impl PodState {
                 let count = counts[tier.index()];
                 if count > 0 {
                     held.links.hold(tier);
-                    if count > 1 {
-                        self.extra.insert((EngineHash(*hash), tier), count - 1);
-                    }
+                    self.extra.set(EngineHash(*hash), tier, count - 1);
                     self.pending
                         .push(Change::acquire(BlockKey(*key), self.id, tier));
                     self.held_per_tier[tier.index()] += 1;
@@ -550,7 +548,7 @@ impl PodState {
             if let Some(held) = self.forget(hash) {
                 for tier in Tier::ALL {
                     if held.links.holds(tier) {
-                        self.extra.remove(&(hash, tier));
+                        self.extra.forget(hash, tier);
                         self.pending.push(Change::release(held.key, self.id, tier));
                         self.held_per_tier[tier.index()] -= 1;
                     }
@@ -690,8 +688,7 @@ impl PodState {
             }
         };
         if held.links.holds(tier) {
-            let extra = self.extra.entry((hash, tier)).or_default();
-            *extra = extra.saturating_add(1);
+            self.extra.add(hash, tier);
         } else {
             held.links.hold(tier);
             self.pending.push(Change::acquire(held.key, self.id, tier));
@@ -789,8 +786,7 @@ impl PodState {
             let tier = Tier::ALL[i];
             match held.links.holds(tier) {
                 false => 0,
-                true if self.extra.is_empty() => 1,
-                true => 1 + self.extra.get(&(hash, tier)).copied().unwrap_or(0),
+                true => 1 + self.extra.count(hash, tier),
             }
         })
     }
@@ -901,22 +897,6 @@ fn link_child(held: &mut HeldBlock, hash: EngineHash, orphans: &mut u64) -> Link
             born: 0,
         }
     }
-}
-
-/// Takes back one of the stores of `hash` on `tier` beyond the first, if
-/// there are any (then the tier stays held).
-fn drop_extra(extra: &mut HashMap<(EngineHash, Tier), u32>, hash: EngineHash, tier: Tier) -> bool {
-    if extra.is_empty() {
-        return false;
-    }
-    let Entry::Occupied(mut n) = extra.entry((hash, tier)) else {
-        return false;
-    };
-    *n.get_mut() -= 1;
-    if *n.get() == 0 {
-        n.remove();
-    }
-    true
 }
 
 /// The LoRA adapter a store names: `lora_name`, else a tagged
