@@ -413,6 +413,40 @@ fn print_run(run: &Run) {
     );
 }
 
+/// The two simulated fleets every run measures.
+struct Fleet {
+    pods: usize,
+    /// Blocks each pod's cache holds.
+    capacity: usize,
+    /// Blocks stored over the trace, quick and full.
+    stored: (u64, u64),
+}
+
+const FLEETS: [Fleet; 2] = [
+    Fleet {
+        pods: 16,
+        capacity: 30_000,
+        stored: (700_000, 2_000_000),
+    },
+    Fleet {
+        pods: 128,
+        capacity: 9_000,
+        stored: (1_400_000, 4_000_000),
+    },
+];
+
+impl Fleet {
+    fn trace(&self, quick: bool, queries_per_size: usize) -> Trace {
+        Trace::generate(Params {
+            pods: self.pods,
+            target_stored: if quick { self.stored.0 } else { self.stored.1 },
+            capacity: self.capacity,
+            queries_per_size,
+            seed: 0x6b76_2d69_6e64 + self.pods as u64,
+        })
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let benching = args.iter().any(|a| a == "--bench");
@@ -432,22 +466,10 @@ fn main() {
     };
     let started = Instant::now();
     let mut runs = Vec::new();
-    for (pods, capacity, target) in [
-        (
-            16usize,
-            30_000usize,
-            if quick { 700_000u64 } else { 2_000_000 },
-        ),
-        (128, 9_000, if quick { 1_400_000 } else { 4_000_000 }),
-    ] {
+    for fleet in FLEETS {
         let t = Instant::now();
-        let trace = Trace::generate(Params {
-            pods,
-            target_stored: target,
-            capacity,
-            queries_per_size: if quick { 40 } else { 100 },
-            seed: 0x6b76_2d69_6e64 + pods as u64,
-        });
+        let trace = fleet.trace(quick, if quick { 40 } else { 100 });
+        let pods = fleet.pods;
         let trace_stats = json!({
             "batches": trace.batches.len(),
             "stored_blocks": trace.stored_blocks,
@@ -508,17 +530,12 @@ fn profile_apply() {
         .ok()
         .and_then(|p| p.parse().ok());
     let input_only = std::env::var("COMPARE_INPUT").ok();
-    for (pods, capacity, target) in [(16usize, 30_000usize, 700_000u64), (128, 9_000, 1_400_000)] {
+    for fleet in FLEETS {
+        let pods = fleet.pods;
         if pods_only.is_some_and(|p| p != pods) {
             continue;
         }
-        let trace = Trace::generate(Params {
-            pods,
-            target_stored: target,
-            capacity,
-            queries_per_size: 1,
-            seed: 0x6b76_2d69_6e64 + pods as u64,
-        });
+        let trace = fleet.trace(true, 1);
         for input in [Input::PreHashed, Input::Tokens] {
             if input_only.as_deref().is_some_and(|i| i != input.name()) {
                 continue;
