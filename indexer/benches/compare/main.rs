@@ -459,6 +459,10 @@ fn main() {
         profile_apply();
         return;
     }
+    if args.iter().any(|a| a == "--profile-find") {
+        profile_find();
+        return;
+    }
     let plan = Plan {
         find_rounds: if quick { 2 } else { 5 },
         passes: 3,
@@ -555,6 +559,60 @@ fn profile_apply() {
             }
         }
     }
+}
+
+/// `--profile-find`: each indexer filled with the quick trace, then its
+/// query set of each size answered `FIND_PASSES` times and nothing else
+/// timed, for `valgrind --tool=callgrind --toggle-collect='compare::find_pass*'`
+/// (the same filters as `--profile-apply`, and `COMPARE_SIZE=128`, `2048`
+/// or `8192`). The first pass warms the caches, as in the timed rounds.
+fn profile_find() {
+    const FIND_PASSES: usize = 20;
+    let only = std::env::var("COMPARE_ONLY").ok();
+    let env_num = |name: &str| -> Option<usize> { std::env::var(name).ok()?.parse().ok() };
+    let input_only = std::env::var("COMPARE_INPUT").ok();
+    for fleet in FLEETS {
+        if env_num("COMPARE_PODS").is_some_and(|p| p != fleet.pods) {
+            continue;
+        }
+        let trace = fleet.trace(true, 40);
+        for input in [Input::PreHashed, Input::Tokens] {
+            if input_only.as_deref().is_some_and(|i| i != input.name()) {
+                continue;
+            }
+            let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
+            entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
+            for e in entries {
+                let filled = (e.fill)(&trace, input, &mut Measured::default());
+                for (si, size) in SIZES.iter().enumerate() {
+                    if env_num("COMPARE_SIZE").is_some_and(|s| s != *size) {
+                        continue;
+                    }
+                    for q in 0..filled.queries(si) {
+                        filled.time_find(si, q);
+                    }
+                    let finds: usize = (1..FIND_PASSES)
+                        .map(|_| find_pass(filled.as_ref(), si))
+                        .sum();
+                    println!(
+                        "{} pods, {}, {}, {size} blocks: {finds} finds profiled",
+                        fleet.pods,
+                        input.name(),
+                        e.name,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// One pass over a query set (`--profile-find`); returns the finds made.
+#[inline(never)]
+fn find_pass(filled: &dyn Filled, size: usize) -> usize {
+    for q in 0..filled.queries(size) {
+        filled.time_find(size, q);
+    }
+    filled.queries(size)
 }
 
 /// `cargo test --all-targets`: every indexer on a tiny trace, answers only.
