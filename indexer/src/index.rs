@@ -6,10 +6,9 @@
 //! cheap lives in `pod`; this module only knows keys and holders.
 
 use std::cell::RefCell;
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
+use hashbrown::hash_table::{Entry, HashTable};
 use parking_lot::RwLock;
 use smallvec::SmallVec;
 
@@ -112,25 +111,34 @@ impl Hasher for KeyHasher {
 
 pub type KeyBuildHasher = BuildHasherDefault<KeyHasher>;
 
+/// A key as the shared table holds it: mixed by `KeyHasher`'s finalizer.
+/// Each of its steps (`x ^= x >> 33`, a multiply by an odd constant) can be
+/// undone, so the mixed word names the key as uniquely as the key does, and
+/// it is also the key's hash: a change carries one word for both, and a
+/// probe hashes once.
+#[inline]
+fn mixed(key: BlockKey) -> u64 {
+    KeyBuildHasher::default().hash_one(key)
+}
+
 /// One reference of a pod on a key and tier, taken or dropped: what a pod's
 /// event turns into, applied to the index in one batch.
 #[derive(Clone, Copy, Debug)]
 pub struct Change {
-    pub key: BlockKey,
-    pub pod: PodId,
-    pub tier: Tier,
-    pub acquire: bool,
-    shard: u16,
+    /// `mixed(key)`.
+    key: u64,
+    pod: PodId,
+    tier: Tier,
+    acquire: bool,
 }
 
 impl Change {
     pub fn acquire(key: BlockKey, pod: PodId, tier: Tier) -> Change {
         Change {
-            key,
+            key: mixed(key),
             pod,
             tier,
             acquire: true,
-            shard: 0,
         }
     }
 
@@ -149,8 +157,9 @@ impl Change {
 /// stands for the first, `extra` counts the rest.
 #[derive(Default)]
 struct Shard {
-    holders: HashMap<BlockKey, Holders, KeyBuildHasher>,
-    extra: Repeats<(BlockKey, PodId)>,
+    /// (mixed key, holders)
+    holders: HashTable<(u64, Holders)>,
+    extra: Repeats<(u64, PodId)>,
 }
 
 /// One shard's lock on its own cache line (readers of one shard do not
@@ -188,7 +197,7 @@ thread_local! {
 fn group_by_shard(changes: &[Change], out: &mut Vec<Change>) {
     let mut next = [0u32; 1 << SHARD_BITS];
     for c in changes {
-        next[c.shard as usize] += 1;
+        next[shard_of(c.key)] += 1;
     }
     let mut at = 0;
     for n in next.iter_mut() {
@@ -199,7 +208,7 @@ fn group_by_shard(changes: &[Change], out: &mut Vec<Change>) {
     out.clear();
     out.resize(changes.len(), changes[0]);
     for c in changes {
-        let slot = &mut next[c.shard as usize];
+        let slot = &mut next[shard_of(c.key)];
         out[*slot as usize] = *c;
         *slot += 1;
     }
@@ -225,10 +234,7 @@ impl BlockIndex {
             shards: (0..1usize << SHARD_BITS)
                 .map(|_| {
                     Padded(RwLock::new(Shard {
-                        holders: HashMap::with_capacity_and_hasher(
-                            keys >> SHARD_BITS,
-                            KeyBuildHasher::default(),
-                        ),
+                        holders: HashTable::with_capacity(keys >> SHARD_BITS),
                         extra: Repeats::default(),
                     }))
                 })
@@ -244,22 +250,19 @@ impl BlockIndex {
         Self::with_capacity(max_keys.saturating_mul(2))
     }
 
-    /// The shard of `key`: hash bits below the top 7, which the shard's
-    /// own table uses for its control bytes.
-    fn shard(&self, key: BlockKey) -> usize {
-        let hash = KeyBuildHasher::default().hash_one(key);
-        ((hash << 7) >> (64 - SHARD_BITS)) as usize
+    fn shard(&self, key: u64) -> &RwLock<Shard> {
+        &self.shards[shard_of(key)].0
     }
 
     /// Records one more reference of `pod` holding `key` on `tier`.
     pub fn acquire(&self, key: BlockKey, pod: PodId, tier: Tier) {
-        take(&mut self.shards[self.shard(key)].0.write(), key, pod, tier);
+        self.change(Change::acquire(key, pod, tier));
     }
 
     /// Drops one reference; forgets the holder, and the key, once
     /// unreferenced.
     pub fn release(&self, key: BlockKey, pod: PodId, tier: Tier) {
-        drop_ref(&mut self.shards[self.shard(key)].0.write(), key, pod, tier);
+        self.change(Change::release(key, pod, tier));
     }
 
     /// Applies `changes` (emptying it), taking each shard's lock once.
@@ -280,9 +283,6 @@ impl BlockIndex {
             }
             return;
         }
-        for c in changes.iter_mut() {
-            c.shard = self.shard(c.key) as u16;
-        }
         if changes.len() >= COUNTING_MIN {
             let counted = GROUPED.with(|cell| {
                 let Ok(mut grouped) = cell.try_borrow_mut() else {
@@ -300,7 +300,7 @@ impl BlockIndex {
                 return;
             }
         }
-        changes.sort_unstable_by_key(|c| c.shard);
+        changes.sort_unstable_by_key(|c| shard_of(c.key));
         self.apply_grouped(changes);
         changes.clear();
     }
@@ -310,32 +310,28 @@ impl BlockIndex {
         // Bounded groups: a reader waits out one group, never a whole
         // 8K-block document.
         for group in changes
-            .chunk_by(|a, b| a.shard == b.shard)
+            .chunk_by(|a, b| shard_of(a.key) == shard_of(b.key))
             .flat_map(|g| g.chunks(MAX_GROUP))
         {
-            let mut map = self.shards[group[0].shard as usize].0.write();
+            let mut map = self.shard(group[0].key).write();
             for c in group {
-                if c.acquire {
-                    take(&mut map, c.key, c.pod, c.tier);
-                } else {
-                    drop_ref(&mut map, c.key, c.pod, c.tier);
-                }
+                map.change(c);
             }
         }
     }
 
     fn change(&self, c: Change) {
-        if c.acquire {
-            self.acquire(c.key, c.pod, c.tier);
-        } else {
-            self.release(c.key, c.pod, c.tier);
-        }
+        self.shard(c.key).write().change(&c);
     }
 
     /// Runs `f` on the holders of `key` (`None` if nobody holds it).
     pub fn with_holders<R>(&self, key: BlockKey, f: impl FnOnce(Option<&[Holder]>) -> R) -> R {
-        let shard = read_spinning(&self.shards[self.shard(key)].0);
-        f(shard.holders.get(&key).map(|h| h.as_slice()))
+        let key = mixed(key);
+        let shard = read_spinning(self.shard(key));
+        f(shard
+            .holders
+            .find(key, |(k, _)| *k == key)
+            .map(|(_, h)| h.as_slice()))
     }
 
     /// Number of distinct keys held by at least one pod.
@@ -362,45 +358,60 @@ fn read_spinning(lock: &RwLock<Shard>) -> parking_lot::RwLockReadGuard<'_, Shard
     lock.read()
 }
 
-fn take(shard: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
-    let holders = match shard.holders.entry(key) {
-        // The common case while caches fill: a key's first holder.
-        Entry::Vacant(v) => {
-            v.insert(Holders::from_buf_and_len(
-                [Holder::new(pod, tier); INLINE_HOLDERS],
-                1,
-            ));
-            return;
-        }
-        Entry::Occupied(o) => o.into_mut(),
-    };
-    match holders.binary_search_by_key(&pod, |h| h.pod()) {
-        Ok(i) if holders[i].tiers().contains(tier) => shard.extra.add((key, pod), tier),
-        Ok(i) => holders[i] = holders[i].with(tier),
-        Err(i) => holders.insert(i, Holder::new(pod, tier)),
-    }
+/// The shard of a key's hash: the bits below the top 7, which the shard's
+/// own table uses for its control bytes.
+fn shard_of(hash: u64) -> usize {
+    ((hash << 7) >> (64 - SHARD_BITS)) as usize
 }
 
-fn drop_ref(shard: &mut Shard, key: BlockKey, pod: PodId, tier: Tier) {
-    let Entry::Occupied(mut entry) = shard.holders.entry(key) else {
-        return;
-    };
-    let holders = entry.get_mut();
-    let Ok(i) = holders.binary_search_by_key(&pod, |h| h.pod()) else {
-        return;
-    };
-    if !holders[i].tiers().contains(tier) {
-        return;
+impl Shard {
+    fn change(&mut self, c: &Change) {
+        if c.acquire {
+            self.take(c.key, c.pod, c.tier);
+        } else {
+            self.drop_ref(c.key, c.pod, c.tier);
+        }
     }
-    if shard.extra.take((key, pod), tier) {
-        return;
+
+    fn take(&mut self, key: u64, pod: PodId, tier: Tier) {
+        let holders = match self.holders.entry(key, |(k, _)| *k == key, |(k, _)| *k) {
+            // The common case while caches fill: a key's first holder.
+            Entry::Vacant(v) => {
+                let first = Holders::from_buf_and_len([Holder::new(pod, tier); INLINE_HOLDERS], 1);
+                v.insert((key, first));
+                return;
+            }
+            Entry::Occupied(o) => &mut o.into_mut().1,
+        };
+        match holders.binary_search_by_key(&pod, |h| h.pod()) {
+            Ok(i) if holders[i].tiers().contains(tier) => self.extra.add((key, pod), tier),
+            Ok(i) => holders[i] = holders[i].with(tier),
+            Err(i) => holders.insert(i, Holder::new(pod, tier)),
+        }
     }
-    holders[i] = holders[i].without(tier);
-    if holders[i].tiers().is_empty() {
-        holders.remove(i);
-    }
-    if holders.is_empty() {
-        entry.remove();
+
+    fn drop_ref(&mut self, key: u64, pod: PodId, tier: Tier) {
+        // `find_entry`, not `entry`: a miss must not grow the table.
+        let Ok(mut entry) = self.holders.find_entry(key, |(k, _)| *k == key) else {
+            return;
+        };
+        let holders = &mut entry.get_mut().1;
+        let Ok(i) = holders.binary_search_by_key(&pod, |h| h.pod()) else {
+            return;
+        };
+        if !holders[i].tiers().contains(tier) {
+            return;
+        }
+        if self.extra.take((key, pod), tier) {
+            return;
+        }
+        holders[i] = holders[i].without(tier);
+        if holders[i].tiers().is_empty() {
+            holders.remove(i);
+        }
+        if holders.is_empty() {
+            entry.remove();
+        }
     }
 }
 
@@ -434,6 +445,34 @@ mod tests {
         index.release(k, PodId(2), Tier::Cpu);
         index.release(k, PodId(1), Tier::Gpu);
         assert!(index.is_empty());
+    }
+
+    /// The table holds mixed keys in place of keys: that is only sound if
+    /// mixing loses nothing. Undo it step by step.
+    #[test]
+    fn mixing_a_key_can_be_undone() {
+        fn inverse(odd: u64) -> u64 {
+            // Newton's iteration doubles the correct low bits each step.
+            let mut inv = odd;
+            for _ in 0..6 {
+                inv = inv.wrapping_mul(2u64.wrapping_sub(odd.wrapping_mul(inv)));
+            }
+            inv
+        }
+        let unmix = |mut x: u64| {
+            x ^= x >> 33;
+            x = x.wrapping_mul(inverse(0xc4ce_b9fe_1a85_ec53));
+            x ^= x >> 33;
+            x = x.wrapping_mul(inverse(0xff51_afd7_ed55_8ccd));
+            x ^ (x >> 33)
+        };
+        let mut rnd = crate::test_rng::xorshift(0x5eed);
+        for key in [0, 1, u64::MAX, 1 << 63]
+            .into_iter()
+            .chain((0..10_000).map(|_| rnd(u64::MAX)))
+        {
+            assert_eq!(unmix(mixed(BlockKey(key))), key);
+        }
     }
 
     #[test]
@@ -488,17 +527,18 @@ mod tests {
             assert!(index.is_empty(), "{n}");
         }
         let mut grouped = Vec::new();
-        let mut changes: Vec<Change> = (0..500u64)
+        let changes: Vec<Change> = (0..500u64)
             .map(|k| Change::acquire(BlockKey(k), PodId(0), Tier::Gpu))
             .collect();
-        for c in changes.iter_mut() {
-            c.shard = index.shard(c.key) as u16;
-        }
         group_by_shard(&changes, &mut grouped);
-        assert!(grouped.windows(2).all(|w| w[0].shard <= w[1].shard));
-        let mut keys: Vec<u64> = grouped.iter().map(|c| c.key.0).collect();
+        assert!(grouped
+            .windows(2)
+            .all(|w| shard_of(w[0].key) <= shard_of(w[1].key)));
+        let mut keys: Vec<u64> = grouped.iter().map(|c| c.key).collect();
         keys.sort_unstable();
-        assert_eq!(keys, (0..500).collect::<Vec<u64>>());
+        let mut want: Vec<u64> = (0..500).map(|k| mixed(BlockKey(k))).collect();
+        want.sort_unstable();
+        assert_eq!(keys, want);
     }
 
     #[test]
