@@ -698,7 +698,7 @@ impl Indexer {
             candidates.clear();
             candidates.extend(0..ids.len() as u32);
         } else {
-            holding(&self.blocks, keys[0], ids, candidates);
+            holding(&self.blocks, keys[0], ids, search, candidates);
         }
         let weights = &self.config.tier_weights;
         let pods = self.pods.read();
