@@ -44,14 +44,13 @@ impl PrefixMatch {
         // then read back whole stalls store forwarding, per candidate pod.
         let on_tier: [u32; TIERS] =
             std::array::from_fn(|i| if i == tier.index() { blocks } else { 0 });
-        let mut m = PrefixMatch {
+        // What `weigh` computes: the other tiers add exact zeros.
+        PrefixMatch {
             matched_blocks: blocks,
             blocks_per_tier: on_tier,
             best_tier_blocks: on_tier,
-            weighted_blocks: 0.0,
-        };
-        m.weigh(weights);
-        m
+            weighted_blocks: f64::from(blocks) * weights.get(tier),
+        }
     }
 
     fn weigh(&mut self, weights: &TierWeights) {
@@ -432,6 +431,33 @@ fn record(m: &mut PrefixMatch, tiers: TierMask, weights: &TierWeights) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A searched match is built whole; it must equal, to the last bit of
+    /// its weight, the one a walk adds up block by block.
+    #[test]
+    fn a_match_on_one_tier_equals_the_walks_sum() {
+        for weights in [
+            TierWeights::default(),
+            TierWeights([0.1, 0.7, 1e-300]),
+            TierWeights([3.7, 0.0, 1.0 / 3.0]),
+        ] {
+            for tier in Tier::ALL {
+                for blocks in [0u32, 1, 7, 333, 4099] {
+                    let mut walked = PrefixMatch::default();
+                    for _ in 0..blocks {
+                        record(&mut walked, TierMask(1 << tier.index()), &weights);
+                    }
+                    walked.weigh(&weights);
+                    let built = PrefixMatch::on_one_tier(blocks, tier, &weights);
+                    assert_eq!(built, walked);
+                    assert_eq!(
+                        built.weighted_blocks.to_bits(),
+                        walked.weighted_blocks.to_bits()
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn runs_stop_at_each_pods_first_miss() {
