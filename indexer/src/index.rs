@@ -157,7 +157,7 @@ impl Change {
 /// stands for the first, `extra` counts the rest.
 #[derive(Default)]
 struct Shard {
-    /// (mixed key, holders)
+    /// (mixed key, holders); the mixed key is also the slot's hash.
     holders: HashTable<(u64, Holders)>,
     extra: Repeats<(u64, PodId)>,
 }
@@ -192,8 +192,7 @@ thread_local! {
     static GROUPED: RefCell<Vec<Change>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `changes` (with their shards set) into `out` in shard order, stable: a
-/// counting sort.
+/// `changes` into `out` in shard order, stable: a counting sort.
 fn group_by_shard(changes: &[Change], out: &mut Vec<Change>) {
     let mut next = [0u32; 1 << SHARD_BITS];
     for c in changes {

@@ -199,12 +199,12 @@ impl Search<'_> {
             all
         } else {
             // The others match 0 blocks, as `depth` already says.
-            self.holding(self.keys[0], &all)
+            self.who_holds(self.keys[0], &all)
         };
         if is_empty(&first) {
             return;
         }
-        let whole = self.holding(self.keys[n as usize - 1], &first);
+        let whole = self.who_holds(self.keys[n as usize - 1], &first);
         settle(&whole, n, depth);
         // (lo, hi, pods): these pods match somewhere in lo..=hi blocks.
         let mut pending = [(0, 0, [0u64; W]); MAX_PENDING];
@@ -222,7 +222,7 @@ impl Search<'_> {
                 continue;
             }
             let mid = lo + (hi - lo) / 2;
-            let held = self.holding(self.keys[mid as usize], &set);
+            let held = self.who_holds(self.keys[mid as usize], &set);
             let missing = minus(&set, &held);
             for part in [(mid + 1, hi, held), (lo, mid, missing)] {
                 if !is_empty(&part.2) {
@@ -234,7 +234,7 @@ impl Search<'_> {
     }
 
     /// The pods of `of` that hold `key`.
-    fn holding<const W: usize>(&self, key: BlockKey, of: &[u64; W]) -> [u64; W] {
+    fn who_holds<const W: usize>(&self, key: BlockKey, of: &[u64; W]) -> [u64; W] {
         let mut held = [0u64; W];
         self.index.with_holders(key, |holders| {
             let holders = holders.unwrap_or(&[]);
@@ -525,7 +525,7 @@ mod tests {
         assert_eq!(got, vec![1, 1, 0]);
     }
 
-    /// Holders among the pods, by merging or (few holders, many pods) by
+    /// Holders among the pods, found through remembered places or by
     /// binary search; holders that are not among the pods are ignored.
     #[test]
     fn holding_picks_the_positions_of_holders() {
