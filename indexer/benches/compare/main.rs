@@ -529,78 +529,72 @@ fn main() {
 /// `COMPARE_PODS=16` or `128` and `COMPARE_INPUT=pre-hashed` or `token ids`
 /// narrow it down).
 fn profile_apply() {
-    let only = std::env::var("COMPARE_ONLY").ok();
-    let pods_only: Option<usize> = std::env::var("COMPARE_PODS")
-        .ok()
-        .and_then(|p| p.parse().ok());
-    let input_only = std::env::var("COMPARE_INPUT").ok();
-    for fleet in FLEETS {
-        let pods = fleet.pods;
-        if pods_only.is_some_and(|p| p != pods) {
-            continue;
-        }
-        let trace = fleet.trace(true, 1);
-        for input in [Input::PreHashed, Input::Tokens] {
-            if input_only.as_deref().is_some_and(|i| i != input.name()) {
-                continue;
-            }
-            let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
-            entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
-            for e in entries {
-                let rate = (e.apply)(&trace, input);
-                println!(
-                    "{} pods, {}, {}: {} block ops at {:.2} M/s",
-                    pods,
-                    input.name(),
-                    e.name,
-                    trace.block_ops(),
-                    rate / 1e6
-                );
-            }
-        }
-    }
+    for_each_profiled(1, |fleet, trace, input, e| {
+        let rate = (e.apply)(trace, input);
+        println!(
+            "{} pods, {}, {}: {} block ops at {:.2} M/s",
+            fleet.pods,
+            input.name(),
+            e.name,
+            trace.block_ops(),
+            rate / 1e6
+        );
+    });
 }
 
-/// `--profile-find`: each indexer filled with the quick trace, then its
-/// query set of each size answered `FIND_PASSES` times and nothing else
-/// timed, for `valgrind --tool=callgrind --toggle-collect='compare::find_pass*'`
-/// (the same filters as `--profile-apply`, and `COMPARE_SIZE=128`, `2048`
-/// or `8192`). The first pass warms the caches, as in the timed rounds.
+/// `--profile-find`: each indexer filled with the quick trace, its query
+/// set of each size answered once to warm the caches (as in the timed
+/// rounds), then `FIND_PASSES` more times and nothing else, for `valgrind
+/// --tool=callgrind --toggle-collect='compare::find_pass*'` (the same
+/// filters as `--profile-apply`, and `COMPARE_SIZE=128`, `2048` or `8192`).
 fn profile_find() {
-    const FIND_PASSES: usize = 20;
-    let only = std::env::var("COMPARE_ONLY").ok();
-    let env_num = |name: &str| -> Option<usize> { std::env::var(name).ok()?.parse().ok() };
-    let input_only = std::env::var("COMPARE_INPUT").ok();
-    for fleet in FLEETS {
-        if env_num("COMPARE_PODS").is_some_and(|p| p != fleet.pods) {
+    const FIND_PASSES: usize = 19;
+    let size_only: Option<usize> = env_filter("COMPARE_SIZE").and_then(|s| s.parse().ok());
+    for_each_profiled(40, |fleet, trace, input, e| {
+        let filled = (e.fill)(trace, input, &mut Measured::default());
+        for (si, size) in SIZES.iter().enumerate() {
+            if size_only.is_some_and(|s| s != *size) {
+                continue;
+            }
+            for q in 0..filled.queries(si) {
+                filled.time_find(si, q);
+            }
+            let finds: usize = (0..FIND_PASSES)
+                .map(|_| find_pass(filled.as_ref(), si))
+                .sum();
+            println!(
+                "{} pods, {}, {}, {size} blocks: {finds} finds profiled",
+                fleet.pods,
+                input.name(),
+                e.name,
+            );
+        }
+    });
+}
+
+fn env_filter(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// The quick traces' (fleet, input, indexer) combinations that
+/// `COMPARE_PODS`, `COMPARE_INPUT` and `COMPARE_ONLY` let through.
+fn for_each_profiled(queries_per_size: usize, mut each: impl FnMut(&Fleet, &Trace, Input, &Entry)) {
+    let only = env_filter("COMPARE_ONLY");
+    let pods_only: Option<usize> = env_filter("COMPARE_PODS").and_then(|p| p.parse().ok());
+    let input_only = env_filter("COMPARE_INPUT");
+    for fleet in &FLEETS {
+        if pods_only.is_some_and(|p| p != fleet.pods) {
             continue;
         }
-        let trace = fleet.trace(true, 40);
+        let trace = fleet.trace(true, queries_per_size);
         for input in [Input::PreHashed, Input::Tokens] {
             if input_only.as_deref().is_some_and(|i| i != input.name()) {
                 continue;
             }
             let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
             entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
-            for e in entries {
-                let filled = (e.fill)(&trace, input, &mut Measured::default());
-                for (si, size) in SIZES.iter().enumerate() {
-                    if env_num("COMPARE_SIZE").is_some_and(|s| s != *size) {
-                        continue;
-                    }
-                    for q in 0..filled.queries(si) {
-                        filled.time_find(si, q);
-                    }
-                    let finds: usize = (1..FIND_PASSES)
-                        .map(|_| find_pass(filled.as_ref(), si))
-                        .sum();
-                    println!(
-                        "{} pods, {}, {}, {size} blocks: {finds} finds profiled",
-                        fleet.pods,
-                        input.name(),
-                        e.name,
-                    );
-                }
+            for e in &entries {
+                each(fleet, &trace, input, e);
             }
         }
     }
