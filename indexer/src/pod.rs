@@ -428,19 +428,14 @@ impl PodState {
     /// Blocks as (hash, key, counts), least recently stored first, and the
     /// groups known not to be full attention: what a snapshot keeps.
     pub fn export(&self) -> PodExport {
-        let mut held: Vec<(u32, EngineHash, &HeldBlock)> = self
-            .by_hash
-            .iter()
-            .map(|(h, b)| (self.age(b.stamp), *h, b))
-            .collect();
-        held.sort_unstable_by_key(|(age, h, _)| (std::cmp::Reverse(*age), *h));
+        let held = self.oldest_first();
         let blocks = held
             .iter()
-            .map(|(_, h, b)| (h.0, b.key.0, self.counts(*h, b)))
+            .map(|(h, b)| (h.0, b.key.0, self.counts(*h, b)))
             .collect();
         let parents = held
             .iter()
-            .map(|(_, _, b)| b.links.has_parent().then_some(b.parent.0))
+            .map(|(_, b)| b.links.has_parent().then_some(b.parent.0))
             .collect();
         let mut non_full_groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
         non_full_groups.sort_unstable();
@@ -723,16 +718,24 @@ impl PodState {
 
     /// Takes back a link made in advance for a block that was held already.
     fn unlink_advance(&mut self, link: Link) {
+        debug_assert!(
+            link.born == 0
+                || self
+                    .by_hash
+                    .get(&link.parent)
+                    .is_some_and(|up| up.born == link.born),
+            "the parent changed meanwhile"
+        );
+        self.drop_link(link);
+    }
+
+    /// Undoes what a link counted: one child of the parent it names, if
+    /// that incarnation is still held, else one orphan.
+    fn drop_link(&mut self, link: Link) {
         match self.by_hash.get_mut(&link.parent) {
-            Some(up) if link.born != 0 => {
-                debug_assert_eq!(up.born, link.born, "the parent changed meanwhile");
-                up.links.remove_child();
-            }
+            Some(up) if link.born != 0 && up.born == link.born => up.links.remove_child(),
             _ => {
-                debug_assert!(
-                    link.born == 0 && self.orphans > 0,
-                    "orphan count out of step"
-                );
+                debug_assert!(self.orphans > 0, "orphan count out of step");
                 self.orphans -= 1;
             }
         }
@@ -771,13 +774,19 @@ impl PodState {
 
     /// The eviction order of the live entries, oldest first.
     fn rebuild_order(&mut self) {
-        let mut live: Vec<(std::cmp::Reverse<u32>, EngineHash, Stamp)> = self
-            .by_hash
-            .iter()
-            .map(|(h, b)| (std::cmp::Reverse(self.age(b.stamp)), *h, b.stamp))
+        self.order = self
+            .oldest_first()
+            .into_iter()
+            .map(|(h, b)| (h, b.stamp))
             .collect();
-        live.sort_unstable_by_key(|(age, h, _)| (*age, *h));
-        self.order = live.into_iter().map(|(_, h, s)| (h, s)).collect();
+    }
+
+    /// The held blocks, least recently stored first (ties by hash).
+    fn oldest_first(&self) -> Vec<(EngineHash, &HeldBlock)> {
+        let mut held: Vec<(EngineHash, &HeldBlock)> =
+            self.by_hash.iter().map(|(h, b)| (*h, b)).collect();
+        held.sort_unstable_by_key(|(h, b)| (std::cmp::Reverse(self.age(b.stamp)), *h));
+        held
     }
 
     /// Stores minus removals of `hash` per tier (what a snapshot keeps).
@@ -794,18 +803,7 @@ impl PodState {
     /// Counts a new entry as a child of `parent`: returns the parent's
     /// incarnation, or 0 (and one more orphan) if the parent is not held.
     fn adopt(&mut self, parent: EngineHash) -> u32 {
-        match self.by_hash.get_mut(&parent) {
-            Some(up) if up.links.children() < MAX_CHILDREN => {
-                up.links.add_child();
-                up.born
-            }
-            // Not held (or, beyond any real pod, out of child counts: an
-            // orphan only costs the binary search).
-            _ => {
-                self.orphans += 1;
-                0
-            }
-        }
+        count_child(self.by_hash.get_mut(&parent), &mut self.orphans)
     }
 
     /// Removes an entry (see `unlink`).
@@ -820,15 +818,10 @@ impl PodState {
     fn unlink(&mut self, held: &HeldBlock) {
         self.orphans += u64::from(held.links.children());
         if held.links.has_parent() {
-            match self.by_hash.get_mut(&held.parent) {
-                Some(up) if held.parent_born != 0 && up.born == held.parent_born => {
-                    up.links.remove_child();
-                }
-                _ => {
-                    debug_assert!(self.orphans > 0, "orphan count out of step");
-                    self.orphans -= 1;
-                }
-            }
+            self.drop_link(Link {
+                parent: held.parent,
+                born: held.parent_born,
+            });
         }
     }
 
@@ -881,20 +874,27 @@ struct Link {
 }
 
 /// Counts one more child of `held` (stored as `hash`): the link for the
-/// block stored next under it, or, beyond any real pod's child counts, an
-/// orphan.
+/// block stored next under it.
 fn link_child(held: &mut HeldBlock, hash: EngineHash, orphans: &mut u64) -> Link {
-    if held.links.children() < MAX_CHILDREN {
-        held.links.add_child();
-        Link {
-            parent: hash,
-            born: held.born,
+    Link {
+        parent: hash,
+        born: count_child(Some(held), orphans),
+    }
+}
+
+/// Counts a new block as a child of `parent`: the parent's incarnation, or
+/// 0 and one more orphan if it is not held (or, beyond any real pod, out of
+/// child counts: an orphan only costs the binary search). A free function:
+/// callers hold the parent borrowed from the pod's table.
+fn count_child(parent: Option<&mut HeldBlock>, orphans: &mut u64) -> u32 {
+    match parent {
+        Some(up) if up.links.children() < MAX_CHILDREN => {
+            up.links.add_child();
+            up.born
         }
-    } else {
-        *orphans += 1;
-        Link {
-            parent: hash,
-            born: 0,
+        _ => {
+            *orphans += 1;
+            0
         }
     }
 }
