@@ -294,13 +294,7 @@ struct Run {
 }
 
 fn run_all(trace: &Trace, input: Input, plan: Plan) -> Vec<(&'static str, Measured)> {
-    // COMPARE_ONLY=ours (or dynamo, smg...) for profiling one indexer.
-    let only = std::env::var("COMPARE_ONLY").ok();
-    let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
-    if input == Input::PreHashed {
-        entries.push(entry::<DynamoPositional>());
-    }
-    entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
+    let entries = contenders(input == Input::PreHashed);
     let measured = measure_all(trace, input, plan, &entries);
     entries
         .iter()
@@ -576,10 +570,22 @@ fn env_filter(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
+/// Ours and the peers (`positional`: Dynamo's positional indexer too, which
+/// needs the engine's own hashes), less those `COMPARE_ONLY=ours` (or
+/// `dynamo`, `smg`, ...) leaves out, for profiling one indexer.
+fn contenders(positional: bool) -> Vec<Entry> {
+    let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
+    if positional {
+        entries.push(entry::<DynamoPositional>());
+    }
+    let only = env_filter("COMPARE_ONLY");
+    entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
+    entries
+}
+
 /// The quick traces' (fleet, input, indexer) combinations that
 /// `COMPARE_PODS`, `COMPARE_INPUT` and `COMPARE_ONLY` let through.
 fn for_each_profiled(queries_per_size: usize, mut each: impl FnMut(&Fleet, &Trace, Input, &Entry)) {
-    let only = env_filter("COMPARE_ONLY");
     let pods_only: Option<usize> = env_filter("COMPARE_PODS").and_then(|p| p.parse().ok());
     let input_only = env_filter("COMPARE_INPUT");
     for fleet in &FLEETS {
@@ -591,9 +597,7 @@ fn for_each_profiled(queries_per_size: usize, mut each: impl FnMut(&Fleet, &Trac
             if input_only.as_deref().is_some_and(|i| i != input.name()) {
                 continue;
             }
-            let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
-            entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
-            for e in &entries {
+            for e in &contenders(false) {
                 each(fleet, &trace, input, e);
             }
         }
