@@ -245,17 +245,12 @@ impl Search<'_> {
             if holders.len() >= 8 && few_live() {
                 // A few pods left against a long holder list (a system
                 // prompt's blocks, held by the whole fleet).
-                for (w, word) in of.iter().enumerate() {
-                    let mut bits = *word;
-                    while bits != 0 {
-                        let pos = w * 64 + bits.trailing_zeros() as usize;
-                        let pod = self.pods[pos];
-                        if holders.binary_search_by_key(&pod, |h| h.pod()).is_ok() {
-                            held[w] |= 1 << (pos % 64);
-                        }
-                        bits &= bits - 1;
+                for_each_pod(of, |pos| {
+                    let pod = self.pods[pos];
+                    if holders.binary_search_by_key(&pod, |h| h.pod()).is_ok() {
+                        held[pos / 64] |= 1 << (pos % 64);
                     }
-                }
+                });
                 return;
             }
             for h in holders {
@@ -286,10 +281,16 @@ fn minus<const W: usize>(set: &[u64; W], without: &[u64; W]) -> [u64; W] {
 
 /// Every pod of `set` matches `d` blocks.
 fn settle<const W: usize>(set: &[u64; W], d: u32, depth: &mut [u32]) {
+    for_each_pod(set, |pos| depth[pos] = d);
+}
+
+/// Calls `f` with the position of every pod in `set`, in order.
+#[inline]
+fn for_each_pod<const W: usize>(set: &[u64; W], mut f: impl FnMut(usize)) {
     for (w, word) in set.iter().enumerate() {
         let mut bits = *word;
         while bits != 0 {
-            depth[w * 64 + bits.trailing_zeros() as usize] = d;
+            f(w * 64 + bits.trailing_zeros() as usize);
             bits &= bits - 1;
         }
     }
