@@ -134,7 +134,11 @@ pub fn jump<'s>(
     scratch: &'s mut Scratch,
 ) -> &'s [u32] {
     debug_assert!(pods.windows(2).all(|w| w[0] < w[1]));
-    let Scratch { depth, slot, .. } = scratch;
+    let Scratch {
+        depth,
+        search_places,
+        ..
+    } = scratch;
     depth.clear();
     depth.resize(pods.len(), 0);
     if keys.is_empty() {
@@ -144,20 +148,14 @@ pub fn jump<'s>(
     // the service lets through.
     let keys = &keys[..keys.len().min(u32::MAX as usize)];
     for (pods, depth) in pods.chunks(MAX_SET).zip(depth.chunks_mut(MAX_SET)) {
-        // Pod id -> position + 1. Entries left from earlier searches are
-        // told apart by checking `pods[position]`, so nothing is cleared.
-        let top = pods[pods.len() - 1].0 as usize;
-        if slot.len() <= top {
-            slot.resize(top + 1, 0);
-        }
         for (pos, pod) in pods.iter().enumerate() {
-            slot[pod.0 as usize] = pos as u32 + 1;
+            search_places.set(*pod, pos);
         }
         let search = Search {
             index,
             keys,
             pods,
-            slot,
+            places: search_places,
         };
         match pods.len().div_ceil(64) {
             1 => search.run::<1>(first_held, depth),
@@ -183,8 +181,8 @@ struct Search<'a> {
     index: &'a BlockIndex,
     keys: &'a [BlockKey],
     pods: &'a [PodId],
-    /// By pod id: position in `pods` + 1, or stale (see `jump`).
-    slot: &'a [u32],
+    /// Where each of `pods` sits in it.
+    places: &'a Places,
 }
 
 impl Search<'_> {
@@ -254,7 +252,7 @@ impl Search<'_> {
                 return;
             }
             for h in holders {
-                if let Some(pos) = self.position(h.pod()) {
+                if let Some(pos) = self.places.get(self.pods, h.pod()) {
                     held[pos / 64] |= 1 << (pos % 64);
                 }
             }
@@ -264,10 +262,27 @@ impl Search<'_> {
         });
         held
     }
+}
 
-    fn position(&self, pod: PodId) -> Option<usize> {
-        let pos = (*self.slot.get(pod.0 as usize)? as usize).checked_sub(1)?;
-        (self.pods.get(pos) == Some(&pod)).then_some(pos)
+/// Where pods sit in a pod list, by pod id. Positions written for one list
+/// stay behind when another is used: every read is checked against the
+/// list it is for (the pod must be at that position), so nothing is ever
+/// cleared.
+#[derive(Default)]
+struct Places(Vec<u32>);
+
+impl Places {
+    fn get(&self, pods: &[PodId], pod: PodId) -> Option<usize> {
+        let pos = *self.0.get(pod.0 as usize)? as usize;
+        (pods.get(pos) == Some(&pod)).then_some(pos)
+    }
+
+    fn set(&mut self, pod: PodId, pos: usize) {
+        let id = pod.0 as usize;
+        if self.0.len() <= id {
+            self.0.resize(id + 1, u32::MAX);
+        }
+        self.0[id] = pos as u32;
     }
 }
 
@@ -302,9 +317,10 @@ fn for_each_pod<const W: usize>(set: &[u64; W], mut f: impl FnMut(usize)) {
 #[derive(Default)]
 pub struct Scratch {
     depth: Vec<u32>,
-    slot: Vec<u32>,
-    /// By pod id: its position in the pod list `holding` last saw it in.
-    places: Vec<u32>,
+    /// The pods of the current search.
+    search_places: Places,
+    /// The pods of the list `holding` last saw (a model's, usually).
+    model_places: Places,
 }
 
 /// Positions (into the sorted `pods`) of the pods holding `key`, in order,
@@ -323,25 +339,21 @@ pub fn holding(
     out: &mut Vec<u32>,
 ) {
     out.clear();
-    let places = &mut scratch.places;
+    let places = &mut scratch.model_places;
     index.with_holders(key, |holders| {
         for h in holders.unwrap_or(&[]) {
             let pod = h.pod();
-            let id = pod.0 as usize;
-            let pos = match places.get(id) {
-                Some(&pos) if pods.get(pos as usize) == Some(&pod) => pos,
-                _ => {
+            let pos = match places.get(pods, pod) {
+                Some(pos) => pos,
+                None => {
                     let Ok(pos) = pods.binary_search(&pod) else {
                         continue;
                     };
-                    if places.len() <= id {
-                        places.resize(id + 1, u32::MAX);
-                    }
-                    places[id] = pos as u32;
-                    pos as u32
+                    places.set(pod, pos);
+                    pos
                 }
             };
-            out.push(pos);
+            out.push(pos as u32);
         }
     });
 }
