@@ -16,6 +16,7 @@
 
 mod alloc;
 mod contenders;
+mod floor;
 mod trace;
 
 use std::collections::BTreeMap;
@@ -231,7 +232,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// apply and mixed passes alternate between them `plan.passes` times
 /// (medians reported). Ratios from one run then compare indexers measured
 /// under the same conditions.
-fn measure_all(trace: &Trace, input: Input, plan: Plan, entries: &[Entry]) -> Vec<Measured> {
+fn measure_all(
+    trace: &Trace,
+    input: Input,
+    plan: Plan,
+    entries: &[Entry],
+) -> (Vec<Measured>, Option<f64>) {
     let mut measured = vec![Measured::default(); entries.len()];
     let filled: Vec<Box<dyn Filled>> = entries
         .iter()
@@ -239,7 +245,7 @@ fn measure_all(trace: &Trace, input: Input, plan: Plan, entries: &[Entry]) -> Ve
         .map(|(e, m)| (e.fill)(trace, input, m))
         .collect();
     if !plan.timed {
-        return measured;
+        return (measured, None);
     }
     for (si, size) in SIZES.iter().enumerate() {
         let mut samples = vec![Vec::new(); entries.len()];
@@ -269,7 +275,11 @@ fn measure_all(trace: &Trace, input: Input, plan: Plan, entries: &[Entry]) -> Ve
     drop(filled);
     let mut apply = vec![Vec::new(); entries.len()];
     let mut mixed = vec![Vec::new(); entries.len()];
+    let mut floor = Vec::new();
     for pass in 0..plan.passes {
+        if input == Input::PreHashed {
+            floor.push(floor::apply_pass(trace));
+        }
         for k in 0..entries.len() {
             let i = (k + pass) % entries.len();
             apply[i].push((entries[i].apply)(trace, input));
@@ -283,20 +293,27 @@ fn measure_all(trace: &Trace, input: Input, plan: Plan, entries: &[Entry]) -> Ve
         m.mixed_ops_per_s = ops;
         m.mixed_queries_per_s = queries;
     }
-    measured
+    (measured, (!floor.is_empty()).then(|| median(floor)))
 }
 
 struct Run {
     pods: usize,
     input: Input,
     results: Vec<(&'static str, Measured)>,
+    /// `floor::apply_pass`'s median, pre-hashed runs only.
+    apply_floor: Option<f64>,
     trace_stats: Value,
 }
 
-fn run_all(trace: &Trace, input: Input, plan: Plan) -> Vec<(&'static str, Measured)> {
+/// Each contender's measures by name, and the apply floor (see `floor`).
+fn run_all(
+    trace: &Trace,
+    input: Input,
+    plan: Plan,
+) -> (Vec<(&'static str, Measured)>, Option<f64>) {
     let entries = contenders(input == Input::PreHashed);
-    let measured = measure_all(trace, input, plan, &entries);
-    entries
+    let (measured, apply_floor) = measure_all(trace, input, plan, &entries);
+    let results = entries
         .iter()
         .zip(measured)
         .map(|(e, m)| {
@@ -305,7 +322,8 @@ fn run_all(trace: &Trace, input: Input, plan: Plan) -> Vec<(&'static str, Measur
             }
             (e.name, m)
         })
-        .collect()
+        .collect();
+    (results, apply_floor)
 }
 
 fn by_name(results: &[(&'static str, Measured)], f: impl Fn(&Measured) -> f64) -> Value {
@@ -332,6 +350,7 @@ fn run_json(run: &Run) -> Value {
         "input": run.input.name(),
         "trace": run.trace_stats,
         "apply_blocks_per_s": by_name(r, |m| m.apply_blocks_per_s),
+        "apply_floor_blocks_per_s": run.apply_floor,
         "find_p50_ns": per_size(|p| p.0),
         "find_p99_ns": per_size(|p| p.1),
         "mixed_ops_per_s": by_name(r, |m| m.mixed_ops_per_s),
@@ -380,6 +399,14 @@ fn print_run(run: &Run) {
         println!("{:>13.2}x", ratio(r, f, higher));
     };
     row("apply (M blocks/s)", &|m| m.apply_blocks_per_s, true, 1e6);
+    if let Some(floor) = run.apply_floor {
+        // Where the apply row stands against one hash-map operation per block.
+        print!("{:<28}", "  apply / floor");
+        for (_, m) in r {
+            print!("{:>17.2}x", m.apply_blocks_per_s / floor);
+        }
+        println!("   floor {:.2} M blocks/s", floor / 1e6);
+    }
     for s in SIZES {
         row(
             &format!("find {s} p50 (us)"),
@@ -482,10 +509,12 @@ fn main() {
             t.elapsed().as_secs_f64()
         );
         for input in [Input::PreHashed, Input::Tokens] {
+            let (results, apply_floor) = run_all(&trace, input, plan);
             let run = Run {
                 pods,
                 input,
-                results: run_all(&trace, input, plan),
+                results,
+                apply_floor,
                 trace_stats: trace_stats.clone(),
             };
             print_run(&run);
@@ -629,7 +658,7 @@ fn smoke() {
         timed: false,
     };
     for input in [Input::PreHashed, Input::Tokens] {
-        for (name, m) in run_all(&trace, input, plan) {
+        for (name, m) in run_all(&trace, input, plan).0 {
             assert_eq!(
                 m.disagreements,
                 0,
@@ -639,5 +668,6 @@ fn smoke() {
             );
         }
     }
+    assert!(floor::apply_pass(&trace) > 0.0);
     println!("compare smoke: every indexer agrees with the pods' caches");
 }
