@@ -550,8 +550,26 @@ fn main() {
 /// should see applying alone, e.g. `valgrind --tool=callgrind
 /// --cache-sim=yes --toggle-collect='compare::apply_pass*'` (`COMPARE_ONLY`,
 /// `COMPARE_PODS=16` or `128` and `COMPARE_INPUT=pre-hashed` or `token ids`
-/// narrow it down).
+/// narrow it down). `COMPARE_ONLY=floor` runs the apply floor instead
+/// (`--toggle-collect='compare::floor::apply_ops'`).
 fn profile_apply() {
+    if env_filter("COMPARE_ONLY").as_deref() == Some("floor") {
+        let pods_only: Option<usize> = env_filter("COMPARE_PODS").and_then(|p| p.parse().ok());
+        for fleet in FLEETS
+            .iter()
+            .filter(|f| pods_only.is_none_or(|p| p == f.pods))
+        {
+            let trace = fleet.trace(true, 1);
+            let rate = floor::apply_pass(&trace);
+            println!(
+                "{} pods, pre-hashed, floor: {} block ops at {:.2} M/s",
+                fleet.pods,
+                trace.block_ops(),
+                rate / 1e6
+            );
+        }
+        return;
+    }
     for_each_profiled(1, |fleet, trace, input, e| {
         let rate = (e.apply)(trace, input);
         println!(
