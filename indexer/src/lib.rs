@@ -4,6 +4,7 @@
 //! rules -> the shared [`index`]; a prompt's tokens -> [`keys`] -> [`score`]
 //! walk. [`Indexer`] ties them together for the service.
 
+pub mod block_map;
 pub mod closure;
 pub mod engine_hash;
 pub mod event;

@@ -10,26 +10,25 @@
 //! - a block whose parent is unknown cannot be keyed. It is counted and
 //!   skipped; nothing else is touched.
 
-use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::BuildHasherDefault;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
+use crate::block_map::{BlockMap, Entry};
 use crate::closure::Closure;
 
 use crate::event::{
     is_full_attention_kind, BlockRemoved, BlockStored, EngineHash, ExtraKey, Tier, TIERS,
 };
-use crate::index::{BlockIndex, Change, KeyHasher, PodId};
+use crate::index::{BlockIndex, Change, PodId};
 use crate::keys::{chain, fold_extras, BlockKey, KeyScope};
 use crate::repeats::Repeats;
 use crate::scheme::{EngineKeys, KeyMode};
 use crate::snapshot::SnapshotBlock;
 
-/// One held engine hash: 32 bytes, so a pod's table slot (hash and block)
-/// is 40. The slots are most of the index's memory (one per pod and block)
-/// and each change touches one at random: at 56 bytes they took 31% more
-/// memory per entry and 21% more cache misses per change.
+/// One held engine hash: 32 bytes, so a pod's map entry (hash and block)
+/// is 40. The entries are most of the index's memory (one per pod and
+/// block) and each change touches one at random: at 56 bytes they took 31%
+/// more memory per entry and 21% more cache misses per change.
 #[derive(Clone, Copy, Debug)]
 struct HeldBlock {
     key: BlockKey,
@@ -168,7 +167,7 @@ impl ApplyStats {
 pub struct PodState {
     id: PodId,
     model: String,
-    by_hash: HashMap<EngineHash, HeldBlock, BuildHasherDefault<KeyHasher>>,
+    by_hash: BlockMap<HeldBlock>,
     /// `group_idx` values a store declared to be sliding-window, mamba...:
     /// removals for them (which carry no kind) are ignored too.
     non_full_groups: HashSet<u32>,
@@ -208,7 +207,7 @@ impl PodState {
         PodState {
             id,
             model: model.into(),
-            by_hash: HashMap::default(),
+            by_hash: BlockMap::default(),
             non_full_groups: HashSet::new(),
             block_size: None,
             held_per_tier: [0; TIERS],
@@ -246,21 +245,10 @@ impl PodState {
         }
     }
 
-    /// Replaces the table by one twice the size whose every slot was
-    /// touched once (filled, then cleared: capacity stays, no tombstones),
-    /// so its memory is resident now rather than creeping in as churn
-    /// reaches its pages.
+    /// Doubles the table, its memory resident at once (see `regrow`).
     #[cold]
     fn grow(&mut self) {
-        let mut fresh: HashMap<EngineHash, HeldBlock, BuildHasherDefault<KeyHasher>> =
-            HashMap::with_capacity_and_hasher(2 * self.by_hash.len() + 2, Default::default());
-        let filler = HeldBlock::new(BlockKey(0));
-        for i in 0..fresh.capacity() as u64 {
-            fresh.insert(EngineHash(i), filler);
-        }
-        fresh.clear();
-        fresh.extend(self.by_hash.drain());
-        self.by_hash = fresh;
+        self.by_hash.regrow(2 * self.by_hash.len() + 2);
     }
 
     /// Block size learned from this pod's stores.
@@ -557,7 +545,7 @@ impl PodState {
 
     /// Drops every block of this pod: O(blocks of this pod).
     pub fn clear(&mut self, index: &BlockIndex, stats: &mut ApplyStats) {
-        for (_, held) in self.by_hash.drain() {
+        for (_, held) in self.by_hash.take_all() {
             for tier in Tier::ALL {
                 if held.links.holds(tier) {
                     self.pending.push(Change::release(held.key, self.id, tier));
@@ -762,11 +750,11 @@ impl PodState {
     fn age_out(&mut self) {
         let clock = self.clock as u32;
         let oldest = Stamp(clock.wrapping_sub(MAX_AGE));
-        for held in self.by_hash.values_mut() {
+        self.by_hash.for_each_value_mut(|held| {
             if clock.wrapping_sub(held.stamp.0) >= MAX_AGE {
                 held.stamp = oldest;
             }
-        }
+        });
         if self.half_full {
             self.rebuild_order();
         }
@@ -951,6 +939,8 @@ fn non_lora_extras(extras: &[ExtraKey], lora: Option<&str>, lora_id: Option<i64>
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
     use crate::keys::{prompt_keys, request_root_seed};
     use crate::scheme::KeySchemes;
@@ -1113,7 +1103,7 @@ mod tests {
                 }
                 let (orphans, children) = recount(&pod);
                 assert_eq!(pod.orphans, orphans, "step {step}");
-                for (hash, held) in &pod.by_hash {
+                for (hash, held) in pod.by_hash.iter() {
                     let want = children.get(hash).copied().unwrap_or(0);
                     assert_eq!(held.links.children(), want, "step {step}, block {hash:?}");
                 }
