@@ -545,17 +545,18 @@ impl PodState {
 
     /// Drops every block of this pod: O(blocks of this pod).
     pub fn clear(&mut self, index: &BlockIndex, stats: &mut ApplyStats) {
-        for (_, held) in self.by_hash.take_all() {
+        let (id, pending) = (self.id, &mut self.pending);
+        self.by_hash.clear_each(|_, held| {
             for tier in Tier::ALL {
                 if held.links.holds(tier) {
-                    self.pending.push(Change::release(held.key, self.id, tier));
+                    pending.push(Change::release(held.key, id, tier));
                 }
             }
-            if self.pending.len() >= 4096 {
+            if pending.len() >= 4096 {
                 // Releases only: from closed they stay between closed states.
-                index.apply(&mut self.pending);
+                index.apply(pending);
             }
-        }
+        });
         // Empty (and so closed) before the flush publishes it.
         self.held_per_tier = [0; TIERS];
         self.extra.clear();
