@@ -153,11 +153,27 @@ impl<V: Copy> BlockMap<V> {
         }
     }
 
+    /// `key`'s entry if it has one. Unlike `entry`, a miss never grows the
+    /// table: for removals, which often name blocks the pod never had.
+    #[inline]
+    pub fn find_entry(&mut self, key: EngineHash) -> Option<OccupiedEntry<'_, V>> {
+        let BlockMap {
+            table,
+            chunks,
+            free,
+        } = self;
+        let entry = table
+            .find_entry(hash(key), |s| at(chunks, *s).0 == key)
+            .ok()?;
+        Some(OccupiedEntry {
+            entry,
+            chunks,
+            free,
+        })
+    }
+
     pub fn remove(&mut self, key: &EngineHash) -> Option<V> {
-        match self.entry(*key) {
-            Entry::Occupied(e) => Some(e.remove()),
-            Entry::Vacant(_) => None,
-        }
+        self.find_entry(*key).map(OccupiedEntry::remove)
     }
 
     /// Entries in no particular order (table order, not slot order).
@@ -312,5 +328,20 @@ mod tests {
         let slots: usize = ours.chunks.iter().map(Vec::len).sum();
         assert_eq!(slots, ours.len() + ours.free.len());
         assert!(slots <= 15_000, "{slots}");
+    }
+
+    #[test]
+    fn removing_a_missing_key_from_a_full_table_does_not_grow_it() {
+        let mut m: BlockMap<u64> = BlockMap::default();
+        m.insert(EngineHash(0), 0);
+        let mut k = 1;
+        while m.len() < m.capacity() {
+            m.insert(EngineHash(k), k);
+            k += 1;
+        }
+        let capacity = m.capacity();
+        assert_eq!(m.remove(&EngineHash(u64::MAX)), None);
+        assert!(m.find_entry(EngineHash(u64::MAX)).is_none());
+        assert_eq!(m.capacity(), capacity);
     }
 }

@@ -390,7 +390,7 @@ impl PodState {
         let tier = ev.tier();
         self.pending.reserve(ev.block_hashes.len());
         for hash in &ev.block_hashes {
-            let Entry::Occupied(mut entry) = self.by_hash.entry(*hash) else {
+            let Some(mut entry) = self.by_hash.find_entry(*hash) else {
                 stats.unknown_removals += 1;
                 continue;
             };
