@@ -554,11 +554,7 @@ fn main() {
 /// (`--toggle-collect='compare::floor::apply_ops'`).
 fn profile_apply() {
     if env_filter("COMPARE_ONLY").as_deref() == Some("floor") {
-        let pods_only: Option<usize> = env_filter("COMPARE_PODS").and_then(|p| p.parse().ok());
-        for fleet in FLEETS
-            .iter()
-            .filter(|f| pods_only.is_none_or(|p| p == f.pods))
-        {
+        for fleet in profiled_fleets() {
             let trace = fleet.trace(true, 1);
             let rate = floor::apply_pass(&trace);
             println!(
@@ -630,15 +626,19 @@ fn contenders(positional: bool) -> Vec<Entry> {
     entries
 }
 
+/// The fleets `COMPARE_PODS` lets through.
+fn profiled_fleets() -> impl Iterator<Item = &'static Fleet> {
+    let pods_only: Option<usize> = env_filter("COMPARE_PODS").and_then(|p| p.parse().ok());
+    FLEETS
+        .iter()
+        .filter(move |f| pods_only.is_none_or(|p| p == f.pods))
+}
+
 /// The quick traces' (fleet, input, indexer) combinations that
 /// `COMPARE_PODS`, `COMPARE_INPUT` and `COMPARE_ONLY` let through.
 fn for_each_profiled(queries_per_size: usize, mut each: impl FnMut(&Fleet, &Trace, Input, &Entry)) {
-    let pods_only: Option<usize> = env_filter("COMPARE_PODS").and_then(|p| p.parse().ok());
     let input_only = env_filter("COMPARE_INPUT");
-    for fleet in &FLEETS {
-        if pods_only.is_some_and(|p| p != fleet.pods) {
-            continue;
-        }
+    for fleet in profiled_fleets() {
         let trace = fleet.trace(true, queries_per_size);
         for input in [Input::PreHashed, Input::Tokens] {
             if input_only.as_deref().is_some_and(|i| i != input.name()) {
