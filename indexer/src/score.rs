@@ -245,7 +245,7 @@ impl Search<'_> {
                 // prompt's blocks, held by the whole fleet).
                 for_each_pod(of, |pos| {
                     let pod = self.pods[pos];
-                    if holders.binary_search_by_key(&pod, |h| h.pod()).is_ok() {
+                    if find(holders, pod).is_some() {
                         held[pos / 64] |= 1 << (pos % 64);
                     }
                 });
