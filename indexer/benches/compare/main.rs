@@ -258,9 +258,7 @@ fn measure_all(
             // the others' evicted most.
             for k in 0..filled.len() {
                 let i = (k + round) % filled.len();
-                for q in 0..filled[i].queries(si) {
-                    filled[i].time_find(si, q);
-                }
+                find_pass(filled[i].as_ref(), si);
                 for q in 0..filled[i].queries(si) {
                     samples[i].push(filled[i].time_find(si, q));
                 }
@@ -593,6 +591,7 @@ fn profile_find() {
             if size_only.is_some_and(|s| s != *size) {
                 continue;
             }
+            // The warm-up, not through `find_pass`: it stays out of the profile.
             for q in 0..filled.queries(si) {
                 filled.time_find(si, q);
             }
@@ -651,7 +650,8 @@ fn for_each_profiled(queries_per_size: usize, mut each: impl FnMut(&Fleet, &Trac
     }
 }
 
-/// One pass over a query set (`--profile-find`); returns the finds made.
+/// One untimed pass over a query set: the timed rounds' warm-up, and what
+/// `--profile-find` profiles. Returns the finds made.
 #[inline(never)]
 fn find_pass(filled: &dyn Filled, size: usize) -> usize {
     for q in 0..filled.queries(size) {
