@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use bytes::Bytes;
 use kv_indexer::proto::kvindexer::v1 as pb;
+use kv_indexer::zmq_io::Publisher;
 use pb::kv_indexer_client::KvIndexerClient;
 use serde_json::Value;
-use zeromq::{Socket, SocketSend, ZmqMessage};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -58,16 +58,14 @@ async fn main() -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("no frames in {frames_path}"))?
         .to_owned();
 
-    let mut publisher = zeromq::PubSocket::new();
-    publisher.connect(&zmq).await?;
+    let context = zmq::Context::new();
+    let publisher = Publisher::connect(&context, &zmq)?;
     // A fresh PUB drops messages until the subscriber's subscription reaches
     // it ("slow joiner"): send an empty marker batch until the indexer lists it.
     let marker = rmp_serde::to_vec(&(0.0f64, Vec::<u8>::new()))?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        publisher
-            .send(message("kv@replay-marker@replay-example", 0, &marker))
-            .await?;
+        publisher.send(&message("kv@replay-marker@replay-example", 0, &marker))?;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let pods = client
             .list_pods(pb::ListPodsRequest {
@@ -86,7 +84,7 @@ async fn main() -> anyhow::Result<()> {
     }
 
     for (topic, seq, payload) in &frames {
-        publisher.send(message(topic, *seq, payload)).await?;
+        publisher.send(&message(topic, *seq, payload))?;
     }
     let expected_batches = frames.len() as u64;
     loop {
@@ -157,11 +155,10 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn message(topic: &str, seq: u64, payload: &[u8]) -> ZmqMessage {
-    let frames = vec![
+fn message(topic: &str, seq: u64, payload: &[u8]) -> Vec<Bytes> {
+    vec![
         Bytes::from(topic.to_owned()),
         Bytes::copy_from_slice(&seq.to_be_bytes()),
         Bytes::copy_from_slice(payload),
-    ];
-    ZmqMessage::try_from(frames).unwrap_or_else(|_| ZmqMessage::from(Bytes::new()))
+    ]
 }

@@ -226,6 +226,20 @@ pub struct Args {
     /// `MODEL=token` or `MODEL=engine[:ALGO[:SEED]]`. Repeatable.
     #[arg(long, env = "KV_INDEXER_MODEL_KEY_MODE", value_delimiter = ' ')]
     pub model_key_mode: Vec<String>,
+
+    /// Largest ZeroMQ message accepted from a pod, e.g. `4MiB` [default: 4MiB].
+    #[arg(long, env = "KV_INDEXER_MAX_EVENT_MESSAGE")]
+    pub max_event_message: Option<String>,
+
+    /// Messages queued per ingest worker; beyond, new ones are dropped and
+    /// counted [default: 4096].
+    #[arg(long, env = "KV_INDEXER_INGEST_QUEUE")]
+    pub ingest_queue: Option<usize>,
+
+    /// Bind mode: only these networks may connect to the event port
+    /// (CIDR or IP). Repeatable [default: any].
+    #[arg(long, env = "KV_INDEXER_ZMQ_ALLOW", value_delimiter = ',')]
+    pub zmq_allow: Vec<String>,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -370,6 +384,9 @@ pub struct Config {
     pub tokenizers: tokenizer::load::Sources,
     /// Tokenization cache bytes, per model.
     pub tokenization_cache_bytes: usize,
+    pub max_event_message_bytes: usize,
+    pub ingest_queue: usize,
+    pub zmq_allow: Vec<ipnet::IpNet>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -782,7 +799,23 @@ impl Config {
             )
         })?;
 
+        let max_event_message_bytes = size("max_event_message", args.max_event_message, "4MiB")?;
+        let ingest_queue = positive("ingest_queue", args.ingest_queue, 4096)?;
+        let zmq_allow = args
+            .zmq_allow
+            .iter()
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| {
+                let s = s.trim();
+                s.parse::<ipnet::IpNet>()
+                    .or_else(|_| s.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                    .map_err(|_| invalid("zmq_allow", s, "want a network (10.0.0.0/8) or an IP"))
+            })
+            .collect::<Result<_, _>>()?;
         Ok(Config {
+            max_event_message_bytes,
+            ingest_queue,
+            zmq_allow,
             grpc_addr,
             tls,
             metrics_addr,

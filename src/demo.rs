@@ -8,8 +8,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use zeromq::{Socket, SocketSend};
-
 use crate::config::Config;
 use crate::proto::kvindexer::v1 as pb;
 use crate::vllm_wire::{self, WireEvent};
@@ -65,8 +63,8 @@ pub async fn run(config: Config, pods: usize, turns: u32) -> anyhow::Result<()> 
             Err(e) => return Err(anyhow::anyhow!("the service did not start: {e}")),
         }
     };
-    let mut publisher = zeromq::PubSocket::new();
-    publisher.connect(&zmq).await?;
+    let context = zmq::Context::new();
+    let mut publisher = crate::zmq_io::Publisher::connect(&context, &zmq)?;
     tokio::time::sleep(Duration::from_millis(300)).await; // subscription handshake
 
     let mut fake: Vec<FakePod> = (0..pods)
@@ -167,7 +165,7 @@ fn block_hashes(prompt: &[u32]) -> Vec<u64> {
 /// other cached conversation uses) to make room, then a store of the blocks
 /// it did not have yet, chained to the cached prefix.
 async fn publish_turn(
-    publisher: &mut zeromq::PubSocket,
+    publisher: &mut crate::zmq_io::Publisher,
     pod: &mut FakePod,
     conv: usize,
     prompt: &[u32],
@@ -222,6 +220,6 @@ async fn publish_turn(
     }
     pod.lru.push_back((conv, hashes));
     pod.seq += 1;
-    publisher.send(msg).await?;
+    publisher.send(&msg)?;
     Ok(())
 }

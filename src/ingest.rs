@@ -1,12 +1,17 @@
 //! ZeroMQ ingestion: SUB sockets in, decoded batches applied to the index.
 //!
 //! ```text
-//! SUB socket (bind and/or one per dialed pod)        worker threads (N)
-//!   recv -> check frames/topic/seq -> hash(topic) ---> decode -> Indexer::apply
+//! SUB socket (bind: one thread;              bounded queue     worker threads (N)
+//!   dial: one thread polling every pod's) -> per worker   ---> decode -> Indexer::apply
+//!   recv -> check frames/topic/seq -> hash(topic)
 //! ```
 //! The receive loops only check the frame shape and hand the message to the
-//! worker that owns its topic over an unbounded channel: they never wait on
-//! index work, and one pod's batches are applied in order by one worker.
+//! worker that owns its topic: they never wait on index work, and one pod's
+//! batches are applied in order by one worker. A worker's queue holds at
+//! most `--ingest-queue` messages; when it is full, new messages are dropped
+//! and counted, and the seq gap they leave is repaired through the pod's
+//! replay socket like any other gap. Memory between the socket and the
+//! index is therefore bounded by workers x queue x `--max-event-message`.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -18,12 +23,13 @@ use bytes::Bytes;
 use indexer::topic::parse_topic;
 use indexer::Indexer;
 use tokio::task::JoinHandle;
-use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
 
-use crate::config::{Config, DialTarget};
+use crate::config::Config;
+use crate::dial::{DialContext, Dialer};
 use crate::metrics::Metrics;
 use crate::ratelimit::RateLimited;
 use crate::worker::{Frame, Work, Worker, WorkerConfig};
+use crate::zmq_io::{self, ReceiveLimits};
 
 /// Why a ZeroMQ message failed the shape checks. Counted, logged
 /// (rate-limited), skipped. (Undecodable payloads are counted by the worker.)
@@ -45,30 +51,30 @@ impl FrameProblem {
 }
 
 /// Checks `[topic, seq (8-byte big-endian), payload]`.
-fn check_frames(msg: ZmqMessage) -> Result<Frame, FrameProblem> {
-    let mut frames = msg.into_vec();
+fn check_frames(mut frames: Vec<Vec<u8>>) -> Result<Frame, FrameProblem> {
     if frames.len() != 3 {
         return Err(FrameProblem::FrameCount);
     }
     let payload = frames.pop().unwrap_or_default();
     let seq = frames.pop().unwrap_or_default();
     let topic = frames.pop().unwrap_or_default();
-    let seq: [u8; 8] = seq.as_ref().try_into().map_err(|_| FrameProblem::Seq)?;
+    let seq: [u8; 8] = seq[..].try_into().map_err(|_| FrameProblem::Seq)?;
     parse_topic(&topic).map_err(|_| FrameProblem::Topic)?;
     Ok(Frame {
-        topic,
+        topic: Bytes::from(topic),
         seq: u64::from_be_bytes(seq),
-        payload,
+        payload: Bytes::from(payload),
         replay: None,
     })
 }
 
 /// Routes frames to workers by topic, so a pod always lands on the same one.
 #[derive(Clone)]
-struct Dispatcher {
+pub struct Dispatcher {
     workers: Arc<Vec<flume::Sender<Work>>>,
     metrics: Arc<Metrics>,
     warn: Arc<RateLimited>,
+    dropped: Arc<RateLimited>,
 }
 
 impl Dispatcher {
@@ -79,14 +85,17 @@ impl Dispatcher {
     }
 
     /// Hands a pod's replay buffer (fetched on connect) to the workers that
-    /// own its topics.
-    fn catch_up(&self, replay: &Arc<str>, items: Vec<crate::replay::Replayed>) {
+    /// own its topics. Runs off the receive threads, so it may wait for
+    /// room in a queue: a catch-up is never dropped.
+    pub fn catch_up(&self, replay: &Arc<str>, items: Vec<crate::replay::Replayed>) {
         let mut by_topic: HashMap<Bytes, Vec<crate::replay::Replayed>> = HashMap::new();
         for item in items {
             // The older two-frame form names no topic: the pod's first live
             // batch triggers its catch-up instead.
             if let Some(topic) = item.topic.clone() {
-                by_topic.entry(topic).or_default().push(item);
+                if parse_topic(&topic).is_ok() {
+                    by_topic.entry(topic).or_default().push(item);
+                }
             }
         }
         for (topic, items) in by_topic {
@@ -101,19 +110,36 @@ impl Dispatcher {
 
     /// A peer's broken stream: counted and logged (rate-limited); the
     /// socket drops that peer and goes on.
-    fn receive_error(&self, source: &str, error: &zeromq::ZmqError, warn: &RateLimited) {
+    pub fn receive_error(&self, source: &str, error: &zmq::Error, warn: &RateLimited) {
         self.metrics.receive_errors.inc();
         warn.warn(|suppressed| tracing::warn!(%source, %error, suppressed, "ZeroMQ receive error"));
     }
 
-    fn dispatch(&self, msg: ZmqMessage, source: &str, replay: Option<&Arc<str>>) {
+    pub fn connection_opened(&self) {
+        self.metrics.zmq_connections.inc();
+    }
+
+    pub fn connection_closed(&self) {
+        self.metrics.zmq_connections.dec();
+        self.metrics.zmq_disconnects.inc();
+    }
+
+    pub fn dispatch(&self, frames: Vec<Vec<u8>>, source: &str, replay: Option<&Arc<str>>) {
         self.metrics.messages_received.inc();
-        match check_frames(msg) {
+        match check_frames(frames) {
             Ok(mut frame) => {
                 frame.replay = replay.cloned();
-                // Unbounded: the socket loop must never wait on index work.
-                // Fails only when shutting down.
-                let _ = self.worker_for(&frame.topic).send(Work::Live(frame));
+                // Never wait on index work: a full queue drops (and the gap
+                // is repaired through replay). Disconnected only when
+                // shutting down.
+                if let Err(flume::TrySendError::Full(_)) =
+                    self.worker_for(&frame.topic).try_send(Work::Live(frame))
+                {
+                    self.metrics.messages_dropped.inc();
+                    self.dropped.warn(|suppressed| {
+                        tracing::warn!(%source, suppressed, "ingest queue full: dropping ZeroMQ messages (raise --ingest-workers or --ingest-queue)")
+                    });
+                }
             }
             Err(problem) => {
                 self.metrics.skip_message(problem.label());
@@ -125,45 +151,54 @@ impl Dispatcher {
     }
 }
 
-/// Running ingestion; dropping it stops the sockets and workers.
+/// Running ingestion; [`Ingest::shutdown`] stops the sockets and workers.
 pub struct Ingest {
     tasks: Vec<JoinHandle<()>>,
     stop: Arc<AtomicBool>,
+    receivers: Vec<std::thread::JoinHandle<()>>,
+    dialer: Option<Arc<Dialer>>,
     workers: Vec<std::thread::JoinHandle<()>>,
+    _zap: Option<crate::zap::ZapHandler>,
     /// The endpoint the SUB socket actually bound (port 0 resolved).
     pub bound: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum IngestError {
-    #[error("cannot bind ZeroMQ SUB socket on {endpoint}: {source}")]
-    Bind {
-        endpoint: String,
-        source: zeromq::ZmqError,
-    },
-    #[error("cannot subscribe: {0}")]
-    Subscribe(zeromq::ZmqError),
-    #[error("cannot start ingest worker thread: {0}")]
+    #[error("cannot bind the ZeroMQ SUB socket: {0}")]
+    Bind(String),
+    #[error("cannot set up the ZeroMQ SUB socket: {0}")]
+    Socket(zmq::Error),
+    #[error("cannot start the ZeroMQ allow-list handler: {0}")]
+    Zap(String),
+    #[error("cannot start an ingest thread: {0}")]
     Thread(std::io::Error),
 }
 
 impl Ingest {
     /// Binds (if configured; failure is fatal) and starts dialing pods (in
-    /// the background, retrying until they are up).
+    /// the background; libzmq retries until they are up).
     pub async fn start(
         config: &Config,
         indexer: Arc<Indexer>,
         metrics: Arc<Metrics>,
     ) -> Result<Ingest, IngestError> {
+        let context = zmq::Context::new();
+        let limits = ReceiveLimits {
+            max_message_bytes: config.max_event_message_bytes,
+            hwm: zmq_io::RECEIVE_HWM,
+        };
         let mut senders = Vec::with_capacity(config.ingest_workers);
         let mut workers = Vec::with_capacity(config.ingest_workers);
         let stop = Arc::new(AtomicBool::new(false));
         let worker_config = Arc::new(WorkerConfig {
             replay_endpoints: config.replay_endpoints.clone(),
             replay_timeout: config.replay_timeout,
+            context: context.clone(),
+            limits,
         });
         for i in 0..config.ingest_workers {
-            let (tx, rx) = flume::unbounded();
+            let (tx, rx) = flume::bounded(config.ingest_queue);
             senders.push(tx.clone());
             let indexer = indexer.clone();
             let metrics = metrics.clone();
@@ -180,245 +215,146 @@ impl Ingest {
         }
         let dispatcher = Dispatcher {
             workers: Arc::new(senders),
-            metrics,
+            metrics: metrics.clone(),
             warn: Arc::new(RateLimited::new(Duration::from_secs(10))),
+            dropped: Arc::new(RateLimited::new(Duration::from_secs(10))),
         };
 
-        let mut tasks = Vec::new();
+        let mut receivers = Vec::new();
         let mut bound = None;
+        let mut zap = None;
         if let Some(endpoint) = &config.zmq_bind {
-            let mut socket = SubSocket::new();
+            if !config.zmq_allow.is_empty() {
+                zap = Some(
+                    crate::zap::ZapHandler::start(&context, config.zmq_allow.clone(), metrics)
+                        .map_err(IngestError::Zap)?,
+                );
+            }
+            let socket = context.socket(zmq::SUB).map_err(IngestError::Socket)?;
+            zmq_io::limit(&socket, limits).map_err(IngestError::Socket)?;
+            if zap.is_some() {
+                socket
+                    .set_zap_domain(crate::zap::DOMAIN)
+                    .map_err(IngestError::Socket)?;
+            }
             socket
-                .subscribe(&config.topic_filter)
-                .await
-                .map_err(IngestError::Subscribe)?;
-            let actual = socket
+                .set_subscribe(config.topic_filter.as_bytes())
+                .map_err(IngestError::Socket)?;
+            let monitor =
+                zmq_io::monitor(&context, &socket, "bind").map_err(IngestError::Socket)?;
+            socket
                 .bind(endpoint)
-                .await
-                .map_err(|source| IngestError::Bind {
-                    endpoint: endpoint.clone(),
-                    source,
-                })?;
-            tracing::info!(endpoint = %actual, topic_filter = %config.topic_filter, "ZeroMQ SUB socket bound; pods can connect");
-            bound = Some(actual.to_string());
-            let d = dispatcher.clone();
-            let source = actual.to_string();
-            tasks.push(tokio::spawn(recv_loop(socket, source, d, None)));
+                .map_err(|e| IngestError::Bind(zmq_io::bind_error(endpoint, e)))?;
+            let actual = zmq_io::last_endpoint(&socket).map_err(IngestError::Socket)?;
+            tracing::info!(endpoint = %actual, topic_filter = %config.topic_filter, max_event_message = config.max_event_message_bytes, "ZeroMQ SUB socket bound; pods can connect");
+            bound = Some(actual.clone());
+            let (d, stop) = (dispatcher.clone(), stop.clone());
+            receivers.push(
+                std::thread::Builder::new()
+                    .name("zmq-bind".into())
+                    .spawn(move || bind_loop(&socket, &monitor, &actual, &d, &stop))
+                    .map_err(IngestError::Thread)?,
+            );
         }
-        let mut dialer = Dialer {
-            running: HashMap::new(),
-            topic_filter: config.topic_filter.clone(),
-            dispatcher: dispatcher.clone(),
-            expiry: config.pod_expiry.map(|after| Expiry {
-                after,
-                indexer: indexer.clone(),
-            }),
-        };
+        let dialer = Arc::new(
+            Dialer::start(
+                DialContext {
+                    context,
+                    limits,
+                    topic_filter: config.topic_filter.clone(),
+                    dispatcher,
+                    expiry: config.pod_expiry,
+                    indexer,
+                    runtime: tokio::runtime::Handle::current(),
+                },
+                stop.clone(),
+            )
+            .map_err(IngestError::Thread)?,
+        );
+        let mut tasks = Vec::new();
         if config.discovery.is_enabled() {
             let discovery = config.discovery.clone();
             let static_targets = config.zmq_connect.clone();
+            let d = dialer.clone();
             tasks.push(tokio::spawn(crate::discovery::run(
                 discovery,
                 static_targets,
-                move |targets| dialer.reconcile(&targets),
+                move |targets| d.reconcile(targets),
             )));
         } else {
-            dialer.reconcile(&config.zmq_connect);
-            tasks.push(tokio::spawn(async move {
-                // Keeps the static dialers alive for as long as ingestion runs.
-                let _dialer = dialer;
-                std::future::pending::<()>().await;
-            }));
+            dialer.reconcile(config.zmq_connect.clone());
         }
         Ok(Ingest {
             tasks,
             stop,
+            receivers,
+            dialer: Some(dialer),
             workers,
+            _zap: zap,
             bound,
         })
     }
 
     /// Stops receiving, lets the workers drain what they already have.
-    pub fn shutdown(self) {
+    pub fn shutdown(mut self) {
         for task in &self.tasks {
             task.abort();
         }
-        drop(self.tasks);
-        // Workers drain what they have queued, then exit.
+        self.tasks.clear();
         self.stop.store(true, Ordering::Relaxed);
-        for worker in self.workers {
+        for receiver in self.receivers.drain(..) {
+            let _ = receiver.join();
+        }
+        // The discovery task held the other handle; aborted above.
+        drop(self.dialer.take());
+        // Workers drain what they have queued, then exit.
+        for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
     }
 }
 
-/// The pods being dialed, one task (and SUB socket) each.
-struct Dialer {
-    running: HashMap<DialTarget, JoinHandle<()>>,
-    topic_filter: String,
-    dispatcher: Dispatcher,
-    expiry: Option<Expiry>,
-}
+/// Messages read before the monitor and the stop flag are looked at again.
+const BURST: usize = 4096;
 
-/// Forgetting dialed pods that are gone: silent and disconnected.
-#[derive(Clone)]
-struct Expiry {
-    after: Duration,
-    indexer: Arc<Indexer>,
-}
-
-impl Dialer {
-    /// Connects to targets not yet dialed and drops the ones no longer wanted.
-    fn reconcile(&mut self, desired: &[DialTarget]) {
-        let wanted: std::collections::HashSet<&DialTarget> = desired.iter().collect();
-        self.running.retain(|target, task| {
-            let keep = wanted.contains(target);
-            if !keep {
-                tracing::info!(endpoint = %target.endpoint, "pod no longer listed: disconnecting");
-                task.abort();
-            }
-            keep
-        });
-        for target in desired {
-            if !self.running.contains_key(target) {
-                let task = tokio::spawn(dial(
-                    target.clone(),
-                    self.topic_filter.clone(),
-                    self.dispatcher.clone(),
-                    self.expiry.clone(),
-                ));
-                self.running.insert(target.clone(), task);
-            }
-        }
-    }
-}
-
-impl Drop for Dialer {
-    fn drop(&mut self) {
-        for task in self.running.values() {
-            task.abort();
-        }
-    }
-}
-
-/// Connects to one pod's PUB socket, retrying until it answers; the socket
-/// then reconnects by itself if the pod goes away and comes back.
-async fn dial(
-    target: DialTarget,
-    topic_filter: String,
-    dispatcher: Dispatcher,
-    expiry: Option<Expiry>,
+/// The bind socket's receive loop: every pod that connects to us.
+fn bind_loop(
+    socket: &zmq::Socket,
+    monitor: &zmq::Socket,
+    source: &str,
+    dispatcher: &Dispatcher,
+    stop: &AtomicBool,
 ) {
-    let mut socket = SubSocket::new();
-    let monitor = socket.monitor();
-    if let Err(e) = socket.subscribe(&topic_filter).await {
-        tracing::error!(endpoint = %target.endpoint, error = %e, "cannot subscribe");
-        return;
-    }
-    let mut delay = Duration::from_millis(100);
-    loop {
-        match socket.connect(&target.endpoint).await {
-            Ok(()) => break,
-            Err(e) => {
-                tracing::warn!(endpoint = %target.endpoint, error = %e, retry_in = ?delay, "cannot connect to pod yet");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(10));
-            }
-        }
-    }
-    tracing::info!(endpoint = %target.endpoint, replay = ?target.replay, "connected to pod");
-    let replay: Option<Arc<str>> = target.replay.as_deref().map(Arc::from);
-    if let Some(endpoint) = replay.clone() {
-        // Catch up with what the pod did before we connected (it may stay
-        // idle for a long time): its whole replay buffer.
-        let d = dispatcher.clone();
-        tokio::spawn(async move {
-            match crate::replay::fetch(&endpoint, 0, REPLAY_ON_CONNECT_TIMEOUT).await {
-                Ok(items) => d.catch_up(&endpoint, items),
-                Err(e) => {
-                    tracing::warn!(%endpoint, error = %e, "catch-up replay failed; relying on gap repair")
-                }
-            }
-        });
-    }
-    match expiry {
-        Some(expiry) => {
-            dialed_recv_loop(socket, monitor, target.endpoint, dispatcher, replay, expiry).await
-        }
-        None => recv_loop(socket, target.endpoint, dispatcher, replay).await,
-    }
-}
-
-/// A full replay buffer (10,000 batches by default) can take a while.
-const REPLAY_ON_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// A dialed pod's receive loop, which also forgets its pods once the
-/// connection has been down and nothing arrived for `expiry.after`.
-async fn dialed_recv_loop(
-    mut socket: SubSocket,
-    mut monitor: futures::channel::mpsc::Receiver<zeromq::SocketEvent>,
-    source: String,
-    dispatcher: Dispatcher,
-    replay: Option<Arc<str>>,
-    expiry: Expiry,
-) {
-    use futures::StreamExt;
     let warn = RateLimited::new(Duration::from_secs(10));
-    // Topics seen on this socket (copied once each, not per message).
-    let mut seen: std::collections::HashSet<Vec<u8>> = Default::default();
-    let mut last_message = std::time::Instant::now();
-    let mut down_since: Option<std::time::Instant> = None;
-    let mut check = tokio::time::interval((expiry.after / 4).max(Duration::from_millis(100)));
-    loop {
-        tokio::select! {
-            msg = socket.recv() => match msg {
-                Ok(msg) => {
-                    last_message = std::time::Instant::now();
-                    if let Some(topic) = msg.get(0) {
-                        if !seen.contains(topic.as_ref()) {
-                            seen.insert(topic.to_vec());
-                        }
-                    }
-                    dispatcher.dispatch(msg, &source, replay.as_ref());
-                }
-                Err(e) => dispatcher.receive_error(&source, &e, &warn),
-            },
-            Some(event) = monitor.next() => match event {
-                zeromq::SocketEvent::Disconnected(_) => {
-                    down_since.get_or_insert_with(std::time::Instant::now);
-                }
-                zeromq::SocketEvent::Connected(..) => down_since = None,
-                _ => {}
-            },
-            _ = check.tick() => {
-                let gone = down_since.is_some_and(|t| t.elapsed() >= expiry.after)
-                    && last_message.elapsed() >= expiry.after;
-                if gone && !seen.is_empty() {
-                    for raw in seen.drain() {
-                        let Ok(topic) = parse_topic(&raw) else { continue };
-                        let (domains, blocks) =
-                            expiry.indexer.remove_pod_domains(topic.model, topic.pod);
-                        tracing::info!(%source, model = %topic.model, pod = %topic.pod, domains, blocks, "pod expired: disconnected and silent");
+    while !stop.load(Ordering::Relaxed) {
+        let mut items = [
+            socket.as_poll_item(zmq::POLLIN),
+            monitor.as_poll_item(zmq::POLLIN),
+        ];
+        // The timeout only bounds how late `stop` is seen.
+        if zmq::poll(&mut items, 100).is_err() {
+            continue;
+        }
+        let (messages, events) = (items[0].is_readable(), items[1].is_readable());
+        if messages {
+            for _ in 0..BURST {
+                match socket.recv_multipart(zmq::DONTWAIT) {
+                    Ok(frames) => dispatcher.dispatch(frames, source, None),
+                    Err(zmq::Error::EAGAIN) => break,
+                    Err(e) => {
+                        dispatcher.receive_error(source, &e, &warn);
+                        break;
                     }
                 }
             }
         }
-    }
-}
-
-async fn recv_loop(
-    mut socket: SubSocket,
-    source: String,
-    dispatcher: Dispatcher,
-    replay: Option<Arc<str>>,
-) {
-    let warn = RateLimited::new(Duration::from_secs(10));
-    loop {
-        match socket.recv().await {
-            Ok(msg) => dispatcher.dispatch(msg, &source, replay.as_ref()),
-            Err(e) => {
-                dispatcher.receive_error(&source, &e, &warn);
-                tokio::task::yield_now().await;
+        if events {
+            for event in zmq_io::drain_monitor(monitor) {
+                match event.event {
+                    zmq::SocketEvent::ACCEPTED => dispatcher.connection_opened(),
+                    zmq::SocketEvent::DISCONNECTED => dispatcher.connection_closed(),
+                    _ => {}
+                }
             }
         }
     }
@@ -428,14 +364,8 @@ async fn recv_loop(
 mod tests {
     use super::*;
 
-    fn msg(frames: Vec<&[u8]>) -> ZmqMessage {
-        ZmqMessage::try_from(
-            frames
-                .into_iter()
-                .map(Bytes::copy_from_slice)
-                .collect::<Vec<_>>(),
-        )
-        .unwrap()
+    fn msg(frames: Vec<&[u8]>) -> Vec<Vec<u8>> {
+        frames.into_iter().map(<[u8]>::to_vec).collect()
     }
 
     #[test]

@@ -37,6 +37,15 @@ pub struct Metrics {
     pub blocks_stored: Counter,
     pub blocks_removed: Counter,
     pub receive_errors: Counter,
+    /// Valid messages dropped because their worker's queue was full.
+    pub messages_dropped: Counter,
+    /// Event connections open now (pods connected to us, pods we dialed).
+    pub zmq_connections: Gauge,
+    /// Event connections closed: by the peer, or by libzmq for a frame
+    /// over --max-event-message or a protocol error.
+    pub zmq_disconnects: Counter,
+    /// New pods, models and connections refused by a bound, by `what`.
+    pub refused: Family<Labels, Counter>,
     /// Engine mode: stores whose recomputed hashes disagreed with the pod's.
     pub engine_hash_mismatches: Counter,
     /// Score requests by input kind (token_ids, prompt, chat) and status code.
@@ -74,6 +83,10 @@ impl Metrics {
             blocks_stored: Counter::default(),
             blocks_removed: Counter::default(),
             receive_errors: Counter::default(),
+            messages_dropped: Counter::default(),
+            zmq_connections: Gauge::default(),
+            zmq_disconnects: Counter::default(),
+            refused: Family::default(),
             engine_hash_mismatches: Counter::default(),
             score_requests: Family::default(),
             score_seconds: Family::new_with_constructor(latency_buckets),
@@ -125,6 +138,26 @@ impl Metrics {
             "receive_errors",
             "ZeroMQ receive errors (broken peer streams)",
             m.receive_errors.clone(),
+        );
+        r.register(
+            "messages_dropped",
+            "Valid ZeroMQ messages dropped because the ingest queue was full (gaps repaired through replay)",
+            m.messages_dropped.clone(),
+        );
+        r.register(
+            "zmq_connections",
+            "ZeroMQ event connections open",
+            m.zmq_connections.clone(),
+        );
+        r.register(
+            "zmq_disconnects",
+            "ZeroMQ event connections closed (by the peer, or for a frame over --max-event-message)",
+            m.zmq_disconnects.clone(),
+        );
+        r.register(
+            "refused",
+            "New pods, models and connections refused by a bound (--max-pods, --max-models, --max-memory, --zmq-allow), by what",
+            m.refused.clone(),
         );
         r.register(
             "engine_hash_mismatches",
@@ -183,6 +216,18 @@ impl Metrics {
         self.messages_skipped
             .get_or_create(&vec![("reason", reason.to_owned())])
             .inc();
+    }
+
+    pub fn refuse(&self, what: &'static str) {
+        self.refused
+            .get_or_create(&vec![("what", what.to_owned())])
+            .inc();
+    }
+
+    pub fn refused(&self, what: &'static str) -> u64 {
+        self.refused
+            .get_or_create(&vec![("what", what.to_owned())])
+            .get()
     }
 
     pub fn skip_events(&self, reason: &'static str, n: u64) {

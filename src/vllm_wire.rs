@@ -5,7 +5,6 @@
 
 use bytes::Bytes;
 use serde::Serialize;
-use zeromq::ZmqMessage;
 
 #[derive(Serialize)]
 struct Stored<'a> {
@@ -86,9 +85,10 @@ pub fn encode_batch(events: &[WireEvent<'_>]) -> Vec<u8> {
 }
 
 /// `[topic, seq, payload]` for `kv@<pod>@<model>`.
-pub fn frames(pod: &str, model: &str, seq: u64, payload: Vec<u8>) -> ZmqMessage {
-    let mut msg = ZmqMessage::from(Bytes::from(format!("kv@{pod}@{model}")));
-    msg.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
-    msg.push_back(Bytes::from(payload));
-    msg
+pub fn frames(pod: &str, model: &str, seq: u64, payload: Vec<u8>) -> Vec<Bytes> {
+    vec![
+        Bytes::from(format!("kv@{pod}@{model}")),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+        Bytes::from(payload),
+    ]
 }

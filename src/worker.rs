@@ -65,6 +65,9 @@ pub struct WorkerConfig {
     /// Replay endpoints for pods that connect to us (bind mode), by pod name.
     pub replay_endpoints: HashMap<String, String>,
     pub replay_timeout: Duration,
+    /// For replay sockets: the process's libzmq context and frame limits.
+    pub context: zmq::Context,
+    pub limits: crate::zmq_io::ReceiveLimits,
 }
 
 struct Stream {
@@ -247,14 +250,25 @@ impl<'a> Worker<'a> {
     ) {
         let tx = self.tx.clone();
         let timeout = self.config.replay_timeout;
+        let (context, limits) = (self.config.context.clone(), self.config.limits);
         self.runtime.spawn(async move {
             tokio::time::sleep(delay).await;
-            let result = replay::fetch(&endpoint, from, timeout).await;
-            let _ = tx.send(Work::Replayed {
-                stream,
-                attempt,
-                result,
-            });
+            // libzmq blocks: the fetch takes a blocking-pool thread for at
+            // most `timeout`.
+            let result = tokio::task::spawn_blocking(move || {
+                replay::fetch(&context, &endpoint, from, timeout, limits)
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("replay task failed: {e}")));
+            // Waits for room in the queue (this is no receive loop): a
+            // replay result is never dropped.
+            let _ = tx
+                .send_async(Work::Replayed {
+                    stream,
+                    attempt,
+                    result,
+                })
+                .await;
         });
     }
 

@@ -28,10 +28,12 @@ use std::time::{Duration, Instant};
 
 use kv_indexer::proto::kvindexer::v1 as pb;
 use kv_indexer::vllm_wire::{encode_batch, frames, WireEvent};
+use kv_indexer::zmq_io::Publisher;
 use pb::kv_indexer_client::KvIndexerClient;
 use serde_json::{json, Value};
 use tonic::transport::Channel;
-use zeromq::{Socket, SocketSend, ZmqMessage};
+
+type ZmqMessage = Vec<bytes::Bytes>;
 
 const MODEL: &str = "bench/model";
 const TEXT_MODEL: &str = "bench/qwen3";
@@ -277,7 +279,7 @@ struct IngestResult {
 /// them (or stop making progress).
 async fn ingest_step(
     client: &mut KvIndexerClient<Channel>,
-    pods: &mut [(zeromq::PubSocket, String, u64)],
+    pods: &mut [(Option<Publisher>, String, u64)],
     batches_per_pod: usize,
     rate: Option<f64>,
     salt: u64,
@@ -292,11 +294,11 @@ async fn ingest_step(
     let start = Instant::now();
     let per_pod_rate = rate.map(|r| r / pods.len() as f64);
     let mut tasks = Vec::new();
-    for ((mut socket, name, seq), batches) in pods
+    for ((socket, name, seq), batches) in pods
         .iter_mut()
         .map(|(s, n, q)| {
             (
-                std::mem::replace(s, zeromq::PubSocket::new()),
+                s.take().expect("publisher returned by its last step"),
                 n.clone(),
                 *q,
             )
@@ -315,10 +317,10 @@ async fn ingest_step(
                         tokio::time::sleep(due - now).await;
                     }
                 }
-                socket.send(msg).await.expect("publish");
+                socket.send(&msg).expect("publish");
                 done_ops += ops;
             }
-            (socket, name, seq + count)
+            (Some(socket), name, seq + count)
         }));
     }
     for (slot, task) in pods.iter_mut().zip(tasks) {
@@ -350,11 +352,11 @@ async fn ingest_step(
 }
 
 async fn ingest(zmq: &str, client: &mut KvIndexerClient<Channel>, quick: bool) -> Vec<Value> {
+    let context = zmq::Context::new();
     let mut pods = Vec::new();
     for i in 0..PUBLISHERS {
-        let mut s = zeromq::PubSocket::new();
-        s.connect(zmq).await.expect("connect PUB");
-        pods.push((s, format!("ingest-{i}"), 0u64));
+        let s = Publisher::connect(&context, zmq).expect("connect PUB");
+        pods.push((Some(s), format!("ingest-{i}"), 0u64));
     }
     // Subscriptions reach a PUB socket asynchronously: warm each pod up
     // until its first batch is applied, so nothing measured is dropped for
@@ -537,10 +539,10 @@ async fn score_tokens(
         .map(|_| (lcg(&mut x) % 150_000) as u32)
         .collect();
     let hashes: Vec<u64> = (0..2048u64).map(|i| 0x5c0e_0000_0000 + i).collect();
+    let context = zmq::Context::new();
     let mut publishers = Vec::new();
     for i in 0..64 {
-        let mut s = zeromq::PubSocket::new();
-        s.connect(zmq).await.expect("connect PUB");
+        let s = Publisher::connect(&context, zmq).expect("connect PUB");
         publishers.push((s, format!("score-{i:02}"), (i + 1) * 32));
     }
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -553,9 +555,7 @@ async fn score_tokens(
                 block_size: BLOCK,
             }]);
             // Same seq every time: re-sends are duplicates, skipped.
-            s.send(frames(name, MODEL, 0, payload))
-                .await
-                .expect("publish");
+            s.send(&frames(name, MODEL, 0, payload)).expect("publish");
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
         if pods_named(client, "score-").await.len() == 64 {

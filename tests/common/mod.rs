@@ -15,7 +15,6 @@ use kv_indexer::proto::kvindexer::v1 as pb;
 use pb::kv_indexer_client::KvIndexerClient;
 use serde_json::Value;
 use tonic::transport::Channel;
-use zeromq::{Socket, SocketSend, ZmqMessage};
 
 pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
@@ -334,8 +333,11 @@ impl RecordedFrame {
     }
 }
 
+/// A multipart ZeroMQ message, frame by frame.
+pub type ZmqMessage = Vec<Bytes>;
+
 pub fn zmq_message(frames: Vec<Bytes>) -> ZmqMessage {
-    ZmqMessage::try_from(frames).expect("non-empty message")
+    frames
 }
 
 /// `vllm-events/NAME.frames.jsonl`, in arrival order.
@@ -483,9 +485,16 @@ pub fn assert_matches(resp: &pb::ScoreResponse, probe: &Probe) {
     }
 }
 
-/// A ZeroMQ PUB socket standing in for vLLM's publisher.
+/// A ZeroMQ PUB socket (libzmq, as vLLM's pyzmq) standing in for vLLM's
+/// publisher.
 pub struct Publisher {
-    pub socket: zeromq::PubSocket,
+    pub socket: kv_indexer::zmq_io::Publisher,
+}
+
+/// One libzmq context for a test process's publishers.
+pub fn zmq_context() -> &'static zmq::Context {
+    static CONTEXT: std::sync::OnceLock<zmq::Context> = std::sync::OnceLock::new();
+    CONTEXT.get_or_init(zmq::Context::new)
 }
 
 pub const WARMUP_MODEL: &str = "warmup-model";
@@ -493,8 +502,8 @@ pub const WARMUP_MODEL: &str = "warmup-model";
 impl Publisher {
     /// Connects to the indexer's bound SUB socket (vLLM's default mode).
     pub async fn connect(endpoint: &str) -> Publisher {
-        let mut socket = zeromq::PubSocket::new();
-        socket.connect(endpoint).await.expect("PUB connect");
+        let socket =
+            kv_indexer::zmq_io::Publisher::connect(zmq_context(), endpoint).expect("PUB connect");
         Publisher { socket }
     }
 
@@ -504,8 +513,8 @@ impl Publisher {
     }
 
     pub async fn bind_on(endpoint: &str) -> (Publisher, String) {
-        let mut socket = zeromq::PubSocket::new();
-        let endpoint = socket.bind(endpoint).await.expect("PUB bind").to_string();
+        let (socket, endpoint) =
+            kv_indexer::zmq_io::Publisher::bind(zmq_context(), endpoint).expect("PUB bind");
         (Publisher { socket }, endpoint)
     }
 
@@ -533,7 +542,7 @@ impl Publisher {
     }
 
     pub async fn send(&mut self, msg: ZmqMessage) {
-        self.socket.send(msg).await.expect("PUB send");
+        self.socket.send(&msg).expect("PUB send");
     }
 
     /// PUB drops everything until the subscription has arrived (ZeroMQ's

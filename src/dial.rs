@@ -1,0 +1,264 @@
+//! Dial mode: one thread owns a SUB socket per pod it dials (libzmq
+//! reconnects each by itself), polls them all, and hands their messages to
+//! the dispatcher.
+//!
+//! Discovery tells it which pods to dial ([`Dialer::reconcile`]); the
+//! thread connects new targets, closes the ones no longer listed, runs a
+//! catch-up replay each time a connection comes up (first connect and
+//! every reconnect), and forgets a pod whose connection has been down and
+//! that published nothing for `--pod-expiry`.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indexer::topic::parse_topic;
+use indexer::Indexer;
+
+use crate::config::DialTarget;
+use crate::ingest::Dispatcher;
+use crate::ratelimit::RateLimited;
+use crate::zmq_io::{self, ReceiveLimits};
+
+/// What the dial thread needs besides its targets.
+pub struct DialContext {
+    pub context: zmq::Context,
+    pub limits: ReceiveLimits,
+    pub topic_filter: String,
+    pub dispatcher: Dispatcher,
+    /// Forget pods that are disconnected and silent this long (`None`: never).
+    pub expiry: Option<Duration>,
+    pub indexer: Arc<Indexer>,
+    pub runtime: tokio::runtime::Handle,
+}
+
+/// Handle to the dial thread: hands it target lists; the thread ends when
+/// ingestion's `stop` flag is set, or when the last handle is dropped.
+pub struct Dialer {
+    commands: flume::Sender<Vec<DialTarget>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Dialer {
+    pub fn start(ctx: DialContext, stop: Arc<AtomicBool>) -> std::io::Result<Dialer> {
+        let (commands, rx) = flume::unbounded();
+        let stopping = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("zmq-dial".into())
+            .spawn(move || run(ctx, &rx, &stopping))?;
+        Ok(Dialer {
+            commands,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Dial exactly `desired`: connect new targets, close dropped ones.
+    pub fn reconcile(&self, desired: Vec<DialTarget>) {
+        let _ = self.commands.send(desired);
+    }
+}
+
+impl Drop for Dialer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One dialed pod.
+struct Dialed {
+    socket: zmq::Socket,
+    monitor: zmq::Socket,
+    replay: Option<Arc<str>>,
+    /// Topics seen on this socket (copied once each, not per message): the
+    /// pods to forget when it expires.
+    seen: HashSet<Vec<u8>>,
+    last_message: Instant,
+    down_since: Option<Instant>,
+}
+
+/// Messages read from one socket before the others get their turn.
+const BURST: usize = 1024;
+
+/// A full replay buffer (10,000 batches by default) can take a while.
+const REPLAY_ON_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &AtomicBool) {
+    // A list, not a map: the poll items are built by position each round,
+    // without copying a target.
+    let mut dialed: Vec<(DialTarget, Dialed)> = Vec::new();
+    let warn = RateLimited::new(Duration::from_secs(10));
+    let check_every = ctx.expiry.map_or(Duration::from_secs(3600), |e| {
+        (e / 4).max(Duration::from_millis(100))
+    });
+    let mut last_check = Instant::now();
+    let mut opened = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        if let Some(desired) = commands.try_iter().last() {
+            reconcile(&ctx, &mut dialed, desired, &mut opened);
+        }
+        if dialed.is_empty() {
+            std::thread::sleep(Duration::from_millis(100));
+            continue;
+        }
+        let ready: Vec<(bool, bool)> = {
+            let mut items: Vec<zmq::PollItem<'_>> = dialed
+                .iter()
+                .flat_map(|(_, d)| {
+                    [
+                        d.socket.as_poll_item(zmq::POLLIN),
+                        d.monitor.as_poll_item(zmq::POLLIN),
+                    ]
+                })
+                .collect();
+            if zmq::poll(&mut items, 100).is_err() {
+                continue;
+            }
+            items
+                .chunks(2)
+                .map(|pair| (pair[0].is_readable(), pair[1].is_readable()))
+                .collect()
+        };
+        for ((target, d), (messages, events)) in dialed.iter_mut().zip(ready) {
+            if messages {
+                receive_burst(&ctx, target, d, &warn);
+            }
+            if events {
+                for event in zmq_io::drain_monitor(&d.monitor) {
+                    on_event(&ctx, target, d, &event);
+                }
+            }
+        }
+        if ctx.expiry.is_some() && last_check.elapsed() >= check_every {
+            last_check = Instant::now();
+            expire(&ctx, &mut dialed);
+        }
+    }
+}
+
+fn reconcile(
+    ctx: &DialContext,
+    dialed: &mut Vec<(DialTarget, Dialed)>,
+    desired: Vec<DialTarget>,
+    opened: &mut u64,
+) {
+    let wanted: HashSet<&DialTarget> = desired.iter().collect();
+    dialed.retain(|(target, _)| {
+        let keep = wanted.contains(target);
+        if !keep {
+            tracing::info!(endpoint = %target.endpoint, "pod no longer listed: disconnecting");
+        }
+        keep
+    });
+    let mut have: HashSet<DialTarget> = dialed.iter().map(|(t, _)| t.clone()).collect();
+    for target in desired {
+        if !have.insert(target.clone()) {
+            continue;
+        }
+        *opened += 1;
+        match open(ctx, &target, *opened) {
+            Ok(d) => {
+                tracing::info!(endpoint = %target.endpoint, replay = ?target.replay, "dialing pod");
+                dialed.push((target, d));
+            }
+            Err(e) => {
+                tracing::error!(endpoint = %target.endpoint, error = %e, "cannot dial pod")
+            }
+        }
+    }
+}
+
+fn open(ctx: &DialContext, target: &DialTarget, n: u64) -> zmq::Result<Dialed> {
+    let socket = ctx.context.socket(zmq::SUB)?;
+    zmq_io::limit(&socket, ctx.limits)?;
+    socket.set_subscribe(ctx.topic_filter.as_bytes())?;
+    let monitor = zmq_io::monitor(&ctx.context, &socket, &format!("dial-{n}"))?;
+    socket.connect(&target.endpoint)?;
+    Ok(Dialed {
+        socket,
+        monitor,
+        replay: target.replay.as_deref().map(Arc::from),
+        seen: HashSet::new(),
+        last_message: Instant::now(),
+        down_since: None,
+    })
+}
+
+fn receive_burst(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, warn: &RateLimited) {
+    for _ in 0..BURST {
+        match d.socket.recv_multipart(zmq::DONTWAIT) {
+            Ok(frames) => {
+                d.last_message = Instant::now();
+                if let Some(topic) = frames.first() {
+                    if !d.seen.contains(topic) && parse_topic(topic).is_ok() {
+                        d.seen.insert(topic.clone());
+                    }
+                }
+                ctx.dispatcher
+                    .dispatch(frames, &target.endpoint, d.replay.as_ref());
+            }
+            Err(zmq::Error::EAGAIN) => return,
+            Err(e) => {
+                ctx.dispatcher.receive_error(&target.endpoint, &e, warn);
+                return;
+            }
+        }
+    }
+}
+
+fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_io::MonitorEvent) {
+    match event.event {
+        zmq::SocketEvent::CONNECTED => {
+            tracing::info!(endpoint = %target.endpoint, "connected to pod");
+            d.down_since = None;
+            ctx.dispatcher.connection_opened();
+            if let Some(endpoint) = d.replay.clone() {
+                catch_up(ctx, endpoint);
+            }
+        }
+        zmq::SocketEvent::DISCONNECTED => {
+            tracing::info!(endpoint = %target.endpoint, "pod connection lost; libzmq reconnects");
+            d.down_since.get_or_insert_with(Instant::now);
+            ctx.dispatcher.connection_closed();
+        }
+        _ => {}
+    }
+}
+
+/// Catches up with what the pod did before this connection came up (it
+/// may stay idle for a long time): its whole replay buffer, fetched off
+/// this thread.
+fn catch_up(ctx: &DialContext, endpoint: Arc<str>) {
+    let (context, limits, dispatcher) = (ctx.context.clone(), ctx.limits, ctx.dispatcher.clone());
+    ctx.runtime.spawn_blocking(move || {
+        match crate::replay::fetch(&context, &endpoint, 0, REPLAY_ON_CONNECT_TIMEOUT, limits) {
+            Ok(items) => dispatcher.catch_up(&endpoint, items),
+            Err(e) => {
+                tracing::warn!(%endpoint, error = %e, "catch-up replay failed; relying on gap repair")
+            }
+        }
+    });
+}
+
+fn expire(ctx: &DialContext, dialed: &mut [(DialTarget, Dialed)]) {
+    let Some(after) = ctx.expiry else { return };
+    for (target, d) in dialed.iter_mut() {
+        let gone =
+            d.down_since.is_some_and(|t| t.elapsed() >= after) && d.last_message.elapsed() >= after;
+        if !gone {
+            continue;
+        }
+        for raw in d.seen.drain() {
+            let Ok(topic) = parse_topic(&raw) else {
+                continue;
+            };
+            let (domains, blocks) = ctx.indexer.remove_pod_domains(topic.model, topic.pod);
+            tracing::info!(endpoint = %target.endpoint, model = %topic.model, pod = %topic.pod, domains, blocks, "pod expired: disconnected and silent");
+        }
+    }
+}
