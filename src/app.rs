@@ -81,6 +81,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
                 l,
                 metrics.clone(),
                 ready.clone(),
+                config.max_connections,
                 async {
                     let _ = http_stopped.await;
                 },
@@ -118,7 +119,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     let service = Arc::new(KvIndexerService::new(
         indexer.clone(),
         tokenizers,
-        metrics,
+        metrics.clone(),
         config.limits.clone(),
     ));
     let max_message = config.limits.max_message_bytes;
@@ -126,14 +127,31 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     // Our own listener (bound before readiness), so tonic's `tcp_nodelay`
     // does not apply: without it a 100 KB Score request waits out Nagle and
     // delayed ACKs (~40 ms on loopback).
-    let accepted = TcpListenerStream::new(listener).map(|conn| {
-        let conn = conn?;
-        conn.set_nodelay(true)?;
-        Ok::<_, std::io::Error>(conn)
+    let limit = crate::conn_limit::ConnectionLimit::new(config.max_connections);
+    let refusals = metrics.clone();
+    let accepted = TcpListenerStream::new(listener).filter_map(move |conn| {
+        let conn = match conn {
+            Ok(conn) => conn,
+            Err(e) => return Some(Err(e)),
+        };
+        if let Err(e) = conn.set_nodelay(true) {
+            return Some(Err(e));
+        }
+        match limit.admit(conn) {
+            Some(conn) => Some(Ok::<_, std::io::Error>(conn)),
+            None => {
+                refusals.refuse("grpc_connection");
+                None
+            }
+        }
     });
     // Token-id prompts are large (32K tokens ~ 100 KB): windows that take
     // one without waiting for WINDOW_UPDATEs.
     let mut builder = Server::builder()
+        // A peer that vanished without a FIN (a node lost, a partition)
+        // must not hold its connection slot forever.
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
         .initial_stream_window_size(2 << 20)
         .initial_connection_window_size(8 << 20)
         .layer(tower::util::MapResponseLayer::new(

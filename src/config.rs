@@ -240,6 +240,19 @@ pub struct Args {
     /// (CIDR or IP). Repeatable [default: any].
     #[arg(long, env = "KV_INDEXER_ZMQ_ALLOW", value_delimiter = ',')]
     pub zmq_allow: Vec<String>,
+
+    /// Most cache domains (pod, DP rank) held [default: 10000].
+    #[arg(long, env = "KV_INDEXER_MAX_PODS")]
+    pub max_pods: Option<usize>,
+
+    /// Most models held [default: 64].
+    #[arg(long, env = "KV_INDEXER_MAX_MODELS")]
+    pub max_models: Option<usize>,
+
+    /// Most concurrent gRPC connections, and separately HTTP connections
+    /// [default: 1024].
+    #[arg(long, env = "KV_INDEXER_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -387,6 +400,7 @@ pub struct Config {
     pub max_event_message_bytes: usize,
     pub ingest_queue: usize,
     pub zmq_allow: Vec<ipnet::IpNet>,
+    pub max_connections: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -801,6 +815,8 @@ impl Config {
 
         let max_event_message_bytes = size("max_event_message", args.max_event_message, "4MiB")?;
         let ingest_queue = positive("ingest_queue", args.ingest_queue, 4096)?;
+        let max_pods = positive("max_pods", args.max_pods, 10_000)?;
+        let max_models = positive("max_models", args.max_models, 64)?;
         let zmq_allow = args
             .zmq_allow
             .iter()
@@ -812,7 +828,9 @@ impl Config {
                     .map_err(|_| invalid("zmq_allow", s, "want a network (10.0.0.0/8) or an IP"))
             })
             .collect::<Result<_, _>>()?;
+        let max_connections = positive("max_connections", args.max_connections, 1024)?;
         Ok(Config {
+            max_connections,
             max_event_message_bytes,
             ingest_queue,
             zmq_allow,
@@ -832,6 +850,13 @@ impl Config {
                 keys,
                 drop_incomplete,
                 max_entries,
+                max_pods: Some(max_pods),
+                max_models: Some(max_models),
+                pod_cost_entries: if by_memory.is_some() {
+                    BYTES_PER_POD.div_ceil(BYTES_PER_ENTRY)
+                } else {
+                    0
+                },
             },
             log_format,
             log_level,
@@ -931,6 +956,12 @@ fn key_schemes(k: &KeyArgs) -> Result<KeySchemes, ConfigError> {
 /// resident memory for 200,000 entries including the process itself, so
 /// 400 bytes keeps --max-memory on the safe side.
 pub const BYTES_PER_ENTRY: usize = 400;
+
+/// Memory a cache domain costs before it holds any block (its pod record,
+/// names, stream state, map headers, allocator overhead): tests/memory.rs
+/// measures it with thousands of pods holding a few blocks each, and this
+/// keeps --max-memory on the safe side of that measurement.
+pub const BYTES_PER_POD: usize = 4096;
 
 /// `1234`, `64KiB`, `256MiB`, `2GiB` (also `K`/`M`/`G`, `KB`/`MB`/`GB` as
 /// powers of 1024).

@@ -23,6 +23,7 @@ pub mod proto {
 pub mod app;
 pub mod codec;
 pub mod config;
+mod conn_limit;
 pub mod demo;
 mod dial;
 pub mod discovery;

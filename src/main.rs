@@ -25,6 +25,7 @@ fn main() -> std::process::ExitCode {
         return std::process::ExitCode::SUCCESS;
     }
     init_logging(&config);
+    raise_open_files_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -63,6 +64,17 @@ fn init_logging(config: &Config) {
     match config.log_format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),
+    }
+}
+
+/// Every connection (gRPC clients, pods, scrapers) is a file descriptor;
+/// a soft limit of 1,024 (a common default) lets a thousand idle clients
+/// lock everyone else out. The hard limit is what the operator allows:
+/// take all of it.
+fn raise_open_files_limit() {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => tracing::info!(limit, "open-files limit raised to the hard limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-files limit"),
     }
 }
 

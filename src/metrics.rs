@@ -448,20 +448,30 @@ impl Collector for StateCollector {
     }
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` resolves.
+/// How long a client of the HTTP port has to send a request's headers
+/// (and how long a kept-alive connection may sit idle): a scraper or a
+/// kubelet probe sends at once; a connection that sends nothing must not
+/// hold a file descriptor and a connection slot forever.
+pub const HTTP_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` resolves,
+/// at most `max_connections` connections at once (more are closed at once
+/// and counted as refused `http_connection`s).
 pub async fn serve_http(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
     ready: Arc<AtomicBool>,
+    max_connections: usize,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use axum::http::{header, StatusCode};
     use axum::routing::get;
+    let scraped = metrics.clone();
     let app = axum::Router::new()
         .route(
             "/metrics",
             get(move || {
-                let metrics = metrics.clone();
+                let metrics = scraped.clone();
                 async move {
                     (
                         [(
@@ -487,7 +497,38 @@ pub async fn serve_http(
                 }
             }),
         );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let warn = crate::ratelimit::RateLimited::new(Duration::from_secs(10));
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // EMFILE and the like: back off instead of spinning.
+                    warn.warn(|suppressed| tracing::warn!(error = %e, suppressed, "cannot accept an HTTP connection"));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            metrics.refuse("http_connection");
+            continue; // dropping the stream closes it
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HTTP_HEADER_TIMEOUT)
+            .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(slot);
+        });
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
+    Ok(())
 }

@@ -100,6 +100,9 @@ pub struct Worker<'a> {
     tx: flume::Sender<Work>,
     streams: HashMap<StreamKey, Stream>,
     warn: RateLimited,
+    refused_warn: RateLimited,
+    /// A fleet's first minute logs every pod; a flood of names must not.
+    new_pod_log: RateLimited,
     mismatch_warned: HashSet<u32>,
 }
 
@@ -119,6 +122,8 @@ impl<'a> Worker<'a> {
             tx,
             streams: HashMap::new(),
             warn: RateLimited::new(Duration::from_secs(10)),
+            refused_warn: RateLimited::new(Duration::from_secs(10)),
+            new_pod_log: RateLimited::new(Duration::from_millis(100)),
             mismatch_warned: HashSet::new(),
         }
     }
@@ -153,8 +158,8 @@ impl<'a> Worker<'a> {
             Ok(batch) => Some(batch),
             Err(e) => {
                 self.metrics.skip_message("decode");
-                let topic = String::from_utf8_lossy(topic).into_owned();
                 self.warn.warn(|suppressed| {
+                    let topic = String::from_utf8_lossy(topic);
                     tracing::warn!(%topic, seq, error = %e, suppressed, "skipping undecodable event batch")
                 });
                 None
@@ -172,7 +177,9 @@ impl<'a> Worker<'a> {
             self.streams.remove(&key);
         }
         if !self.streams.contains_key(&key) {
-            let stream = self.new_stream(&frame, batch.data_parallel_rank);
+            let Some(stream) = self.new_stream(&frame, batch.data_parallel_rank) else {
+                return;
+            };
             self.streams.insert(key.clone(), stream);
         }
         let seq = frame.seq;
@@ -211,17 +218,31 @@ impl<'a> Worker<'a> {
         }
     }
 
-    fn new_stream(&self, frame: &Frame, rank: Option<u32>) -> Stream {
+    fn new_stream(&self, frame: &Frame, rank: Option<u32>) -> Option<Stream> {
         self.stream_for(&frame.topic, frame.replay.clone(), rank)
     }
 
-    fn stream_for(&self, raw_topic: &Bytes, replay: Option<Arc<str>>, rank: Option<u32>) -> Stream {
+    /// A stream for a new pod, or `None` (counted, logged at most once per
+    /// interval) when a bound refuses the pod: its batches are skipped and
+    /// nothing is kept for it.
+    fn stream_for(
+        &self,
+        raw_topic: &Bytes,
+        replay: Option<Arc<str>>,
+        rank: Option<u32>,
+    ) -> Option<Stream> {
         // Checked by the receive loop.
-        let topic = parse_topic(raw_topic).unwrap_or(indexer::topic::Topic {
-            pod: "?",
-            model: "?",
-        });
-        let pod = self.indexer.pod(topic.model, topic.pod, rank);
+        let topic = parse_topic(raw_topic).ok()?;
+        let pod = match self.indexer.try_pod(topic.model, topic.pod, rank) {
+            Ok(pod) => pod,
+            Err(refused) => {
+                self.metrics.refuse(refused.what());
+                self.refused_warn.warn(|suppressed| {
+                    tracing::warn!(pod = %topic.pod, model = %topic.model, reason = %refused, suppressed, "new pod refused; its events are skipped")
+                });
+                return None;
+            }
+        };
         let replay = replay.or_else(|| {
             self.config
                 .replay_endpoints
@@ -230,14 +251,16 @@ impl<'a> Worker<'a> {
         });
         // A pod restored from a snapshot continues after its last seq.
         let next = self.indexer.last_seq(&pod).map(|s| s.wrapping_add(1));
-        tracing::info!(pod = %pod.name, model = %pod.model, replay = ?replay, ?next, "new pod");
-        Stream {
+        self.new_pod_log.warn(|suppressed| {
+            tracing::info!(pod = %pod.name, model = %pod.model, replay = ?replay, ?next, suppressed, "new pod")
+        });
+        Some(Stream {
             pod,
             replay,
             next,
             repair: None,
             stale_upto: None,
-        }
+        })
     }
 
     fn fetch(
@@ -291,7 +314,9 @@ impl<'a> Worker<'a> {
         for (rank, batches) in by_stream {
             let key = (topic.clone(), rank);
             if !self.streams.contains_key(&key) {
-                let stream = self.stream_for(&topic, Some(replay.clone()), rank);
+                let Some(stream) = self.stream_for(&topic, Some(replay.clone()), rank) else {
+                    continue;
+                };
                 self.streams.insert(key.clone(), stream);
             }
             let Some(stream) = self.streams.get_mut(&key) else {

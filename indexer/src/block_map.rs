@@ -26,7 +26,8 @@ use crate::index::KeyBuildHasher;
 const CHUNK: usize = 256;
 const CHUNK_BITS: u32 = CHUNK.trailing_zeros();
 
-/// Filled by pushing: a new chunk is not written twice.
+/// Filled by pushing: a new chunk is not written twice (the first grows by
+/// doubling, see `VacantEntry::insert`).
 type Chunk<V> = Vec<(EngineHash, V)>;
 
 pub struct BlockMap<V> {
@@ -265,8 +266,14 @@ impl<'a, V: Copy> VacantEntry<'a, V> {
                 slot
             }
             None => {
-                if self.chunks.last().is_none_or(|c| c.len() == CHUNK) {
-                    self.chunks.push(Vec::with_capacity(CHUNK));
+                match self.chunks.last() {
+                    // The first chunk grows as a vector does (to exactly
+                    // CHUNK, a power of two): a pod holding a few blocks
+                    // costs a few entries, not a whole 10 KB chunk, so a
+                    // flood of pod names cannot multiply that by itself.
+                    None => self.chunks.push(Vec::new()),
+                    Some(c) if c.len() == CHUNK => self.chunks.push(Vec::with_capacity(CHUNK)),
+                    Some(_) => {}
                 }
                 let n = self.chunks.len() - 1;
                 let last = &mut self.chunks[n];

@@ -6,7 +6,7 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,40 @@ pub struct IndexerConfig {
     /// Most (pod, block) entries held; beyond it the largest pods lose
     /// their least recently stored blocks. `None`: unbounded.
     pub max_entries: Option<usize>,
+    /// Most cache domains held at once; a new one beyond is refused.
+    /// `None`: unbounded.
+    pub max_pods: Option<usize>,
+    /// Most models with pods at once; a new one beyond is refused.
+    pub max_models: Option<usize>,
+    /// What a pod costs before it holds any block, in entries of
+    /// `max_entries` (0: not counted). Set when the budget is memory: a
+    /// flood of pod names must not grow the process past it with the
+    /// pods' fixed cost alone.
+    pub pod_cost_entries: usize,
+}
+
+/// Why a new pod was not admitted. Existing pods are never affected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    #[error("the index holds --max-pods cache domains already")]
+    Pods,
+    #[error("the index holds pods of --max-models models already")]
+    Models,
+    #[error("pods' fixed cost would take more than half of --max-memory")]
+    Memory,
+    #[error("every pod id is taken")]
+    Ids,
+}
+
+impl Refused {
+    /// The `what` label it is counted under.
+    pub fn what(self) -> &'static str {
+        match self {
+            Refused::Pods | Refused::Ids => "pod",
+            Refused::Models => "model",
+            Refused::Memory => "pod_memory",
+        }
+    }
 }
 
 impl Default for IndexerConfig {
@@ -44,6 +78,9 @@ impl Default for IndexerConfig {
             keys: KeySchemes::default(),
             drop_incomplete: false,
             max_entries: None,
+            max_pods: None,
+            max_models: None,
+            pod_cost_entries: 0,
         }
     }
 }
@@ -201,9 +238,14 @@ pub struct Indexer {
     evictions: AtomicU64,
     /// One evictor at a time; others skip (the capacity is soft by a batch).
     evicting: Mutex<()>,
+    /// Lock order, everywhere: `pods`, then `models`, then a `by_name`
+    /// shard; a `by_name` guard (`Ref`) is never held while taking
+    /// another (copy the id out first).
     pods: RwLock<Vec<Arc<Pod>>>,
     by_name: DashMap<(String, String), PodId>,
     models: RwLock<BTreeMap<String, ModelEntry>>,
+    /// Pods not removed: what `max_pods` and `pod_cost_entries` count.
+    live_pods: AtomicUsize,
 }
 
 impl Pod {
@@ -227,31 +269,72 @@ impl Indexer {
             pods: RwLock::new(Vec::new()),
             by_name: DashMap::new(),
             models: RwLock::new(BTreeMap::new()),
+            live_pods: AtomicUsize::new(0),
         }
+    }
+
+    /// Cache domains held now (removed ones not counted).
+    pub fn live_pods(&self) -> usize {
+        self.live_pods.load(Ordering::Relaxed)
+    }
+
+    /// The id `by_name` has for `key`, its shard guard released at once.
+    fn id_of(&self, key: &(String, String)) -> Option<PodId> {
+        self.by_name.get(key).map(|id| *id)
     }
 
     pub fn config(&self) -> &IndexerConfig {
         &self.config
     }
 
-    /// The pod for a topic's pod name, model and DP rank, created on first use.
-    /// Callers on the hot path keep the returned handle.
+    /// The pod for a topic's pod name, model and DP rank, created on first
+    /// use. For indexers without pod bounds (tests, benches); the service
+    /// uses [`Indexer::try_pod`].
     pub fn pod(&self, model: &str, pod: &str, dp_rank: Option<u32>) -> Arc<Pod> {
+        self.try_pod(model, pod, dp_rank)
+            .expect("a pod refused by an indexer configured without pod bounds")
+    }
+
+    /// The pod for a topic's pod name, model and DP rank, created on first
+    /// use unless a bound refuses it (`max_pods`, `max_models`, the pods'
+    /// share of a memory budget). Callers on the hot path keep the handle.
+    pub fn try_pod(
+        &self,
+        model: &str,
+        pod: &str,
+        dp_rank: Option<u32>,
+    ) -> Result<Arc<Pod>, Refused> {
         let name = pod_id(pod, dp_rank);
         let key = (model.to_owned(), name);
-        if let Some(id) = self.by_name.get(&key) {
-            return self.pods.read()[id.0 as usize].clone();
+        if let Some(id) = self.id_of(&key) {
+            return Ok(self.pods.read()[id.0 as usize].clone());
         }
         let mut pods = self.pods.write();
         // Re-check under the table lock: another thread may have won.
-        if let Some(id) = self.by_name.get(&key) {
-            return pods[id.0 as usize].clone();
+        if let Some(id) = self.id_of(&key) {
+            return Ok(pods[id.0 as usize].clone());
         }
-        // Each pod costs far more memory than this many could ever fit in.
-        assert!(
-            pods.len() < MAX_PODS as usize,
-            "more than {MAX_PODS} pods interned"
-        );
+        let live = self.live_pods.load(Ordering::Relaxed);
+        if self.config.max_pods.is_some_and(|max| live >= max) {
+            return Err(Refused::Pods);
+        }
+        if let (Some(cap), cost @ 1..) = (self.config.max_entries, self.config.pod_cost_entries) {
+            if (live + 1).saturating_mul(cost) > cap / 2 {
+                return Err(Refused::Memory);
+            }
+        }
+        if pods.len() >= MAX_PODS as usize {
+            return Err(Refused::Ids);
+        }
+        let mut models = self.models.write();
+        if !models.contains_key(model)
+            && self
+                .config
+                .max_models
+                .is_some_and(|max| models.len() >= max)
+        {
+            return Err(Refused::Models);
+        }
         let id = PodId(pods.len() as u32);
         let state = if self.config.max_entries.is_some() {
             PodState::new(id, model).bounded()
@@ -276,11 +359,11 @@ impl Indexer {
             }),
         });
         pods.push(slot.clone());
-        let mut models = self.models.write();
         let entry = models.entry(model.to_owned()).or_default();
         entry.pods = entry.pods.iter().copied().chain([id]).collect();
         self.by_name.insert(key, id);
-        slot
+        self.live_pods.fetch_add(1, Ordering::Relaxed);
+        Ok(slot)
     }
 
     /// Applies one decoded batch of `pod`'s events, published with `seq`.
@@ -356,6 +439,12 @@ impl Indexer {
         let Some(cap) = self.config.max_entries else {
             return;
         };
+        // The pods' fixed cost takes its share first (admission keeps it
+        // at most half the budget).
+        let cap = cap.saturating_sub(
+            self.live_pods()
+                .saturating_mul(self.config.pod_cost_entries),
+        );
         if self.entries.load(Ordering::Relaxed) as usize <= cap {
             return;
         }
@@ -456,8 +545,13 @@ impl Indexer {
         if snapshot.keys_fingerprint != self.keys_fingerprint() {
             return Err(SnapshotError::KeysChanged);
         }
+        let mut imported = 0;
         for ps in &snapshot.pods {
-            let pod = self.pod(&ps.model, &ps.pod, ps.dp_rank);
+            // Bounds may have been lowered since the snapshot was written.
+            let Ok(pod) = self.try_pod(&ps.model, &ps.pod, ps.dp_rank) else {
+                continue;
+            };
+            imported += 1;
             let mut inner = pod.inner.lock();
             inner.state.import(
                 &self.blocks,
@@ -479,7 +573,7 @@ impl Indexer {
             self.account(&pod, entries);
         }
         self.enforce_capacity();
-        Ok(snapshot.pods.len())
+        Ok(imported)
     }
 
     /// Forgets a pod: drops its blocks and takes it out of the candidates.
@@ -488,8 +582,16 @@ impl Indexer {
         let (_, id) = self.by_name.remove(&(model.to_owned(), name.to_owned()))?;
         let pod = self.pods.read()[id.0 as usize].clone();
         pod.removed.store(true, Ordering::Relaxed);
-        if let Some(m) = self.models.write().get_mut(model) {
-            m.pods = m.pods.iter().copied().filter(|p| *p != id).collect();
+        self.live_pods.fetch_sub(1, Ordering::Relaxed);
+        {
+            let mut models = self.models.write();
+            if let Some(m) = models.get_mut(model) {
+                m.pods = m.pods.iter().copied().filter(|p| *p != id).collect();
+                // A model without pods is no longer held (`max_models`).
+                if m.pods.is_empty() {
+                    models.remove(model);
+                }
+            }
         }
         let mut inner = pod.inner.lock();
         let held: u64 = inner.state.held_per_tier().iter().sum();
@@ -578,8 +680,7 @@ impl Indexer {
                 .filter(|name| seen.insert(name.as_str()))
                 .map(|name| {
                     let pod = self
-                        .by_name
-                        .get(&(q.model.to_owned(), name.clone()))
+                        .id_of(&(q.model.to_owned(), name.clone()))
                         .map(|id| self.pods.read()[id.0 as usize].clone());
                     (name.clone(), pod)
                 })
@@ -922,6 +1023,102 @@ mod tests {
         assert_eq!(get("large").matched.matched_blocks, 1);
         assert_eq!(get("large").block_size, 32);
         assert_eq!(get("large").total_blocks, 2);
+    }
+
+    /// New pods appearing while others ask about named pods: `try_pod`
+    /// holds the pod table and inserts a name; a named lookup must not hold
+    /// a name-map guard while it waits for the table (it used to: the
+    /// process froze within seconds of a fleet's first minute).
+    #[test]
+    fn new_pods_during_named_lookups_do_not_deadlock() {
+        let ix = Arc::new(Indexer::new(IndexerConfig::default()));
+        let names: Vec<String> = (0..64).map(|i| format!("named-{i}")).collect();
+        for n in &names {
+            ix.pod("m", n, None);
+        }
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        {
+            let (ix, stop, done_tx) = (ix.clone(), stop.clone(), done_tx.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    ix.pod("m", &format!("new-{i}"), None);
+                    i += 1;
+                }
+                let _ = done_tx.send(());
+            }));
+        }
+        for _ in 0..3 {
+            let (ix, stop, done_tx, names) =
+                (ix.clone(), stop.clone(), done_tx.clone(), names.clone());
+            threads.push(std::thread::spawn(move || {
+                let tokens: Vec<u32> = (0..32).collect();
+                while !stop.load(Ordering::Relaxed) {
+                    ix.score(&ScoreQuery {
+                        model: "m",
+                        tokens: &tokens,
+                        lora_name: None,
+                        cache_salt: None,
+                        pods: &names,
+                    });
+                }
+                let _ = done_tx.send(());
+            }));
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        stop.store(true, Ordering::Relaxed);
+        for _ in 0..threads.len() {
+            // Each loop iteration is microseconds: a thread that does not
+            // finish within this long is stuck for good.
+            done.recv_timeout(Duration::from_secs(20))
+                .expect("deadlock: a thread never finished");
+        }
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn pod_and_model_bounds_refuse_new_ones_only() {
+        let ix = Indexer::new(IndexerConfig {
+            max_pods: Some(3),
+            max_models: Some(2),
+            ..Default::default()
+        });
+        ix.try_pod("a", "p1", None).unwrap();
+        ix.try_pod("a", "p2", None).unwrap();
+        ix.try_pod("b", "p1", None).unwrap();
+        assert_eq!(ix.try_pod("a", "p3", None).err(), Some(Refused::Pods));
+        // Existing pods are unaffected.
+        assert!(ix.try_pod("a", "p1", None).is_ok());
+        ix.remove_pod("a", "p2").unwrap();
+        assert_eq!(ix.try_pod("c", "p1", None).err(), Some(Refused::Models));
+        ix.try_pod("a", "p3", None).unwrap();
+        assert_eq!(ix.live_pods(), 3);
+        // A model whose last pod left frees its place.
+        ix.remove_pod("b", "p1").unwrap();
+        ix.try_pod("c", "p1", None).unwrap();
+    }
+
+    #[test]
+    fn pods_fixed_cost_takes_at_most_half_the_memory_budget() {
+        let ix = Indexer::new(IndexerConfig {
+            max_entries: Some(1000),
+            pod_cost_entries: 10,
+            ..Default::default()
+        });
+        for i in 0..50 {
+            ix.try_pod("m", &format!("p{i}"), None).unwrap();
+        }
+        assert_eq!(ix.try_pod("m", "p50", None).err(), Some(Refused::Memory));
+        // Blocks get what the pods leave: 1000 - 50 * 10 = 500 entries.
+        let pod = ix.pod("m", "p0", None);
+        let tokens: Vec<u32> = (0..16 * 600).collect();
+        let hashes: Vec<u64> = (1..=600).collect();
+        ix.apply(&pod, 0, &batch(vec![stored(&hashes, None, &tokens, 16)]));
+        assert!(ix.entries() <= 500, "{} entries", ix.entries());
     }
 
     #[test]

@@ -89,13 +89,41 @@ impl Service {
         zmq_bind: Option<String>,
         env: &[(&str, String)],
     ) -> Service {
+        Service::spawn(
+            Command::new(env!("CARGO_BIN_EXE_kv-indexer")),
+            args,
+            zmq_bind,
+            env,
+        )
+        .await
+    }
+
+    /// Starts the service under a soft open-files limit of `limit` (as a
+    /// container runtime's default of 1,024 would), its hard limit unchanged.
+    pub async fn start_with_soft_nofile(limit: u64, extra: &[&str]) -> Service {
+        let zmq = format!("tcp://127.0.0.1:{}", free_port());
+        let mut args = vec!["--zmq-bind", &zmq];
+        args.extend_from_slice(extra);
+        let mut sh = Command::new("sh");
+        sh.arg("-c")
+            .arg(format!("ulimit -Sn {limit} && exec \"$0\" \"$@\""))
+            .arg(env!("CARGO_BIN_EXE_kv-indexer"));
+        Service::spawn(sh, &args, Some(zmq.clone()), &[]).await
+    }
+
+    async fn spawn(
+        mut command: Command,
+        args: &[&str],
+        zmq_bind: Option<String>,
+        env: &[(&str, String)],
+    ) -> Service {
         let grpc_port = free_port();
         let metrics_port = free_port();
         let log = std::env::temp_dir().join(format!(
             "kv-indexer-test-{}-{grpc_port}.log",
             std::process::id()
         ));
-        let child = Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        let child = command
             .arg("--grpc-addr")
             .arg(format!("127.0.0.1:{grpc_port}"))
             .arg("--metrics-addr")
@@ -267,13 +295,56 @@ impl Service {
 
     /// Resident memory of the service process, in KiB.
     pub fn rss_kib(&self) -> u64 {
+        self.proc_status_kib("VmRSS:")
+    }
+
+    /// The most resident memory the process ever had (`VmHWM`): what an
+    /// attack made it allocate, even if freed since.
+    pub fn peak_rss_kib(&self) -> u64 {
+        self.proc_status_kib("VmHWM:")
+    }
+
+    fn proc_status_kib(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
             .unwrap_or_default();
         status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .unwrap_or(0)
+    }
+
+    /// The process is still running (not crashed, not exited).
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The value of the `/metrics` line starting with `series` (name and
+    /// labels, e.g. `kv_indexer_refused_total{what="pod"}`), 0 if absent.
+    pub fn metric(&self, series: &str) -> f64 {
+        let (_, body) = self.http_get("/metrics");
+        body.lines()
+            .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// Polls `series` until `done(value)` holds (bounded).
+    pub async fn wait_metric(&self, series: &str, done: impl Fn(f64) -> bool) -> f64 {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let v = self.metric(series);
+            if done(v) {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{series} stayed at {v}; logs:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// SIGKILL: no shutdown, no cleanup, as a crash.
