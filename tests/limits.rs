@@ -76,15 +76,11 @@ async fn limits_are_enforced_with_clear_messages() {
             }
         }
     }
-    // A message over --max-message is refused by the transport, politely.
-    let status = client.score(tokens_request(40_000)).await.unwrap_err();
-    assert!(
-        matches!(
-            status.code(),
-            Code::ResourceExhausted | Code::OutOfRange | Code::InvalidArgument
-        ),
-        "{status:?}"
-    );
+    // A message over --max-message is refused by the transport, before any
+    // handler, as RESOURCE_EXHAUSTED (100,000 one-byte token ids: ~100 KB
+    // against the 64 KiB limit).
+    let status = client.score(tokens_request(100_000)).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     // The server is fine afterwards.
     assert!(client.score(tokens_request(16)).await.is_ok());
 }
@@ -106,10 +102,15 @@ async fn overload_is_refused_at_once() {
     let mut client = service.client().await;
     let mut refused = None;
     while !first.is_finished() {
-        let started = std::time::Instant::now();
         match client.score(prompt("hello again")).await {
             Err(status) if status.code() == Code::ResourceExhausted => {
-                assert!(started.elapsed() < std::time::Duration::from_millis(500));
+                // Refused while the permit was still held: had it waited
+                // for the permit (a queue), the holder would have
+                // answered first.
+                assert!(
+                    !first.is_finished(),
+                    "the refusal waited for the permit holder"
+                );
                 refused = Some(status);
                 break;
             }

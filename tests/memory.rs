@@ -128,11 +128,15 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
     assert!(evictions >= (9 * CAPACITY) as f64, "{evictions}");
     assert!(rss_at_capacity > 0);
     // Without the bound, 10x the entries would take several times the
-    // memory. (After the tables' reserved slots become resident, once,
-    // somewhere between 2x and 4x, RSS is flat to within ~0.1%; that step is
-    // why the first-full sample is not the baseline.)
+    // memory. The tables' reserved slots become resident once, between 1x
+    // and 3x (a few percent): README's promise is from the first turnover
+    // on, flat within 2%.
     assert!(
-        rss_at_10x * 2 <= rss_first_full * 3,
+        rss_at_10x * 100 <= rss_at_capacity * 102,
+        "{rss_at_capacity} -> {rss_at_10x} KiB: more than 2% growth at capacity"
+    );
+    assert!(
+        rss_at_10x * 10 <= rss_first_full * 11,
         "{rss_first_full} -> {rss_at_10x} KiB"
     );
     // Each pod keeps a fair share: no pod was evicted to nothing.
