@@ -1,109 +1,32 @@
 //! Gaps and late starts repaired through vLLM's replay protocol, against a
-//! pyzmq (libzmq) stand-in for vLLM's publisher: PUB for live batches, ROUTER
-//! answering replay requests from its buffer (tests/helpers/vllm_publisher.py).
+//! libzmq stand-in for vLLM's publisher: PUB for live batches, ROUTER
+//! answering replay requests from its buffer (`tests/common/vllm_pod.rs`),
+//! publishing the recorded streams' real payloads.
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::collections::{BTreeMap, HashSet};
 
+use common::vllm_pod::{PodOptions, VllmPod};
 use common::*;
-
-struct PyPublisher {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    pub target: String,
-}
-
-/// pyzmq and msgspec are installed by .ci/run; elsewhere, skip loudly.
-fn python_ready() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import zmq, msgspec"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "pyzmq and msgspec are required on CI"
-        );
-        eprintln!("SKIPPED: pip install pyzmq msgspec");
-    }
-    ok
-}
-
-impl PyPublisher {
-    fn start(stream: &str, pod: &str, extra: &[&str]) -> PyPublisher {
-        let (p, r) = (free_port(), free_port());
-        let frames = fixtures_dir().join(format!("vllm-events/{stream}.frames.jsonl"));
-        let mut child = Command::new("python3")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/helpers/vllm_publisher.py"
-            ))
-            .args(["--pub", &format!("tcp://127.0.0.1:{p}")])
-            .args(["--router", &format!("tcp://127.0.0.1:{r}")])
-            .args(["--frames", frames.to_str().unwrap(), "--pod", pod])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python3");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready");
-        PyPublisher {
-            child,
-            stdin,
-            stdout,
-            target: format!("tcp://127.0.0.1:{p},replay=tcp://127.0.0.1:{r}"),
-        }
-    }
-
-    fn cmd(&mut self, line: &str) {
-        writeln!(self.stdin, "{line}").unwrap();
-        let mut reply = String::new();
-        self.stdout.read_line(&mut reply).unwrap();
-        assert_eq!(reply.trim(), "ok", "{line}");
-    }
-
-    async fn wait_subscribed(&mut self, service: &Service, marker: &str) {
-        for _ in 0..200 {
-            self.cmd(&format!("marker {marker}"));
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            if service
-                .list_pods(WARMUP_MODEL)
-                .await
-                .iter()
-                .any(|p| p.pod == marker)
-            {
-                return;
-            }
-        }
-        panic!("subscription never arrived");
-    }
-}
 
 /// A recorded stream served by one publisher per pod.
 struct Fleet {
     expected: Expected,
     /// Recorded batches per pod.
     per_pod: BTreeMap<String, u64>,
-    pubs: Vec<(String, PyPublisher)>,
+    pubs: Vec<(String, VllmPod)>,
 }
 
 impl Fleet {
     /// `extra(i)` gives pod i's flags.
-    fn start(stream: &str, extra: impl Fn(usize) -> &'static [&'static str]) -> Fleet {
+    fn start(stream: &str, options: impl Fn(usize) -> PodOptions) -> Fleet {
         let expected = load_expected(stream);
         let pubs = expected
             .pods
             .iter()
             .enumerate()
-            .map(|(i, pod)| (pod.clone(), PyPublisher::start(stream, pod, extra(i))))
+            .map(|(i, pod)| (pod.clone(), VllmPod::start(stream, pod, options(i))))
             .collect();
         Fleet {
             per_pod: batches_per_pod(&load_frames(stream)),
@@ -118,27 +41,19 @@ impl Fleet {
     }
 
     /// Waits until `service` receives every pod (markers `<tag>-<pod>`).
-    async fn wait_subscribed(&mut self, service: &Service, tag: &str) {
-        for (pod, p) in &mut self.pubs {
+    async fn wait_subscribed(&self, service: &Service, tag: &str) {
+        for (pod, p) in &self.pubs {
             p.wait_subscribed(service, &format!("{tag}-{pod}")).await;
         }
     }
 
     /// Each pod publishes its recorded batches `range(n)` (n: how many it
     /// has).
-    fn publish(&mut self, range: impl Fn(u64) -> (u64, u64)) {
-        for (pod, p) in &mut self.pubs {
+    fn publish(&self, range: impl Fn(u64) -> (u64, u64)) {
+        for (pod, p) in &self.pubs {
             let (from, to) = range(self.per_pod[pod.as_str()]);
-            p.cmd(&format!("publish {from} {to}"));
+            p.publish(from as usize, to as usize, &HashSet::new());
         }
-    }
-}
-
-impl Drop for PyPublisher {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "quit");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -146,16 +61,10 @@ impl Drop for PyPublisher {
 /// gap is noticed on the next batch and filled from the replay socket.
 #[tokio::test]
 async fn dropped_batches_are_replayed_and_the_state_is_exact() {
-    if !python_ready() {
-        return;
-    }
     // One pod answers in the older two-frame replay form.
-    let mut fleet = Fleet::start("qwen3-sha256-int", |i| {
-        if i == 2 {
-            &["--old-format"]
-        } else {
-            &[]
-        }
+    let fleet = Fleet::start("qwen3-sha256-int", |i| PodOptions {
+        old_format: i == 2,
+        ..Default::default()
     });
     let service = Service::start_dialing(&fleet.targets(), &[]).await;
     fleet.wait_subscribed(&service, "m").await;
@@ -163,16 +72,13 @@ async fn dropped_batches_are_replayed_and_the_state_is_exact() {
         expected,
         per_pod,
         pubs,
-    } = &mut fleet;
+    } = &fleet;
     for (pod, p) in pubs {
         let n = per_pod[pod.as_str()];
         // Drop every 5th seq live, but never the last one (a gap shows on
         // the next batch).
-        let skip: Vec<String> = (1..n - 1)
-            .filter(|s| s % 5 == 0)
-            .map(|s| s.to_string())
-            .collect();
-        p.cmd(&format!("publish 0 {n} skip {}", skip.join(",")));
+        let skip: HashSet<u64> = (1..n - 1).filter(|s| s % 5 == 0).collect();
+        p.publish(0, n as usize, &skip);
     }
     service.wait_applied(&expected.model, per_pod).await;
     check_probes(&service, expected).await;
@@ -188,10 +94,7 @@ async fn dropped_batches_are_replayed_and_the_state_is_exact() {
 /// first live batch (seq > 0) triggers a catch-up from seq 0.
 #[tokio::test]
 async fn an_indexer_that_starts_late_catches_up_from_the_replay_buffers() {
-    if !python_ready() {
-        return;
-    }
-    let mut fleet = Fleet::start("qwen3-sha256cbor-bytes", |_| &[]);
+    let fleet = Fleet::start("qwen3-sha256cbor-bytes", |_| PodOptions::default());
     // Before any indexer exists: published into the void (and the buffer).
     fleet.publish(|n| (0, n / 2));
     let service = Service::start_dialing(&fleet.targets(), &[]).await;
@@ -213,12 +116,16 @@ async fn an_indexer_that_starts_late_catches_up_from_the_replay_buffers() {
 /// gets no credit.
 #[tokio::test]
 async fn a_gap_beyond_the_replay_buffer_marks_the_pod_incomplete() {
-    if !python_ready() {
-        return;
-    }
     let stream = "qwen3-lora-salt";
     let expected = load_expected(stream);
-    let mut p = PyPublisher::start(stream, "pod-1", &["--buffer", "1"]);
+    let p = VllmPod::start(
+        stream,
+        "pod-1",
+        PodOptions {
+            buffer: 1,
+            ..Default::default()
+        },
+    );
     let service = Service::start_dialing(
         std::slice::from_ref(&p.target),
         &["--incomplete-pods", "drop"],
@@ -226,7 +133,7 @@ async fn a_gap_beyond_the_replay_buffer_marks_the_pod_incomplete() {
     .await;
     p.wait_subscribed(&service, "m").await;
     // seqs 1 and 2 lost live; only seq 3 is still buffered by then.
-    p.cmd("publish 0 4 skip 1,2");
+    p.publish(0, 4, &HashSet::from([1, 2]));
     let mut info = None;
     for _ in 0..200 {
         let pods = service.list_pods(&expected.model).await;
@@ -265,10 +172,7 @@ async fn a_gap_beyond_the_replay_buffer_marks_the_pod_incomplete() {
 /// buffers and ends with the exact state.
 #[tokio::test]
 async fn an_indexer_killed_mid_stream_recovers_the_exact_state_on_restart() {
-    if !python_ready() {
-        return;
-    }
-    let mut fleet = Fleet::start("qwen3-sha256-int", |_| &[]);
+    let fleet = Fleet::start("qwen3-sha256-int", |_| PodOptions::default());
     let first = Service::start_dialing(&fleet.targets(), &[]).await;
     fleet.wait_subscribed(&first, "m1").await;
     fleet.publish(|n| (0, n / 3));
@@ -288,10 +192,7 @@ async fn an_indexer_killed_mid_stream_recovers_the_exact_state_on_restart() {
 /// indexer asks each for its replay buffer as soon as it connects.
 #[tokio::test]
 async fn idle_pods_are_caught_up_as_soon_as_the_indexer_connects() {
-    if !python_ready() {
-        return;
-    }
-    let mut fleet = Fleet::start("qwen3-sha256cbor-bytes", |_| &[]);
+    let fleet = Fleet::start("qwen3-sha256cbor-bytes", |_| PodOptions::default());
     fleet.publish(|n| (0, n));
     let service = Service::start_dialing(&fleet.targets(), &[]).await;
     // No live event batch is ever published from here on.
@@ -306,12 +207,9 @@ async fn idle_pods_are_caught_up_as_soon_as_the_indexer_connects() {
 /// from its snapshot seq on; the state is exact.
 #[tokio::test]
 async fn a_snapshot_restart_replays_only_what_came_after_it() {
-    if !python_ready() {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let snap = dir.path().to_str().unwrap();
-    let mut fleet = Fleet::start("qwen3-sha256-int", |_| &[]);
+    let fleet = Fleet::start("qwen3-sha256-int", |_| PodOptions::default());
     let targets = fleet.targets();
     let first = Service::start_dialing(&targets, &["--snapshot-dir", snap]).await;
     fleet.wait_subscribed(&first, "m1").await;

@@ -3,6 +3,8 @@
 //! query over real gRPC.
 #![allow(dead_code)] // Each test binary uses a different subset.
 
+pub mod vllm_pod;
+
 use std::collections::{BTreeMap, HashMap};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
