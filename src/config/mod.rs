@@ -127,6 +127,28 @@ pub struct Config {
     pub tokenizers: tokenizer::load::Sources,
     /// Tokenization cache bytes, per model.
     pub tokenization_cache_bytes: usize,
+    /// Largest ZeroMQ message accepted from a pod; larger ones are refused
+    /// by the socket.
+    pub max_event_message_bytes: usize,
+    /// Messages queued per ingest worker; beyond, new messages are dropped
+    /// and counted.
+    pub ingest_queue: usize,
+    /// Bind mode: the source networks that may connect to the event port
+    /// (empty: any).
+    pub zmq_allow: Vec<ipnet::IpNet>,
+    /// Most cache domains (pod, DP rank) held.
+    pub max_pods: usize,
+    /// Most models held.
+    pub max_models: usize,
+    /// Accept a request-level `chat_template`.
+    pub allow_request_chat_template: bool,
+    /// Connect/read timeout of one Hugging Face Hub request.
+    pub hub_timeout: std::time::Duration,
+    /// Admin RPCs (`RemovePod`) allowed; otherwise refused.
+    pub admin: bool,
+    /// Most concurrent gRPC connections (and, separately, metrics HTTP
+    /// connections).
+    pub max_connections: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -333,6 +355,73 @@ mod tests {
             assert!(
                 err.contains(setting) || err.contains(&flag),
                 "{flags:?}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn newer_settings_defaults_forms_and_bounds() {
+        let c = Config::merge(Args::default(), FileConfig::default()).unwrap();
+        assert_eq!(c.max_event_message_bytes, 4 << 20);
+        assert_eq!(c.ingest_queue, 4096);
+        assert!(c.zmq_allow.is_empty());
+        assert_eq!((c.max_pods, c.max_models), (10_000, 64));
+        assert_eq!(c.max_connections, 1024);
+        assert!(!c.allow_request_chat_template);
+        assert!(!c.admin);
+        assert_eq!(c.hub_timeout, std::time::Duration::from_secs(30));
+
+        let c = Config::merge(
+            args(&[
+                "--admin",
+                "--allow-request-chat-template=true",
+                "--zmq-allow",
+                "10.0.0.0/8,192.168.1.7",
+                "--zmq-allow",
+                "fd00::/8",
+                "--hub-timeout",
+                "1m 30s",
+                "--max-event-message",
+                "1MiB",
+                "--ingest-queue",
+                "8",
+            ]),
+            FileConfig::default(),
+        )
+        .unwrap();
+        assert!(c.admin && c.allow_request_chat_template);
+        let allow: Vec<String> = c.zmq_allow.iter().map(|n| n.to_string()).collect();
+        assert_eq!(allow, ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8"]);
+        assert_eq!(c.hub_timeout, std::time::Duration::from_secs(90));
+        assert_eq!((c.max_event_message_bytes, c.ingest_queue), (1 << 20, 8));
+
+        // Every spelling of a bool, and the flag still wins over the file.
+        let file = || -> FileConfig { serde_norway::from_str("admin: true\n").unwrap() };
+        assert!(Config::merge(Args::default(), file()).unwrap().admin);
+        for no in [&["--admin=false"][..], &["--admin", "false"]] {
+            assert!(!Config::merge(args(no), file()).unwrap().admin, "{no:?}");
+        }
+
+        let cases: &[(&[&str], &str)] = &[
+            (&["--max-event-message", "0"], "max_event_message"),
+            (&["--ingest-queue", "0"], "ingest_queue"),
+            (&["--max-pods", "0"], "max_pods"),
+            (&["--max-models", "0"], "max_models"),
+            (&["--max-connections", "0"], "max_connections"),
+            (&["--hub-timeout", "0s"], "hub_timeout"),
+            (
+                &["--zmq-allow", "10.0.0.1", "--zmq-bind", "none"],
+                "zmq_allow",
+            ),
+        ];
+        for (flags, setting) in cases {
+            let err = Config::merge(args(flags), FileConfig::default()).unwrap_err();
+            assert!(err.to_string().contains(setting), "{flags:?}: {err}");
+        }
+        for bad in [&["--zmq-allow", "10.0.0.0/40"][..], &["--admin", "maybe"]] {
+            assert!(
+                Args::try_parse_from(std::iter::once("kv-indexer").chain(bad.iter().copied()))
+                    .is_err()
             );
         }
     }

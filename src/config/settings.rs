@@ -95,9 +95,8 @@ macro_rules! resolve_value {
 }
 
 // The order is `--help`'s. Bool settings take `num_args = 0..=1` with a
-// missing value meaning true: `--assume-prefix-closed` alone,
-// `--assume-prefix-closed=false` and (as always) `--assume-prefix-closed
-// false` all work.
+// missing value meaning true: `--admin` alone, `--admin=false` and (as
+// `--assume-prefix-closed false` always has) `--admin false` all work.
 settings! {
     /// gRPC listen address.
     grpc_addr: SocketAddr = "0.0.0.0:50051",
@@ -111,6 +110,14 @@ settings! {
     /// PEM CA certificate(s): require and verify client certificates (mTLS).
     tls_client_ca: PathBuf,
 
+    /// Most concurrent gRPC connections (and, separately, most metrics HTTP
+    /// connections).
+    max_connections: usize = "1024",
+
+    /// Enable admin RPCs (RemovePod); without it they are refused.
+    #[arg(num_args = 0..=1, default_missing_value = "true")]
+    admin: bool = "false",
+
     /// HTTP address for `/metrics`, `/healthz` and `/readyz`; `none`
     /// disables.
     metrics_addr: OrNone<SocketAddr> = "0.0.0.0:9090",
@@ -118,6 +125,12 @@ settings! {
     /// ZeroMQ endpoint to bind a SUB socket on, for pods that connect to the
     /// indexer; `none` disables.
     zmq_bind: OrNone<BindEndpoint> = "tcp://*:5557",
+
+    /// Bind mode: only these source networks (`10.0.0.0/8`, or one address)
+    /// may connect to the event port. Repeatable or comma-separated
+    /// [default: any].
+    #[arg(value_delimiter = ',')]
+    zmq_allow: Vec<Item<Network>>,
 
     /// A pod's PUB endpoint to connect to, optionally with its replay (ROUTER)
     /// endpoint: `tcp://pod:5557[,replay=tcp://pod:5558]`. Repeatable; in the
@@ -167,9 +180,17 @@ settings! {
     /// Topic prefix to subscribe to.
     topic_filter: String = "kv@",
 
+    /// Largest ZeroMQ message accepted from a pod, e.g. `4MiB`; larger ones
+    /// are refused by the socket.
+    max_event_message: Size = "4MiB",
+
     /// Threads applying events to the index; a pod's events always go to the
     /// same one, in order [default: number of CPUs].
     ingest_workers: usize,
+
+    /// Messages queued per ingest worker; beyond, new messages are dropped
+    /// and counted.
+    ingest_queue: usize = "4096",
 
     /// Block size assumed for a model until its events show one.
     block_size: u32 = "16",
@@ -194,6 +215,12 @@ settings! {
     /// Memory budget for the index, e.g. `4GiB`: converted to entries at
     /// 400 bytes each (with --max-blocks, the smaller wins).
     max_memory: Size,
+
+    /// Most cache domains (pod, data-parallel rank) held.
+    max_pods: usize = "10000",
+
+    /// Most models held.
+    max_models: usize = "64",
 
     /// Directory for index snapshots: written every --snapshot-interval and
     /// on shutdown, loaded at start [default: none].
@@ -272,6 +299,14 @@ settings! {
 
     /// Bytes of tokenization cache per model, e.g. `256MiB`.
     tokenization_cache: Size = "256MiB",
+
+    /// Connect and read timeout of one Hugging Face Hub request.
+    hub_timeout: Duration = "30s",
+
+    /// Accept a request-level `chat_template` (like vLLM's
+    /// `--trust-request-chat-template`); otherwise such requests are refused.
+    #[arg(num_args = 0..=1, default_missing_value = "true")]
+    allow_request_chat_template: bool = "false",
 }
 
 /// What the table cannot say through clap's derive: each setting's
@@ -499,19 +534,20 @@ mod tests {
     fn help_shows_the_defaults() {
         let help = Args::command().render_help().to_string();
         assert!(help.contains("[default: 0.0.0.0:50051]"), "{help}");
-        assert!(help.contains("KV_INDEXER_TOKENIZATION_CACHE"), "{help}");
+        assert!(help.contains("KV_INDEXER_MAX_EVENT_MESSAGE"), "{help}");
     }
 
     #[test]
     fn file_values_are_parsed_like_flags() {
         let s: Settings = serde_norway::from_str(
-            "block_size: '32'\nassume_prefix_closed: false\nmax_memory: 4GiB\nmetrics_addr: none\n\
-             tier_weights: {gpu: 1.0, cpu: 0.5}\nzmq_connect: ['tcp://a:1', '']\n\
+            "block_size: '32'\nadmin: true\nmax_memory: 4GiB\nmetrics_addr: none\n\
+             tier_weights: {gpu: 1.0, cpu: 0.5}\nzmq_allow: [10.0.0.0/8, '::1']\n\
+             zmq_connect: ['tcp://a:1', '']\n\
              engine_hash_seed: 7\ntokenizers_dir: ~\n",
         )
         .unwrap();
         assert_eq!(s.block_size, Some(32));
-        assert_eq!(s.assume_prefix_closed, Some(false));
+        assert_eq!(s.admin, Some(true));
         assert_eq!(s.max_memory, Some(Size(4 << 30)));
         assert_eq!(s.metrics_addr, Some(OrNone(None)));
         assert_eq!(s.engine_hash_seed.as_deref(), Some("7"));
@@ -519,6 +555,7 @@ mod tests {
         let weights = items(s.tier_weight);
         assert_eq!(weights.len(), 2);
         assert_eq!((weights[1].tier, weights[1].weight), (1, 0.5));
+        assert_eq!(items(s.zmq_allow).len(), 2);
         assert_eq!(items(s.zmq_connect).len(), 1);
     }
 

@@ -22,6 +22,17 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
     let tls = tls(s.tls_cert, s.tls_key, s.tls_client_ca)?;
 
     let zmq_bind = s.zmq_bind.0.map(|e| e.0);
+    let zmq_allow: Vec<ipnet::IpNet> = items(s.zmq_allow).into_iter().map(|n| n.0).collect();
+    if !zmq_allow.is_empty() && zmq_bind.is_none() {
+        // It filters who may connect to our bound socket; without one it
+        // would silently do nothing, which is not what whoever set it meant.
+        return Err(invalid(
+            "zmq_allow",
+            list(&zmq_allow),
+            "applies to the --zmq-bind socket, which is off",
+        ));
+    }
+
     let discovery = crate::discovery::DiscoveryConfig {
         pods_file: s.pods_file,
         dns: items(s.discover_dns),
@@ -153,6 +164,15 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
         snapshot_interval: longer_than_zero("snapshot_interval", s.snapshot_interval)?,
         tokenizers,
         tokenization_cache_bytes: s.tokenization_cache.0,
+        max_event_message_bytes: positive_size("max_event_message", s.max_event_message)?,
+        ingest_queue: at_least_one("ingest_queue", s.ingest_queue)?,
+        zmq_allow,
+        max_pods: at_least_one("max_pods", s.max_pods)?,
+        max_models: at_least_one("max_models", s.max_models)?,
+        allow_request_chat_template: s.allow_request_chat_template,
+        hub_timeout: longer_than_zero("hub_timeout", s.hub_timeout)?,
+        admin: s.admin,
+        max_connections: at_least_one("max_connections", s.max_connections)?,
     })
 }
 
@@ -180,6 +200,13 @@ fn positive_size(setting: &'static str, size: Size) -> Result<usize, ConfigError
         0 => Err(invalid(setting, "0", "want a positive size, e.g. 16MiB")),
         n => Ok(n),
     }
+}
+
+fn list(nets: &[ipnet::IpNet]) -> String {
+    nets.iter()
+        .map(|n| n.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Certificate and key come together; the CA adds client verification.

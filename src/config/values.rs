@@ -4,11 +4,13 @@
 //! acceptable (a range, another setting it needs) is for `validate.rs`.
 
 use std::fmt::Display;
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
 
 use clap::ValueEnum;
 use indexer::engine_hash::{ExtraKeyStyle, HashAlgo};
+use ipnet::IpNet;
 
 /// Sizes above this are refused: every size setting bounds memory that one
 /// process holds (the index, a cache, one message), so a terabyte is a typo
@@ -201,6 +203,22 @@ impl FromStr for ModelKeyMode {
     }
 }
 
+/// `--zmq-allow`: a network (`10.0.0.0/8`, `fd00::/8`) or one address
+/// (`10.1.2.3`, meaning /32, or /128 for IPv6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Network(pub IpNet);
+
+impl FromStr for Network {
+    type Err = String;
+    fn from_str(raw: &str) -> Result<Self, String> {
+        let s = raw.trim();
+        s.parse::<IpNet>()
+            .or_else(|_| s.parse::<IpAddr>().map(IpNet::from))
+            .map(Network)
+            .map_err(|_| "want a network such as 10.0.0.0/8 or an address such as 10.1.2.3".into())
+    }
+}
+
 /// `--log-format`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
@@ -321,6 +339,17 @@ mod tests {
         );
         assert!("m=token:x".parse::<ModelKeyMode>().is_err());
         assert!("m=engine:sha1".parse::<ModelKeyMode>().is_err());
+    }
+
+    #[test]
+    fn networks_take_bare_addresses_as_hosts() {
+        let n: Network = "10.1.2.3".parse().unwrap();
+        assert_eq!(n.0, "10.1.2.3/32".parse::<IpNet>().unwrap());
+        let n: Network = "fd00::1".parse().unwrap();
+        assert_eq!(n.0.prefix_len(), 128);
+        let n: Network = "10.0.0.0/8".parse().unwrap();
+        assert!(n.0.contains(&"10.9.9.9".parse::<IpAddr>().unwrap()));
+        assert!("10.0.0.0/33".parse::<Network>().is_err());
     }
 
     #[test]
