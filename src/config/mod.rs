@@ -7,6 +7,8 @@
 //! - `settings.rs`: the table, every setting once (name, type, default,
 //!   help); the flag, the environment variable and the YAML key all come
 //!   from its entry.
+//! - `file.rs`: the `--config` file, read into the same `Settings` type
+//!   with the same parsers.
 //! - `values.rs`: what each kind of value looks like (sizes, durations,
 //!   `KEY=VALUE` pairs, ...), one `FromStr` per kind, shared by all sources.
 //! - `endpoints.rs`: ZeroMQ endpoints and DNS targets.
@@ -14,13 +16,14 @@
 //!   [`Config`].
 
 mod endpoints;
+mod file;
 mod settings;
 mod validate;
 mod values;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::Parser;
 use indexer::IndexerConfig;
@@ -164,7 +167,7 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    /// The path (`tier_weight[1]`) names the setting, as clap names a flag.
+    /// The error names the key (`max_memory: invalid value ...`).
     #[error("config file {path}: {source}")]
     Parse {
         path: PathBuf,
@@ -195,7 +198,7 @@ impl Config {
     pub fn load(mut args: Args) -> Result<Config, ConfigError> {
         args.command = None;
         let file = match &args.config {
-            Some(path) => read_file(path)?,
+            Some(path) => file::read_file(path)?,
             None => FileConfig::default(),
         };
         Config::merge(args, file)
@@ -206,22 +209,6 @@ impl Config {
     pub fn merge(args: Args, file: FileConfig) -> Result<Config, ConfigError> {
         validate::validate(args.settings.or(file).resolve())
     }
-}
-
-fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    if text.trim().is_empty() {
-        return Ok(FileConfig::default());
-    }
-    serde_path_to_error::deserialize(serde_norway::Deserializer::from_str(&text)).map_err(
-        |source| ConfigError::Parse {
-            path: path.to_owned(),
-            source,
-        },
-    )
 }
 
 #[cfg(test)]
