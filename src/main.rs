@@ -1,11 +1,10 @@
 //! `kv-indexer`: the service binary.
 
-use clap::Parser;
 use kv_indexer::config::{Args, Command, Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> std::process::ExitCode {
-    let mut args = Args::parse();
+    let mut args = Args::parse_or_exit();
     let command = args.command.take();
     if matches!(command, Some(Command::Demo { .. })) {
         // The demo's output is the point: keep the service's logs quiet.

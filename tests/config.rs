@@ -96,9 +96,13 @@ fn a_wrong_value_exits_2_naming_the_setting_from_every_source() {
         stderr(&out)
     );
 
+    // clap names the flag; our tip names the setting and the variable.
     let out = check(&[], &[("KV_INDEXER_MAX_MEMORY", "lots")]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("--max-memory"), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("--max-memory"), "{err}");
+    assert!(err.contains("setting max_memory"), "{err}");
+    assert!(err.contains("KV_INDEXER_MAX_MEMORY"), "{err}");
 
     let out = check(&["--block-size", "0"], &[]);
     assert_eq!(out.status.code(), Some(2));

@@ -49,6 +49,54 @@ pub struct Args {
     pub settings: Settings,
 }
 
+impl Args {
+    /// `Args::parse()`, exiting with status 2 on a bad flag or variable, as
+    /// clap does; see [`Args::try_parse_named`] for the message.
+    pub fn parse_or_exit() -> Args {
+        Args::try_parse_named(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+
+    /// `Args::try_parse_from`, with a malformed value's error also naming
+    /// the setting and its environment variable: clap names the flag only,
+    /// even when the value came from `KV_INDEXER_<FLAG>`, and the file's
+    /// errors (and `validate.rs`'s) name the setting in snake_case.
+    pub fn try_parse_named<I, T>(argv: I) -> Result<Args, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        Args::try_parse_from(argv).map_err(name_the_setting)
+    }
+}
+
+fn name_the_setting(mut e: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(
+        e.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        return e;
+    }
+    // The context is the flag as usage shows it: `--max-memory <MAX_MEMORY>`.
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return e;
+    };
+    let flag = arg.split(' ').next().unwrap_or_default();
+    let name = flag.trim_start_matches("--").replace('-', "_");
+    if !Settings::NAMES.contains(&name.as_str()) {
+        return e;
+    }
+    let tip = format!(
+        "this is the setting {name}, given by {flag} or KV_INDEXER_{}",
+        name.to_ascii_uppercase()
+    );
+    e.insert(
+        ContextKind::Suggested,
+        ContextValue::StyledStrs(vec![tip.into()]),
+    );
+    e
+}
+
 /// The `--config` file holds the same settings as the flags, in the same
 /// type: one parser per setting whatever the source.
 pub type FileConfig = Settings;
@@ -328,21 +376,15 @@ mod tests {
             (&["--max-prompt-tokens", "0"], "max_prompt_tokens"),
         ];
         for (flags, setting) in cases {
-            // A malformed value stops at clap, which names the flag
-            // (`--grpc-addr`); the rest at validation, which names the
-            // setting (`grpc_addr`).
+            // A malformed value stops at clap, the rest at validation.
             let argv = std::iter::once("kv-indexer").chain(flags.iter().copied());
-            let err = match Args::try_parse_from(argv) {
+            let err = match Args::try_parse_named(argv) {
                 Err(e) => e.to_string(),
                 Ok(a) => Config::merge(a, FileConfig::default())
                     .unwrap_err()
                     .to_string(),
             };
-            let flag = format!("--{}", setting.replace('_', "-"));
-            assert!(
-                err.contains(setting) || err.contains(&flag),
-                "{flags:?}: {err}"
-            );
+            assert!(err.contains(setting), "{flags:?}: {err}");
         }
     }
 
