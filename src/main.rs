@@ -1,17 +1,17 @@
 //! `kv-indexer`: the service binary.
 
-use clap::Parser;
 use kv_indexer::config::{Args, Command, Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> std::process::ExitCode {
-    let mut args = Args::parse();
+    let mut args = Args::parse_or_exit();
     let command = args.command.take();
     if matches!(command, Some(Command::Demo { .. })) {
         // The demo's output is the point: keep the service's logs quiet.
-        args.log_level.get_or_insert_with(|| "warn".into());
-        args.zmq_bind
-            .get_or_insert_with(|| "tcp://127.0.0.1:5557".into());
+        let s = &mut args.settings;
+        s.log_level.get_or_insert_with(|| "warn".into());
+        s.zmq_bind
+            .get_or_insert_with(|| "tcp://127.0.0.1:5557".parse().expect("an endpoint"));
     }
     let config = match Config::load(args) {
         Ok(c) => c,

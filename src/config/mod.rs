@@ -1,0 +1,518 @@
+//! Settings: flags, `KV_INDEXER_*` environment variables and an optional YAML
+//! file, parsed and validated once at start into a typed [`Config`]. A bad
+//! value fails fast with the setting's name.
+//!
+//! Precedence: flag > environment variable > config file > built-in default.
+//!
+//! - `settings.rs`: the table, every setting once (name, type, default,
+//!   help); the flag, the environment variable and the YAML key all come
+//!   from its entry.
+//! - `file.rs`: the `--config` file, read into the same `Settings` type
+//!   with the same parsers.
+//! - `values.rs`: what each kind of value looks like (sizes, durations,
+//!   `KEY=VALUE` pairs, ...), one `FromStr` per kind, shared by all sources.
+//! - `endpoints.rs`: ZeroMQ endpoints and DNS targets.
+//! - `validate.rs`: ranges and settings that depend on each other, into
+//!   [`Config`].
+
+mod endpoints;
+mod file;
+mod settings;
+mod validate;
+mod values;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use indexer::IndexerConfig;
+
+pub(crate) use endpoints::dial_target;
+pub use settings::Settings;
+pub use values::{parse_bytes, LogFormat};
+
+/// The command line: a subcommand, the `--config` file, and every setting
+/// (`settings.rs`), each also settable by `KV_INDEXER_<FLAG>` (upper case,
+/// `_` for `-`) or in the file (snake_case key, the flag's name).
+#[derive(Parser, Debug, Default)]
+#[command(name = "kv-indexer", version, about, long_about = None)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
+    /// YAML file with any of the settings below (snake_case keys).
+    #[arg(long, env = "KV_INDEXER_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub settings: Settings,
+}
+
+impl Args {
+    /// `Args::parse()`, exiting with status 2 on a bad flag or variable, as
+    /// clap does; see [`Args::try_parse_named`] for the message.
+    pub fn parse_or_exit() -> Args {
+        Args::try_parse_named(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+
+    /// `Args::try_parse_from`, with a malformed value's error also naming
+    /// the setting and its environment variable: clap names the flag only,
+    /// even when the value came from `KV_INDEXER_<FLAG>`, and the file's
+    /// errors (and `validate.rs`'s) name the setting in snake_case.
+    pub fn try_parse_named<I, T>(argv: I) -> Result<Args, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        Args::try_parse_from(argv).map_err(name_the_setting)
+    }
+}
+
+fn name_the_setting(mut e: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(
+        e.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        return e;
+    }
+    // The context is the flag as usage shows it: `--max-memory <MAX_MEMORY>`.
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return e;
+    };
+    let flag = arg.split(' ').next().unwrap_or_default();
+    let name = flag.trim_start_matches("--").replace('-', "_");
+    if !Settings::NAMES.contains(&name.as_str()) {
+        return e;
+    }
+    let tip = format!(
+        "this is the setting {name}, given by {flag} or KV_INDEXER_{}",
+        name.to_ascii_uppercase()
+    );
+    e.insert(
+        ContextKind::Suggested,
+        ContextValue::StyledStrs(vec![tip.into()]),
+    );
+    e
+}
+
+/// The `--config` file holds the same settings as the flags, in the same
+/// type: one parser per setting whatever the source.
+pub type FileConfig = Settings;
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Validate the configuration (flags, environment, --config file),
+    /// print the effective settings and exit: 0 if valid, 2 if not.
+    Check,
+    /// Run the service with a built-in publisher that behaves like a few
+    /// vLLM pods serving conversations; prints how the scores move.
+    Demo {
+        /// Fake pods.
+        #[arg(long, default_value_t = 3)]
+        pods: usize,
+        /// Stop after this many turns (0 = until Ctrl-C).
+        #[arg(long, default_value_t = 0)]
+        turns: u32,
+    },
+}
+
+/// PEM material for gRPC TLS, read at start.
+#[derive(Clone)]
+pub struct TlsConfig {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+    pub client_ca_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for TlsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print key material.
+        f.debug_struct("TlsConfig")
+            .field("mtls", &self.client_ca_pem.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one request may ask for. Each bound exists so that one client
+/// cannot take the service's memory or CPU from everyone else.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub max_message_bytes: usize,
+    pub max_prompt_bytes: usize,
+    pub max_prompt_tokens: usize,
+    pub max_candidate_pods: usize,
+    pub max_inflight: usize,
+}
+
+/// A pod to dial: its PUB endpoint and, if known, its replay endpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct DialTarget {
+    pub endpoint: String,
+    pub replay: Option<String>,
+}
+
+/// Validated settings.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub grpc_addr: SocketAddr,
+    /// gRPC over TLS (and mTLS when a client CA is given).
+    pub tls: Option<TlsConfig>,
+    pub metrics_addr: Option<SocketAddr>,
+    pub zmq_bind: Option<String>,
+    pub zmq_connect: Vec<DialTarget>,
+    pub discovery: crate::discovery::DiscoveryConfig,
+    pub replay_endpoints: HashMap<String, String>,
+    pub replay_timeout: std::time::Duration,
+    /// Dial mode: expiry of silent, disconnected pods (`None`: never).
+    pub pod_expiry: Option<std::time::Duration>,
+    pub topic_filter: String,
+    pub indexer: IndexerConfig,
+    pub log_format: LogFormat,
+    pub log_level: String,
+    pub ingest_workers: usize,
+    pub limits: Limits,
+    pub snapshot_dir: Option<PathBuf>,
+    pub snapshot_interval: std::time::Duration,
+    pub tokenizers: tokenizer::load::Sources,
+    /// Tokenization cache bytes, per model.
+    pub tokenization_cache_bytes: usize,
+    /// Largest ZeroMQ message accepted from a pod; larger ones are refused
+    /// by the socket.
+    pub max_event_message_bytes: usize,
+    /// Messages queued per ingest worker; beyond, new messages are dropped
+    /// and counted.
+    pub ingest_queue: usize,
+    /// Bind mode: the source networks that may connect to the event port
+    /// (empty: any).
+    pub zmq_allow: Vec<ipnet::IpNet>,
+    /// Most cache domains (pod, DP rank) held.
+    pub max_pods: usize,
+    /// Most models held.
+    pub max_models: usize,
+    /// Accept a request-level `chat_template`.
+    pub allow_request_chat_template: bool,
+    /// Connect/read timeout of one Hugging Face Hub request.
+    pub hub_timeout: std::time::Duration,
+    /// Admin RPCs (`RemovePod`) allowed; otherwise refused.
+    pub admin: bool,
+    /// Most concurrent gRPC connections (and, separately, metrics HTTP
+    /// connections).
+    pub max_connections: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid {setting} {value:?}: {reason}")]
+    Invalid {
+        setting: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The error names the key (`max_memory: invalid value ...`).
+    #[error("config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_path_to_error::Error<serde_norway::Error>,
+    },
+}
+
+fn invalid(
+    setting: &'static str,
+    value: impl Into<String>,
+    reason: impl Into<String>,
+) -> ConfigError {
+    ConfigError::Invalid {
+        setting,
+        value: value.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Memory one (pod, block) entry costs at capacity, all structures and
+/// allocator overhead included: tests/memory.rs measures about 77 MB of
+/// resident memory for 200,000 entries including the process itself, so
+/// 400 bytes keeps --max-memory on the safe side.
+pub const BYTES_PER_ENTRY: usize = 400;
+
+/// Memory a cache domain costs before it holds any block (its pod record,
+/// names, stream state, map headers, allocator overhead): tests/hostile.rs
+/// measures ~1.9 KB per pod holding a few blocks; twice that keeps
+/// --max-memory on the safe side.
+pub const BYTES_PER_POD: usize = 4096;
+
+impl Config {
+    /// Merges flags/environment over the config file (if any) and validates.
+    pub fn load(mut args: Args) -> Result<Config, ConfigError> {
+        args.command = None;
+        let file = match &args.config {
+            Some(path) => file::read_file(path)?,
+            None => FileConfig::default(),
+        };
+        Config::merge(args, file)
+    }
+
+    /// Flags and environment (already joined by clap) over the file, then
+    /// the defaults, then validation.
+    pub fn merge(args: Args, file: FileConfig) -> Result<Config, ConfigError> {
+        validate::validate(args.settings.or(file).resolve())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use indexer::engine_hash::HashAlgo;
+    use indexer::score::TierWeights;
+
+    use super::*;
+
+    fn args(list: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("kv-indexer").chain(list.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn defaults_are_sensible() {
+        let c = Config::merge(Args::default(), FileConfig::default()).unwrap();
+        assert_eq!(c.grpc_addr, "0.0.0.0:50051".parse().unwrap());
+        assert_eq!(c.zmq_bind.as_deref(), Some("tcp://0.0.0.0:5557"));
+        assert!(c.zmq_connect.is_empty());
+        assert_eq!(c.topic_filter, "kv@");
+        assert_eq!(c.indexer.default_block_size, 16);
+        assert_eq!(c.indexer.tier_weights, TierWeights::default());
+        assert_eq!(c.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn flags_parse_and_win_over_the_file() {
+        let a = args(&[
+            "--grpc-addr",
+            "127.0.0.1:1",
+            "--zmq-bind",
+            "none",
+            "--zmq-connect",
+            "tcp://a:1,replay=tcp://a:2",
+            "--zmq-connect",
+            "tcp://b:1",
+            "--tier-weight",
+            "cpu=0.5,storage=0",
+        ]);
+        let file: FileConfig = serde_norway::from_str(
+            "grpc_addr: 127.0.0.1:9\nblock_size: 32\ntier_weights: {gpu: 0.9}\n",
+        )
+        .unwrap();
+        let c = Config::merge(a, file).unwrap();
+        assert_eq!(c.grpc_addr, "127.0.0.1:1".parse().unwrap());
+        assert_eq!(c.zmq_bind, None);
+        assert_eq!(
+            c.zmq_connect,
+            vec![
+                DialTarget {
+                    endpoint: "tcp://a:1".into(),
+                    replay: Some("tcp://a:2".into())
+                },
+                DialTarget {
+                    endpoint: "tcp://b:1".into(),
+                    replay: None
+                },
+            ]
+        );
+        assert_eq!(c.indexer.default_block_size, 32);
+        // Flags replace the file's weights; unspecified tiers keep defaults.
+        assert_eq!(c.indexer.tier_weights.0, [1.0, 0.5, 0.0]);
+    }
+
+    #[test]
+    fn errors_name_the_setting() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--grpc-addr", "nope"], "grpc_addr"),
+            (&["--metrics-addr", "nope"], "metrics_addr"),
+            (&["--tls-cert", "/etc/hostname"], "tls_key"),
+            (
+                &["--tls-cert", "/etc/hostname", "--tls-key", "/etc/hostname"],
+                "tls_cert",
+            ),
+            (&["--discover-dns", "svc"], "discover_dns"),
+            (&["--discover-dns", "svc:1,replay=2"], "discover_dns"),
+            (&["--dns-server", "x"], "dns_server"),
+            (&["--discovery-interval", "5"], "discovery_interval"),
+            (&["--replay-endpoint", "p"], "replay_endpoint"),
+            (&["--replay-endpoint", "p=udp://x:1"], "replay_endpoint"),
+            (&["--replay-timeout", "0s"], "replay_timeout"),
+            (&["--pod-expiry", "soon"], "pod_expiry"),
+            (&["--incomplete-pods", "ignore"], "incomplete_pods"),
+            (&["--zmq-bind", "udp://x:1"], "zmq_bind"),
+            (&["--zmq-connect", "tcp://a"], "zmq_connect"),
+            (&["--zmq-connect", "tcp://a:1,foo=bar"], "zmq_connect"),
+            (&["--block-size", "0"], "block_size"),
+            (&["--tier-weight", "gpu=2"], "tier_weight"),
+            (&["--tier-weight", "tpu=1"], "tier_weight"),
+            (&["--log-format", "xml"], "log_format"),
+            (&["--log-level", "info,=[bad"], "log_level"),
+            (&["--ingest-workers", "0"], "ingest_workers"),
+            (&["--key-mode", "hash"], "key_mode"),
+            (
+                &["--key-mode", "engine", "--engine-hash-algo", "md5"],
+                "engine_hash_algo",
+            ),
+            (
+                &["--key-mode", "engine", "--engine-hash-algo", "xxhash"],
+                "PYTHONHASHSEED",
+            ),
+            (
+                &["--key-mode", "engine", "--engine-extra-keys", "x"],
+                "engine_extra_keys",
+            ),
+            (&["--lora-path", "nopath"], "lora_path"),
+            (&["--model-key-mode", "m=fast"], "model_key_mode"),
+            (&["--model-key-mode", "m=engine:sha1"], "model_key_mode"),
+            (&["--tokenizer", "m"], "tokenizer"),
+            (&["--tokenizer", "m=/no/such/dir"], "tokenizer"),
+            (&["--tokenization-cache", "lots"], "tokenization_cache"),
+            (&["--max-message", "0"], "max_message"),
+            (&["--max-blocks", "0"], "max_blocks"),
+            (&["--snapshot-interval", "often"], "snapshot_interval"),
+            (&["--max-memory", "12"], "max_memory"),
+            (&["--max-inflight", "0"], "max_inflight"),
+            (&["--max-prompt-tokens", "0"], "max_prompt_tokens"),
+        ];
+        for (flags, setting) in cases {
+            // A malformed value stops at clap, the rest at validation.
+            let argv = std::iter::once("kv-indexer").chain(flags.iter().copied());
+            let err = match Args::try_parse_named(argv) {
+                Err(e) => e.to_string(),
+                Ok(a) => Config::merge(a, FileConfig::default())
+                    .unwrap_err()
+                    .to_string(),
+            };
+            assert!(err.contains(setting), "{flags:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn newer_settings_defaults_forms_and_bounds() {
+        let c = Config::merge(Args::default(), FileConfig::default()).unwrap();
+        assert_eq!(c.max_event_message_bytes, 4 << 20);
+        assert_eq!(c.ingest_queue, 4096);
+        assert!(c.zmq_allow.is_empty());
+        assert_eq!((c.max_pods, c.max_models), (10_000, 64));
+        assert_eq!(c.max_connections, 1024);
+        assert!(!c.allow_request_chat_template);
+        assert!(!c.admin);
+        assert_eq!(c.hub_timeout, std::time::Duration::from_secs(30));
+
+        let c = Config::merge(
+            args(&[
+                "--admin",
+                "--allow-request-chat-template=true",
+                "--zmq-allow",
+                "10.0.0.0/8,192.168.1.7",
+                "--zmq-allow",
+                "fd00::/8",
+                "--hub-timeout",
+                "1m 30s",
+                "--max-event-message",
+                "1MiB",
+                "--ingest-queue",
+                "8",
+            ]),
+            FileConfig::default(),
+        )
+        .unwrap();
+        assert!(c.admin && c.allow_request_chat_template);
+        let allow: Vec<String> = c.zmq_allow.iter().map(|n| n.to_string()).collect();
+        assert_eq!(allow, ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8"]);
+        assert_eq!(c.hub_timeout, std::time::Duration::from_secs(90));
+        assert_eq!((c.max_event_message_bytes, c.ingest_queue), (1 << 20, 8));
+
+        // Every spelling of a bool, and the flag still wins over the file.
+        let file = || -> FileConfig { serde_norway::from_str("admin: true\n").unwrap() };
+        assert!(Config::merge(Args::default(), file()).unwrap().admin);
+        for no in [&["--admin=false"][..], &["--admin", "false"]] {
+            assert!(!Config::merge(args(no), file()).unwrap().admin, "{no:?}");
+        }
+
+        let cases: &[(&[&str], &str)] = &[
+            (&["--max-event-message", "0"], "max_event_message"),
+            (&["--ingest-queue", "0"], "ingest_queue"),
+            (&["--max-pods", "0"], "max_pods"),
+            (&["--max-models", "0"], "max_models"),
+            (&["--max-connections", "0"], "max_connections"),
+            (&["--hub-timeout", "0s"], "hub_timeout"),
+            (
+                &["--zmq-allow", "10.0.0.1", "--zmq-bind", "none"],
+                "zmq_allow",
+            ),
+        ];
+        for (flags, setting) in cases {
+            let err = Config::merge(args(flags), FileConfig::default()).unwrap_err();
+            assert!(err.to_string().contains(setting), "{flags:?}: {err}");
+        }
+        for bad in [&["--zmq-allow", "10.0.0.0/40"][..], &["--admin", "maybe"]] {
+            assert!(
+                Args::try_parse_from(std::iter::once("kv-indexer").chain(bad.iter().copied()))
+                    .is_err()
+            );
+        }
+    }
+
+    #[test]
+    fn key_modes_per_model() {
+        let c = Config::merge(
+            args(&[
+                "--key-mode",
+                "engine",
+                "--engine-hash-algo",
+                "sha256_cbor",
+                "--lora-path",
+                "sql=/loras/sql",
+                "--model-key-mode",
+                "org/a=token",
+                "--model-key-mode",
+                "org/b=engine:xxhash:42",
+            ]),
+            FileConfig::default(),
+        )
+        .unwrap();
+        let keys = &c.indexer.keys;
+        let e = keys.default.engine().unwrap();
+        assert_eq!(e.hasher.algo(), HashAlgo::Sha256Cbor);
+        assert!(e.assume_prefix_closed);
+        assert_eq!(e.lora_paths["sql"], "/loras/sql");
+        assert!(keys.for_model("org/a").engine().is_none());
+        assert_eq!(
+            keys.for_model("org/b").engine().unwrap().hasher.algo(),
+            HashAlgo::Xxhash
+        );
+        assert!(keys.for_model("org/c").engine().is_some());
+        let file: FileConfig = serde_norway::from_str(
+            "key_mode: engine\nengine_hash_seed: '7'\nassume_prefix_closed: false\nmodel_key_modes: {x: token}\n",
+        )
+        .unwrap();
+        let c = Config::merge(Args::default(), file).unwrap();
+        let e = c.indexer.keys.default.engine().unwrap();
+        assert!(!e.assume_prefix_closed);
+        assert!(c.indexer.keys.for_model("x").engine().is_none());
+    }
+
+    #[test]
+    fn byte_sizes_parse() {
+        assert_eq!(parse_bytes("1234"), Some(1234));
+        assert_eq!(parse_bytes("64KiB"), Some(64 << 10));
+        assert_eq!(parse_bytes("256MiB"), Some(256 << 20));
+        assert_eq!(parse_bytes("2G"), Some(2 << 30));
+        assert_eq!(parse_bytes("2 TB"), None);
+        assert_eq!(parse_bytes("MiB"), None);
+    }
+
+    #[test]
+    fn unknown_file_keys_are_rejected() {
+        let err = serde_norway::from_str::<FileConfig>("grpc_adr: 1.2.3.4:5\n").unwrap_err();
+        assert!(err.to_string().contains("grpc_adr"), "{err}");
+    }
+}

@@ -1,0 +1,372 @@
+//! The settings table: every setting once, with its name, type (which is
+//! its parser, see `values.rs`), default and help. From that one entry:
+//!
+//! - the flag `--NAME` (kebab-case) and its help, with the default appended;
+//! - the environment variable `KV_INDEXER_NAME` (upper case), set on every
+//!   flag by [`finish_arg`], because clap's derive has no prefix for them;
+//! - the YAML key `NAME` (snake_case, the field's own name), with older
+//!   spellings as serde aliases;
+//! - the precedence, `Settings::or` (flag or environment, else file), and the
+//!   default, `Settings::resolve`.
+//!
+//! Every field is an `Option` so that "not given" survives until the file
+//! has had its say: a clap `default_value` would win over the file.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use humantime::Duration;
+use serde::Deserialize;
+
+use super::endpoints::{BindEndpoint, ReplayEndpoint};
+use super::file::from_file;
+use super::values::*;
+use super::DialTarget;
+use crate::discovery::DnsTarget;
+
+/// Writes the struct, its precedence and defaults from the table below.
+/// An entry is `doc, attributes, name: Type [= "default"],`. The type is
+/// what clap and the file parse (`FromStr`); the default is text, parsed
+/// the same way. Without a default, the resolved value stays an `Option`
+/// (for lists: `None` is empty).
+macro_rules! settings {
+    ($(
+        $(#[$attr:meta])*
+        $name:ident: $ty:ty $(= $default:literal)?,
+    )*) => {
+        /// Every setting, each `None` unless given. Parsed from flags and
+        /// environment variables (clap), and from the `--config` file
+        /// (serde) into this same type, then joined with [`Settings::or`].
+        #[derive(clap::Args, Deserialize, Debug, Default)]
+        #[serde(deny_unknown_fields)]
+        #[command(mut_args = finish_arg)]
+        pub struct Settings {
+            $(
+                $(#[$attr])*
+                #[arg(long)]
+                #[serde(default, deserialize_with = "from_file")]
+                pub $name: Option<$ty>,
+            )*
+        }
+
+        /// The settings after precedence and defaults: what `validate.rs`
+        /// turns into a `Config`.
+        pub(super) struct Resolved {
+            $( pub $name: resolved_type!($ty $(, $default)?), )*
+        }
+
+        impl Settings {
+            /// Every setting's name (flag, file key and environment suffix).
+            pub const NAMES: &[&str] = &[$(stringify!($name)),*];
+
+            /// `self` (flags and environment) where given, else `lower` (the file).
+            pub fn or(self, lower: Settings) -> Settings {
+                Settings { $( $name: self.$name.or(lower.$name), )* }
+            }
+
+            /// Fills in the defaults.
+            pub(super) fn resolve(self) -> Resolved {
+                Resolved { $( $name: resolve_value!(self.$name, $name $(, $default)?), )* }
+            }
+
+            /// The default as written in the table, for `--help`.
+            fn default_text(name: &str) -> Option<&'static str> {
+                match name {
+                    $($( stringify!($name) => Some($default), )?)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+macro_rules! resolved_type {
+    ($ty:ty) => { Option<$ty> };
+    ($ty:ty, $default:literal) => { $ty };
+}
+
+macro_rules! resolve_value {
+    ($value:expr, $name:ident) => {
+        $value
+    };
+    ($value:expr, $name:ident, $default:literal) => {
+        $value.unwrap_or_else(|| parse_default(stringify!($name), $default))
+    };
+}
+
+// The order is `--help`'s. Bool settings take `num_args = 0..=1` with a
+// missing value meaning true: `--admin` alone, `--admin=false` and (as
+// `--assume-prefix-closed false` always has) `--admin false` all work.
+settings! {
+    /// gRPC listen address.
+    grpc_addr: SocketAddr = "0.0.0.0:50051",
+
+    /// PEM certificate (chain) for gRPC over TLS; with --tls-key.
+    tls_cert: PathBuf,
+
+    /// PEM private key for --tls-cert.
+    tls_key: PathBuf,
+
+    /// PEM CA certificate(s): require and verify client certificates (mTLS).
+    tls_client_ca: PathBuf,
+
+    /// Most concurrent gRPC connections (and, separately, most metrics HTTP
+    /// connections).
+    max_connections: usize = "1024",
+
+    /// Enable admin RPCs (RemovePod); without it they are refused.
+    #[arg(num_args = 0..=1, default_missing_value = "true")]
+    admin: bool = "false",
+
+    /// HTTP address for `/metrics`, `/healthz` and `/readyz`; `none`
+    /// disables.
+    metrics_addr: OrNone<SocketAddr> = "0.0.0.0:9090",
+
+    /// ZeroMQ endpoint to bind a SUB socket on, for pods that connect to the
+    /// indexer; `none` disables.
+    zmq_bind: OrNone<BindEndpoint> = "tcp://*:5557",
+
+    /// Bind mode: only these source networks (`10.0.0.0/8`, or one address)
+    /// may connect to the event port. Repeatable or comma-separated
+    /// [default: any].
+    #[arg(value_delimiter = ',')]
+    zmq_allow: Vec<Item<Network>>,
+
+    /// A pod's PUB endpoint to connect to, optionally with its replay (ROUTER)
+    /// endpoint: `tcp://pod:5557[,replay=tcp://pod:5558]`. Repeatable; in the
+    /// environment variable, separate targets with spaces.
+    #[arg(value_delimiter = ' ')]
+    zmq_connect: Vec<Item<DialTarget>>,
+
+    /// A pods file (YAML or JSON list of endpoints as for --zmq-connect, or
+    /// `{endpoint, replay}` objects), re-read when it changes (a mounted
+    /// ConfigMap).
+    pods_file: PathBuf,
+
+    /// Dial every address of a DNS name, re-resolved periodically (a
+    /// Kubernetes headless Service): `NAME:PORT[,replay-port=PORT]`.
+    /// Repeatable; in the environment variable, separate names with spaces.
+    #[arg(value_delimiter = ' ')]
+    discover_dns: Vec<Item<DnsTarget>>,
+
+    /// DNS server (`IP:PORT`) for --discover-dns instead of the system
+    /// resolver.
+    dns_server: SocketAddr,
+
+    /// How often the pods file is checked and DNS names re-resolved, e.g.
+    /// `5s`, `500ms`.
+    discovery_interval: Duration = "5s",
+
+    /// Replay endpoint of a pod that connects to us (bind mode), by the pod
+    /// name in its topic: `POD=tcp://host:port`. Repeatable; in the
+    /// environment variable, separate them with spaces. (Dial targets carry
+    /// theirs in --zmq-connect.)
+    #[arg(value_delimiter = ' ')]
+    #[serde(alias = "replay_endpoints")]
+    replay_endpoint: Vec<Item<ReplayEndpoint>>,
+
+    /// Dial mode: forget a pod whose connection has been down and that has
+    /// published nothing for this long (silence alone proves nothing);
+    /// `off` disables.
+    pod_expiry: OrNone<Duration> = "10m",
+
+    /// How long one replay request may take, e.g. `2s`.
+    replay_timeout: Duration = "2s",
+
+    /// Pods with gaps replay could not fill: `score` them anyway (their
+    /// matches may be low) or `drop` them (score 0, flagged).
+    incomplete_pods: IncompletePods = "score",
+
+    /// Topic prefix to subscribe to.
+    topic_filter: String = "kv@",
+
+    /// Largest ZeroMQ message accepted from a pod, e.g. `4MiB`; larger ones
+    /// are refused by the socket.
+    max_event_message: Size = "4MiB",
+
+    /// Threads applying events to the index; a pod's events always go to the
+    /// same one, in order [default: number of CPUs].
+    ingest_workers: usize,
+
+    /// Messages queued per ingest worker; beyond, new messages are dropped
+    /// and counted.
+    ingest_queue: usize = "4096",
+
+    /// Block size assumed for a model until its events show one.
+    block_size: u32 = "16",
+
+    /// Score weight of a tier, `TIER=WEIGHT` with TIER in gpu|cpu|storage and
+    /// WEIGHT in [0, 1]; tiers left out keep theirs. Repeatable or
+    /// comma-separated [default: gpu=1,cpu=0.8,storage=0.5].
+    #[arg(value_delimiter = ',')]
+    #[serde(alias = "tier_weights")]
+    tier_weight: Vec<Item<TierWeight>>,
+
+    /// Log format.
+    log_format: LogFormat = "text",
+
+    /// Log filter (`RUST_LOG` syntax; `RUST_LOG` wins if set).
+    log_level: String = "info",
+
+    /// Most (pod, block) entries the index holds; beyond, the largest pods
+    /// lose their least recently stored blocks [default: unbounded].
+    max_blocks: usize,
+
+    /// Memory budget for the index, e.g. `4GiB`: converted to entries at
+    /// 400 bytes each (with --max-blocks, the smaller wins).
+    max_memory: Size,
+
+    /// Most cache domains (pod, data-parallel rank) held.
+    max_pods: usize = "10000",
+
+    /// Most models held.
+    max_models: usize = "64",
+
+    /// Directory for index snapshots: written every --snapshot-interval and
+    /// on shutdown, loaded at start [default: none].
+    snapshot_dir: PathBuf,
+
+    /// How often to write a snapshot, e.g. `60s`.
+    snapshot_interval: Duration = "60s",
+
+    /// Largest gRPC request accepted, e.g. `16MiB`.
+    max_message: Size = "16MiB",
+
+    /// Largest text prompt or chat request accepted, in bytes.
+    max_prompt: Size = "8MiB",
+
+    /// Most tokens a prompt may have.
+    max_prompt_tokens: usize = "1048576",
+
+    /// Most candidate pods in one request.
+    max_candidate_pods: usize = "4096",
+
+    /// Scoring requests (Score, Tokenize, GetPodScores) in flight at once;
+    /// more are refused at once with RESOURCE_EXHAUSTED.
+    max_inflight: usize = "256",
+
+    /// Block keys: `token` (ours, from token ids) or `engine` (vLLM's own
+    /// block hashes; needs the pods' hash algorithm and seed).
+    key_mode: KeyModeName = "token",
+
+    /// Engine mode: the pods' `--prefix-caching-hash-algo`: sha256,
+    /// sha256_cbor, xxhash or xxhash_cbor.
+    engine_hash_algo: HashAlgoName = "sha256",
+
+    /// Engine mode: the pods' `PYTHONHASHSEED`, if they set one
+    /// [default: vllm-none-hash, vLLM's own default for sha256 algorithms].
+    engine_hash_seed: String,
+
+    /// Engine mode: how the pods' vLLM hashes LoRA names and cache salts:
+    /// `tagged` (vLLM >= 0.31) or `bare` (older).
+    engine_extra_keys: ExtraKeys = "tagged",
+
+    /// Engine mode: a LoRA adapter's path as given to vLLM, `NAME=PATH`
+    /// (hashed since vLLM 0.31, absent from events). Adapters without one use
+    /// token keys. Repeatable or comma-separated.
+    #[arg(value_delimiter = ',')]
+    #[serde(alias = "lora_paths")]
+    lora_path: Vec<Item<LoraPath>>,
+
+    /// Engine mode: a pod holding block k of a prompt holds blocks 0..k
+    /// (vLLM evicts descendants first), even if their events were missed.
+    #[arg(num_args = 0..=1, default_missing_value = "true")]
+    assume_prefix_closed: bool = "true",
+
+    /// Engine mode: after each pod's first 8, recompute one in N prompt-start
+    /// stores' hashes to catch a wrong algorithm or seed; 0 = off.
+    engine_self_check_every: u32 = "64",
+
+    /// Key mode for one model, overriding the above: `MODEL=token` or
+    /// `MODEL=engine[:ALGO[:SEED]]`. Repeatable; in the environment
+    /// variable, separate them with spaces.
+    #[arg(value_delimiter = ' ')]
+    #[serde(alias = "model_key_modes")]
+    model_key_mode: Vec<Item<ModelKeyMode>>,
+
+    /// A model's tokenizer: `MODEL=PATH`, PATH a directory with
+    /// `tokenizer.json` (+ `tokenizer_config.json`) or a `tokenizer.json`.
+    /// Repeatable; in the environment variable, separate them with spaces.
+    /// Otherwise the models dir, the Hugging Face cache and the Hub are tried
+    /// (`HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_TOKEN`,
+    /// `HF_HUB_OFFLINE` are honoured).
+    #[arg(value_delimiter = ' ')]
+    #[serde(alias = "tokenizers")]
+    tokenizer: Vec<Item<TokenizerPath>>,
+
+    /// Directory of tokenizers by model name: `DIR/<model>/tokenizer.json`.
+    tokenizers_dir: PathBuf,
+
+    /// Bytes of tokenization cache per model, e.g. `256MiB`.
+    tokenization_cache: Size = "256MiB",
+
+    /// Connect and read timeout of one Hugging Face Hub request.
+    hub_timeout: Duration = "30s",
+
+    /// Accept a request-level `chat_template` (like vLLM's
+    /// `--trust-request-chat-template`); otherwise such requests are refused.
+    #[arg(num_args = 0..=1, default_missing_value = "true")]
+    allow_request_chat_template: bool = "false",
+}
+
+/// What the table cannot say through clap's derive: each setting's
+/// environment variable, its default in `--help`, and that it may follow
+/// a subcommand (`kv-indexer check --config FILE`).
+fn finish_arg(arg: clap::Arg) -> clap::Arg {
+    let name = arg.get_id().as_str().to_owned();
+    if !Settings::NAMES.contains(&name.as_str()) {
+        return arg;
+    }
+    let with_default = |help: &clap::builder::StyledStr| match Settings::default_text(&name) {
+        Some(default) => format!("{help} [default: {default}]"),
+        None => help.to_string(),
+    };
+    let help = arg.get_help().map(with_default);
+    let long_help = arg.get_long_help().map(with_default);
+    let mut arg = arg
+        .env(format!("KV_INDEXER_{}", name.to_ascii_uppercase()))
+        .global(true);
+    if let Some(help) = help {
+        arg = arg.help(help);
+    }
+    if let Some(long_help) = long_help {
+        arg = arg.long_help(long_help);
+    }
+    arg
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+    use crate::config::Args;
+
+    #[test]
+    fn every_setting_has_its_flag_and_environment_variable() {
+        let cmd = Args::command();
+        for name in Settings::NAMES {
+            let arg = cmd
+                .get_arguments()
+                .find(|a| a.get_id() == *name)
+                .unwrap_or_else(|| panic!("{name}: no flag"));
+            assert_eq!(arg.get_long(), Some(name.replace('_', "-").as_str()));
+            let env = arg.get_env().unwrap().to_str().unwrap();
+            assert_eq!(env, format!("KV_INDEXER_{}", name.to_uppercase()));
+            assert!(arg.is_global_set(), "{name}");
+        }
+    }
+
+    #[test]
+    fn every_default_parses() {
+        // `resolve` parses each default; a bad one panics naming it.
+        let _ = Settings::default().resolve();
+    }
+
+    #[test]
+    fn help_shows_the_defaults() {
+        let help = Args::command().render_help().to_string();
+        assert!(help.contains("[default: 0.0.0.0:50051]"), "{help}");
+        assert!(help.contains("KV_INDEXER_MAX_EVENT_MESSAGE"), "{help}");
+    }
+}
