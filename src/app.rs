@@ -67,15 +67,22 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         .set_not_serving::<KvIndexerServer<KvIndexerService>>()
         .await;
 
-    let listener = TcpListener::bind(config.grpc_addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen for gRPC on {}: {e}", config.grpc_addr))?;
+    let listener = TcpListener::bind(config.grpc_addr).await.map_err(|e| {
+        anyhow::anyhow!(
+            "cannot listen for gRPC on {}: {e} (change --grpc-addr)",
+            config.grpc_addr
+        )
+    })?;
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
     let http = match config.metrics_addr {
         Some(addr) => {
             let l = TcpListener::bind(addr)
                 .await
-                .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {addr}: {e}"))?;
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "cannot listen for metrics on {addr}: {e} (change --metrics-addr, or `none` to disable)"
+                    )
+                })?;
             tracing::info!(addr = %l.local_addr()?, "metrics and health on HTTP (/metrics, /healthz, /readyz)");
             Some(tokio::spawn(serve_http(
                 l,
@@ -116,12 +123,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     ready.store(true, Ordering::Relaxed);
 
     let (stop_rpc, rpc_stopped) = tokio::sync::oneshot::channel::<()>();
-    let service = Arc::new(KvIndexerService::new(
-        indexer.clone(),
-        tokenizers,
-        metrics.clone(),
-        config.limits.clone(),
-    ));
+    let service = Arc::new(
+        KvIndexerService::new(
+            indexer.clone(),
+            tokenizers,
+            metrics.clone(),
+            config.limits.clone(),
+        )
+        .with_admin(config.admin),
+    );
     let max_message = config.limits.max_message_bytes;
     let llmd = crate::llmd::LlmdIndexerService::new(service.clone());
     // Our own listener (bound before readiness), so tonic's `tcp_nodelay`

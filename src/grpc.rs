@@ -26,6 +26,8 @@ pub struct KvIndexerService {
     limits: Limits,
     /// Admission control: one permit per scoring request in flight.
     inflight: Arc<Semaphore>,
+    /// `--admin`: whether write RPCs other than the router's are served.
+    admin: bool,
 }
 
 /// When a request stops being worth answering (`grpc-timeout`).
@@ -70,7 +72,25 @@ impl KvIndexerService {
             metrics,
             inflight: Arc::new(Semaphore::new(limits.max_inflight)),
             limits,
+            admin: false,
         }
+    }
+
+    /// Serves admin RPCs (`RemovePod`). Off by default: the gRPC port is
+    /// unauthenticated, and a client that can remove pods can blind the
+    /// router.
+    pub fn with_admin(mut self, admin: bool) -> Self {
+        self.admin = admin;
+        self
+    }
+
+    fn require_admin(&self, rpc: &str) -> Result<(), Status> {
+        if self.admin {
+            return Ok(());
+        }
+        Err(Status::permission_denied(format!(
+            "{rpc} is an admin RPC, off unless the service runs with --admin"
+        )))
     }
 
     /// Admits a scoring request or refuses it at once: under overload the
@@ -441,6 +461,7 @@ impl KvIndexer for KvIndexerService {
         &self,
         request: Request<pb::RemovePodRequest>,
     ) -> Result<Response<pb::RemovePodResponse>, Status> {
+        self.require_admin("RemovePod")?;
         let req = request.into_inner();
         require_model(&req.model)?;
         let (domains, removed_blocks) = self.indexer.remove_pod_domains(&req.model, &req.pod);

@@ -324,6 +324,38 @@ fn bad_configuration_fails_fast_naming_the_setting() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A port already taken stops the service at start with the flag to change.
+#[test]
+fn a_taken_port_fails_naming_its_flag() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let free = format!("127.0.0.1:{}", free_port());
+    let zmq = format!("tcp://127.0.0.1:{port}");
+    let addr = format!("127.0.0.1:{port}");
+    let none = "none".to_owned();
+    for (grpc, metrics, bind, flag) in [
+        (&addr, &none, &none, "--grpc-addr"),
+        (&free, &addr, &none, "--metrics-addr"),
+        (&free, &none, &zmq, "--zmq-bind"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+            .args([
+                "--grpc-addr",
+                grpc,
+                "--metrics-addr",
+                metrics,
+                "--zmq-bind",
+                bind,
+            ])
+            .env("KV_INDEXER_LOG_LEVEL", "error")
+            .output()
+            .expect("run");
+        assert!(!out.status.success(), "{flag}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(flag), "{flag}: {stderr}");
+    }
+}
+
 /// Two replicas dialing the same pods converge on their own to the same
 /// state: every Score answer is identical.
 #[tokio::test]
@@ -401,7 +433,7 @@ async fn an_admin_can_remove_a_pod_and_it_returns_fresh_if_it_publishes_again() 
     let stream = "qwen3-lora-salt";
     let expected = load_expected(stream);
     let frames = load_frames(stream);
-    let service = Service::start(&[]).await;
+    let service = Service::start(&["--admin"]).await;
     let mut publisher = service.publish_recorded(&expected.model, &frames).await;
     let mut client = service.client().await;
     let resp = client
@@ -463,7 +495,24 @@ async fn an_admin_can_remove_a_pod_and_it_returns_fresh_if_it_publishes_again() 
     }
 }
 
-/// The zeromq crate's reconnect, verified: a dialed pod's publisher dies
+#[tokio::test]
+async fn admin_rpcs_are_refused_without_admin() {
+    let (service, expected, _publisher) = serve_recorded("qwen3-lora-salt", &[]).await;
+    let status = service
+        .client()
+        .await
+        .remove_pod(pb::RemovePodRequest {
+            model: expected.model.clone(),
+            pod: "pod-1".into(),
+        })
+        .await
+        .expect_err("RemovePod without --admin");
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(status.message().contains("--admin"), "{status:?}");
+    assert_eq!(service.list_pods(&expected.model).await.len(), 2);
+}
+
+/// libzmq's reconnect, verified: a dialed pod's publisher dies
 /// and comes back on the same endpoint; its batches arrive again.
 #[tokio::test]
 async fn a_dialed_publisher_that_restarts_is_reconnected() {
