@@ -14,7 +14,14 @@ use crate::vllm_wire::{self, WireEvent};
 
 const MODEL: &str = "demo/model";
 const BLOCK: usize = 16;
-const POD_CAPACITY_BLOCKS: usize = 96;
+/// Blocks of the shared system prompt.
+const SYSTEM_BLOCKS: usize = 4;
+/// A conversation lives this many turns, then a new one takes its place.
+const TURNS_PER_CONVERSATION: u32 = 6;
+/// A conversation's history is at most 4 + 6 x 130 / 16 = 53 blocks: a pod
+/// holds two or three, so evictions happen (and show) without erasing
+/// every match.
+const POD_CAPACITY_BLOCKS: usize = 128;
 
 /// A deterministic token stream per (conversation, turn).
 fn tokens(seed: u64, n: usize) -> Vec<u32> {
@@ -40,15 +47,34 @@ struct FakePod {
     lru: VecDeque<(usize, Vec<u64>)>,
 }
 
-pub async fn run(config: Config, pods: usize, turns: u32) -> anyhow::Result<()> {
-    let zmq = config
-        .zmq_bind
-        .clone()
-        .ok_or_else(|| {
-            anyhow::anyhow!("the demo publishes to the bound SUB socket: set --zmq-bind")
-        })?
-        .replace("0.0.0.0", "127.0.0.1");
-    let grpc = format!("http://127.0.0.1:{}", config.grpc_addr.port());
+struct Conversation {
+    id: usize,
+    prompt: Vec<u32>,
+    turns: u32,
+}
+
+/// `0.0.0.0:P` / `tcp://*:P` as a local client dials it.
+fn local(addr: &str) -> String {
+    addr.replace("0.0.0.0", "127.0.0.1")
+        .replace("//*:", "//127.0.0.1:")
+}
+
+pub async fn run(
+    config: Config,
+    pods: usize,
+    turns: u32,
+    interval: Duration,
+) -> anyhow::Result<()> {
+    let bound_zmq = config.zmq_bind.clone().ok_or_else(|| {
+        anyhow::anyhow!("the demo publishes to the bound SUB socket: set --zmq-bind")
+    })?;
+    let zmq = local(&bound_zmq.to_string());
+    let grpc_bound = config.grpc_addr.to_string();
+    let grpc_port = config.grpc_addr.port();
+    let grpc = format!("http://{}", local(&grpc_bound));
+    let metrics = config
+        .metrics_addr
+        .map_or_else(|| "off".to_owned(), |a| a.to_string());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let service = tokio::spawn(crate::app::run(config, async {
         let _ = stopped.await;
@@ -60,13 +86,15 @@ pub async fn run(config: Config, pods: usize, turns: u32) -> anyhow::Result<()> 
             Err(_) if !service.is_finished() => {
                 tokio::time::sleep(Duration::from_millis(100)).await
             }
-            Err(e) => return Err(anyhow::anyhow!("the service did not start: {e}")),
+            Err(_) => {
+                // The service's own error says what failed (a taken port...).
+                service.await??;
+                return Err(anyhow::anyhow!("the service stopped before it answered"));
+            }
         }
     };
     let context = zmq::Context::new();
     let mut publisher = crate::zmq_io::Publisher::connect(&context, &zmq)?;
-    tokio::time::sleep(Duration::from_millis(300)).await; // subscription handshake
-
     let mut fake: Vec<FakePod> = (0..pods)
         .map(|i| FakePod {
             name: format!("pod-{i}"),
@@ -75,22 +103,61 @@ pub async fn run(config: Config, pods: usize, turns: u32) -> anyhow::Result<()> 
             lru: VecDeque::new(),
         })
         .collect();
-    let system = tokens(7, 4 * BLOCK); // shared system prompt: 4 blocks
-    let conversations = pods * 2;
-    let mut prompts: Vec<Vec<u32>> = vec![system.clone(); conversations];
+    announce(&publisher, &mut fake, &mut client).await?;
 
-    println!("kv-indexer demo: {pods} fake vLLM pods publishing to {zmq}; gRPC on {grpc}");
+    let system = tokens(7, SYSTEM_BLOCKS * BLOCK);
+    let active = pods * 2;
+    let mut next_id = 0;
+    let mut conversations: Vec<Conversation> = (0..active)
+        .map(|_| {
+            next_id += 1;
+            Conversation {
+                id: next_id - 1,
+                prompt: system.clone(),
+                turns: 0,
+            }
+        })
+        .collect();
+
+    let until = match turns {
+        0 => "until Ctrl-C".to_owned(),
+        n => format!(
+            "for {n} turns, {} apart",
+            humantime::format_duration(interval)
+        ),
+    };
+    println!(
+        "kv-indexer demo: {pods} fake vLLM pods publishing to {bound_zmq}; gRPC on {grpc_bound}, \
+         metrics on {metrics}; runs {until}"
+    );
+    let ids: Vec<String> = system.iter().take(48).map(u32::to_string).collect();
+    println!(
+        "\ntry it while the demo runs (the shared system prompt's first 3 blocks):\n  grpcurl -plaintext -d '{{\"model\":\"{MODEL}\",\"token_ids\":{{\"ids\":[{}]}}}}' localhost:{grpc_port} kvindexer.v1.KvIndexer/Score\n  grpcurl -plaintext -d '{{}}' localhost:{grpc_port} kvindexer.v1.KvIndexer/ListPods\n",
+        ids.join(","),
+    );
     let mut turn = 0u32;
     loop {
         turn += 1;
-        let conv = (turn as usize * 7) % conversations;
+        let slot = (turn as usize * 7) % active;
+        if conversations[slot].turns == TURNS_PER_CONVERSATION {
+            let ended = conversations[slot].id;
+            conversations[slot] = Conversation {
+                id: next_id,
+                prompt: system.clone(),
+                turns: 0,
+            };
+            println!("conversation {ended} ended; conversation {next_id} begins");
+            next_id += 1;
+        }
+        let conv = &mut conversations[slot];
+        conv.turns += 1;
         // The user's next message joins the conversation.
         let extra = tokens(
-            turn as u64 * 31 + conv as u64,
+            u64::from(turn) * 31 + conv.id as u64,
             40 + (turn as usize * 13) % 90,
         );
-        prompts[conv].extend_from_slice(&extra);
-        let prompt = prompts[conv].clone();
+        conv.prompt.extend_from_slice(&extra);
+        let prompt = conv.prompt.clone();
 
         // Ask the indexer where this prompt's prefix is cached, like an EPP.
         let resp = client
@@ -107,43 +174,107 @@ pub async fn run(config: Config, pods: usize, turns: u32) -> anyhow::Result<()> 
         let best = &resp.pods[0];
         // Follow a conversation's own cache; only the shared system prompt
         // cached (a new conversation): spread the load, as an EPP balances.
-        let target = if best.matched_blocks as usize > system.len() / BLOCK {
+        let target = if best.matched_blocks as usize > SYSTEM_BLOCKS {
             fake.iter().position(|p| p.name == best.pod).unwrap_or(0)
         } else {
-            conv % pods
+            conv.id % pods
         };
-        let line: Vec<String> = resp
+        let mut line: Vec<String> = resp
             .pods
             .iter()
             .map(|p| format!("{}={}/{}", p.pod, p.matched_blocks, resp.total_blocks))
             .collect();
+        line.sort();
+        let evicted = publish_turn(&mut publisher, &mut fake[target], conv.id, &prompt)?;
+        let evicted = match evicted {
+            0 => String::new(),
+            n => format!(" (evicted {n} blocks to make room)"),
+        };
         println!(
-            "turn {turn:>3}: conversation {conv} ({} tokens) cached blocks: {}  -> routed to {}",
+            "turn {turn:>3}: conversation {} turn {} ({} tokens) cached blocks: {}  -> routed to {}{evicted}",
+            conv.id,
+            conv.turns,
             prompt.len(),
             line.join("  "),
             fake[target].name
         );
-
-        publish_turn(&mut publisher, &mut fake[target], conv, &prompt).await?;
-        if turn == 1 {
-            let ids: Vec<String> = prompt.iter().take(48).map(u32::to_string).collect();
-            println!(
-                "\ntry it while the demo runs (the shared system prompt's first 3 blocks):\n  grpcurl -plaintext -d '{{\"model\":\"{MODEL}\",\"token_ids\":{{\"ids\":[{}]}}}}' localhost:{} kvindexer.v1.KvIndexer/Score\n  grpcurl -plaintext -d '{{}}' localhost:{} kvindexer.v1.KvIndexer/ListPods\n",
-                ids.join(","),
-                grpc.rsplit(':').next().unwrap_or("50051"),
-                grpc.rsplit(':').next().unwrap_or("50051"),
-            );
-        }
+        // As a real pod's events arrive within milliseconds, the next turn
+        // sees this one's blocks.
+        wait_applied(&mut client, &fake[target]).await?;
         if turns > 0 && turn >= turns {
             break;
         }
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(if turns > 0 { 150 } else { 1500 })) => {}
+            _ = tokio::time::sleep(interval) => {}
             _ = tokio::signal::ctrl_c() => break,
         }
     }
     let _ = stop.send(());
     service.await??;
+    Ok(())
+}
+
+/// Each fake pod publishes an empty batch (seq 0) until the indexer lists
+/// it: a fresh PUB socket drops messages until the subscription reached it.
+async fn announce(
+    publisher: &crate::zmq_io::Publisher,
+    fake: &mut [FakePod],
+    client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
+) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        for pod in fake.iter() {
+            publisher.send(&vllm_wire::frames(
+                &pod.name,
+                MODEL,
+                0,
+                vllm_wire::encode_batch(&[]),
+            ))?;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let listed = client
+            .list_pods(pb::ListPodsRequest {
+                model: MODEL.into(),
+            })
+            .await?
+            .into_inner()
+            .pods;
+        if listed.len() >= fake.len() {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the fake pods' events never reached the indexer"
+        );
+    }
+    for pod in fake {
+        pod.seq = 1;
+    }
+    Ok(())
+}
+
+/// Waits (bounded) until the indexer applied every batch `pod` published.
+async fn wait_applied(
+    client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
+    pod: &FakePod,
+) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while std::time::Instant::now() < deadline {
+        let listed = client
+            .list_pods(pb::ListPodsRequest {
+                model: MODEL.into(),
+            })
+            .await?
+            .into_inner()
+            .pods;
+        if listed
+            .iter()
+            .any(|p| p.pod == pod.name && p.last_seq.is_some_and(|s| s + 1 >= pod.seq))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     Ok(())
 }
 
@@ -164,12 +295,13 @@ fn block_hashes(prompt: &[u32]) -> Vec<u64> {
 /// least recently used conversations' blocks (deepest first, only blocks no
 /// other cached conversation uses) to make room, then a store of the blocks
 /// it did not have yet, chained to the cached prefix.
-async fn publish_turn(
+/// Returns how many blocks it evicted.
+fn publish_turn(
     publisher: &mut crate::zmq_io::Publisher,
     pod: &mut FakePod,
     conv: usize,
     prompt: &[u32],
-) -> anyhow::Result<()> {
+) -> anyhow::Result<usize> {
     let hashes = block_hashes(prompt);
     let mut evicted: Vec<u64> = Vec::new();
     // This conversation's earlier turn is a prefix of this one: release it.
@@ -221,5 +353,5 @@ async fn publish_turn(
     pod.lru.push_back((conv, hashes));
     pod.seq += 1;
     publisher.send(&msg)?;
-    Ok(())
+    Ok(evicted.len())
 }

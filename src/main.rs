@@ -10,8 +10,13 @@ fn main() -> std::process::ExitCode {
         // The demo's output is the point: keep the service's logs quiet.
         let s = &mut args.settings;
         s.log_level.get_or_insert_with(|| "warn".into());
+        // A demo is for this machine: loopback unless told otherwise.
         s.zmq_bind
             .get_or_insert_with(|| "tcp://127.0.0.1:5557".parse().expect("an endpoint"));
+        s.grpc_addr
+            .get_or_insert_with(|| "127.0.0.1:50051".parse().expect("an address"));
+        s.metrics_addr
+            .get_or_insert_with(|| "127.0.0.1:9090".parse().expect("an address"));
     }
     let config = match Config::load(args) {
         Ok(c) => c,
@@ -38,9 +43,11 @@ fn main() -> std::process::ExitCode {
     };
     let run = async move {
         match command {
-            Some(Command::Demo { pods, turns }) => {
-                kv_indexer::demo::run(config, pods.max(1), turns).await
-            }
+            Some(Command::Demo {
+                pods,
+                turns,
+                interval,
+            }) => kv_indexer::demo::run(config, pods.max(1), turns, interval.into()).await,
             _ => kv_indexer::app::run(config, shutdown_signal()).await,
         }
     };

@@ -115,6 +115,9 @@ pub enum Command {
         /// Stop after this many turns (0 = until Ctrl-C).
         #[arg(long, default_value_t = 0)]
         turns: u32,
+        /// Pause between turns, e.g. `1s`, `0ms`.
+        #[arg(long, default_value = "1s")]
+        interval: humantime::Duration,
     },
 }
 
