@@ -120,6 +120,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         tokenizers,
         metrics,
         config.limits.clone(),
+        config.allow_request_chat_template,
     ));
     let max_message = config.limits.max_message_bytes;
     let llmd = crate::llmd::LlmdIndexerService::new(service.clone());

@@ -222,6 +222,17 @@ pub struct Args {
     #[arg(long, env = "KV_INDEXER_TOKENIZATION_CACHE")]
     pub tokenization_cache: Option<String>,
 
+    /// Run a chat request's own `chat_template` (a program from the client;
+    /// bounded, but trust the clients first); without it such requests get
+    /// INVALID_ARGUMENT [default: false].
+    #[arg(
+        long,
+        env = "KV_INDEXER_ALLOW_REQUEST_CHAT_TEMPLATE",
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub allow_request_chat_template: Option<bool>,
+
     /// Key mode for one model, overriding the above:
     /// `MODEL=token` or `MODEL=engine[:ALGO[:SEED]]`. Repeatable.
     #[arg(long, env = "KV_INDEXER_MODEL_KEY_MODE", value_delimiter = ' ')]
@@ -302,6 +313,7 @@ pub struct FileConfig {
     pub tokenizers: BTreeMap<String, PathBuf>,
     pub tokenizers_dir: Option<PathBuf>,
     pub tokenization_cache: Option<String>,
+    pub allow_request_chat_template: Option<bool>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -370,6 +382,8 @@ pub struct Config {
     pub tokenizers: tokenizer::load::Sources,
     /// Tokenization cache bytes, per model.
     pub tokenization_cache_bytes: usize,
+    /// Run requests' own chat templates.
+    pub allow_request_chat_template: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -781,6 +795,10 @@ impl Config {
                 "want bytes, e.g. 268435456 or 256MiB",
             )
         })?;
+        let allow_request_chat_template = args
+            .allow_request_chat_template
+            .or(file.allow_request_chat_template)
+            .unwrap_or(false);
 
         Ok(Config {
             grpc_addr,
@@ -808,6 +826,7 @@ impl Config {
             snapshot_interval,
             tokenizers,
             tokenization_cache_bytes,
+            allow_request_chat_template,
         })
     }
 }
@@ -1061,6 +1080,12 @@ mod tests {
         assert_eq!(c.indexer.default_block_size, 16);
         assert_eq!(c.indexer.tier_weights, TierWeights::default());
         assert_eq!(c.log_format, LogFormat::Text);
+        assert!(!c.allow_request_chat_template);
+        let c = Config::merge(
+            args(&["--allow-request-chat-template"]),
+            FileConfig::default(),
+        );
+        assert!(c.unwrap().allow_request_chat_template);
     }
 
     #[test]

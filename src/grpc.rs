@@ -9,7 +9,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use indexer::event::Tier;
 use indexer::keys::BlockKey;
 use indexer::{Indexer, ScoreQuery};
-use tokenizer::chat::ChatRequest;
+use tokenizer::chat::{ChatRequest, RenderBounds, TemplateCache};
 use tokenizer::Registry;
 use tonic::{Request, Response, Status};
 
@@ -24,8 +24,15 @@ pub struct KvIndexerService {
     tokenizers: Arc<Registry>,
     metrics: Arc<Metrics>,
     limits: Limits,
-    /// Admission control: one permit per scoring request in flight.
+    /// Admission control: one permit per scoring request in flight, held
+    /// until its tokenization and rendering have stopped (not merely until
+    /// the client gave up), so the limit bounds CPU work.
     inflight: Arc<Semaphore>,
+    /// `--allow-request-chat-template`: a request's `chat_template` is a
+    /// program from the client, run only if the operator says so.
+    allow_request_chat_template: bool,
+    /// Compiled request templates (bounded, see `TemplateCache`).
+    templates: Arc<TemplateCache>,
 }
 
 /// When a request stops being worth answering (`grpc-timeout`).
@@ -63,6 +70,7 @@ impl KvIndexerService {
         tokenizers: Arc<Registry>,
         metrics: Arc<Metrics>,
         limits: Limits,
+        allow_request_chat_template: bool,
     ) -> Self {
         KvIndexerService {
             indexer,
@@ -70,6 +78,8 @@ impl KvIndexerService {
             metrics,
             inflight: Arc::new(Semaphore::new(limits.max_inflight)),
             limits,
+            allow_request_chat_template,
+            templates: Arc::new(TemplateCache::default()),
         }
     }
 
@@ -106,14 +116,18 @@ impl KvIndexerService {
 
     /// Tokenizes text or chat input with the model's tokenizer (LoRA
     /// requests use the base model's), off the async executor: a first use
-    /// loads the tokenizer, a long prompt takes milliseconds.
+    /// loads the tokenizer, a long prompt takes milliseconds, a chat
+    /// template runs up to its bounds. `permit` goes into the blocking work
+    /// and comes back with its result: a client that gives up does not free
+    /// its `--max-inflight` place while its render still runs.
     async fn tokenize_input(
         &self,
         model: &str,
         input: TextInput,
         add_special_tokens: Option<bool>,
         deadline: Deadline,
-    ) -> Result<Tokenized, ApiError> {
+        permit: OwnedSemaphorePermit,
+    ) -> Result<(Tokenized, OwnedSemaphorePermit), ApiError> {
         let bytes = match &input {
             TextInput::Prompt(t) | TextInput::Chat(t) => t.len(),
         };
@@ -130,24 +144,41 @@ impl KvIndexerService {
         let model = model.to_owned();
         let kind = input.kind();
         let started = Instant::now();
-        let out = tokio::task::spawn_blocking(move || -> Result<Tokenized, ApiError> {
-            let tok = registry.get(&model)?;
-            match input {
-                TextInput::Prompt(text) => Ok(Tokenized {
-                    ids: tok.encode(&text, add_special_tokens.unwrap_or(true))?,
-                    rendered: None,
-                }),
-                TextInput::Chat(body) => {
-                    let req = ChatRequest::parse(&body)?;
-                    let rendered = tok.render_chat(&req)?;
-                    // vLLM tokenizes rendered chats without adding specials.
-                    let ids = tok.encode(&rendered, add_special_tokens.unwrap_or(false))?;
-                    Ok(Tokenized {
-                        ids,
-                        rendered: Some(rendered),
-                    })
+        let bounds = RenderBounds {
+            max_output_bytes: self.limits.max_prompt_bytes,
+            deadline: deadline.0,
+        };
+        let allow_template = self.allow_request_chat_template;
+        let templates = self.templates.clone();
+        let (out, permit) = tokio::task::spawn_blocking(move || {
+            let out = (|| -> Result<Tokenized, ApiError> {
+                let tok = registry.get(&model)?;
+                match input {
+                    TextInput::Prompt(text) => Ok(Tokenized {
+                        ids: tok.encode(&text, add_special_tokens.unwrap_or(true))?,
+                        rendered: None,
+                    }),
+                    TextInput::Chat(body) => {
+                        let req = ChatRequest::parse(&body)?;
+                        let request_template = match &req.chat_template {
+                            None => None,
+                            Some(_) if !allow_template => {
+                                return Err(ApiError::RequestTemplateRefused)
+                            }
+                            Some(source) => Some(templates.get(source)?),
+                        };
+                        let rendered =
+                            tok.render_chat(&req, request_template.as_deref(), &bounds)?;
+                        // vLLM tokenizes rendered chats without adding specials.
+                        let ids = tok.encode(&rendered, add_special_tokens.unwrap_or(false))?;
+                        Ok(Tokenized {
+                            ids,
+                            rendered: Some(rendered),
+                        })
+                    }
                 }
-            }
+            })();
+            (out, permit)
         })
         .await
         .map_err(|e| {
@@ -159,13 +190,14 @@ impl KvIndexerService {
         self.metrics.observe_tokenize(kind, started.elapsed());
         let out = out?;
         self.check_tokens(out.ids.len())?;
-        Ok(out)
+        Ok((out, permit))
     }
 
     /// Scores a request; also used by the llm-d API.
     pub(crate) async fn score_outcome(
         &self,
         req: pb::ScoreRequest,
+        permit: OwnedSemaphorePermit,
         deadline: Deadline,
     ) -> Result<(indexer::ScoreOutcome, usize), ApiError> {
         require_model(&req.model)?;
@@ -177,27 +209,27 @@ impl KvIndexerService {
                 flag: "max-candidate-pods",
             });
         }
-        let tokens = match req.input {
+        let text = match req.input {
             Some(pb::score_request::Input::TokenIds(t)) => {
                 self.check_tokens(t.ids.len())?;
-                t.ids
+                Err(t.ids)
             }
-            Some(pb::score_request::Input::Prompt(text)) => {
-                let input = TextInput::Prompt(text);
-                self.tokenize_input(&req.model, input, req.add_special_tokens, deadline)
-                    .await?
-                    .ids
-            }
-            Some(pb::score_request::Input::ChatCompletionJson(body)) => {
-                let input = TextInput::Chat(body);
-                self.tokenize_input(&req.model, input, req.add_special_tokens, deadline)
-                    .await?
-                    .ids
-            }
+            Some(pb::score_request::Input::Prompt(text)) => Ok(TextInput::Prompt(text)),
+            Some(pb::score_request::Input::ChatCompletionJson(body)) => Ok(TextInput::Chat(body)),
             None => {
                 return Err(ApiError::MissingInput(
                     "`prompt`, `token_ids` or `chat_completion_json`",
                 ))
+            }
+        };
+        // Held to the end of scoring (the tokenization hands it back).
+        let (tokens, _permit) = match text {
+            Err(ids) => (ids, permit),
+            Ok(input) => {
+                let (t, permit) = self
+                    .tokenize_input(&req.model, input, req.add_special_tokens, deadline, permit)
+                    .await?;
+                (t.ids, permit)
             }
         };
         deadline.check("scoring")?;
@@ -221,9 +253,10 @@ impl KvIndexerService {
     async fn score_inner(
         &self,
         req: pb::ScoreRequest,
+        permit: OwnedSemaphorePermit,
         deadline: Deadline,
     ) -> Result<pb::ScoreResponse, ApiError> {
-        let (out, tokens) = self.score_outcome(req, deadline).await?;
+        let (out, tokens) = self.score_outcome(req, permit, deadline).await?;
         Ok(pb::ScoreResponse {
             block_size: out.block_size,
             total_blocks: out.total_blocks,
@@ -354,8 +387,8 @@ impl KvIndexer for KvIndexerService {
             best = tracing::field::Empty,
         );
         let work = async move {
-            let (_permit, deadline) = admitted?;
-            self.score_inner(req, deadline).await
+            let (permit, deadline) = admitted?;
+            self.score_inner(req, permit, deadline).await
         };
         let result = self.observed(kind, span, work).await;
         result.map(Response::new).map_err(Status::from)
@@ -410,7 +443,7 @@ impl KvIndexer for KvIndexerService {
         &self,
         request: Request<pb::TokenizeRequest>,
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
-        let (_permit, deadline) = self.admit(request.metadata())?;
+        let (permit, deadline) = self.admit(request.metadata())?;
         let req = request.into_inner();
         require_model(&req.model)?;
         let input = match req.input {
@@ -418,8 +451,8 @@ impl KvIndexer for KvIndexerService {
             Some(pb::tokenize_request::Input::ChatCompletionJson(body)) => TextInput::Chat(body),
             None => return Err(ApiError::MissingInput("`prompt` or `chat_completion_json`").into()),
         };
-        let out = self
-            .tokenize_input(&req.model, input, req.add_special_tokens, deadline)
+        let (out, _permit) = self
+            .tokenize_input(&req.model, input, req.add_special_tokens, deadline, permit)
             .await?;
         let block_size = self.indexer.model_block_size(&req.model);
         let keys = self.indexer.request_keys(
@@ -513,6 +546,7 @@ mod tests {
                 max_candidate_pods: 16,
                 max_inflight,
             },
+            false,
         )
     }
 
@@ -551,7 +585,11 @@ mod tests {
             input: Some(pb::score_request::Input::Prompt("hi".into())),
             ..Default::default()
         };
-        let err = svc.score_outcome(req.clone(), past).await.unwrap_err();
+        let permit = || svc.admit(&md).unwrap().0;
+        let err = svc
+            .score_outcome(req.clone(), permit(), past)
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
         assert!(err.to_string().contains("tokenization"), "{err}");
         let ids = pb::ScoreRequest {
@@ -560,9 +598,15 @@ mod tests {
             })),
             ..req
         };
-        let err = svc.score_outcome(ids.clone(), past).await.unwrap_err();
+        let err = svc
+            .score_outcome(ids.clone(), permit(), past)
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("scoring"), "{err}");
-        assert!(svc.score_outcome(ids, Deadline(None)).await.is_ok());
+        assert!(svc
+            .score_outcome(ids, permit(), Deadline(None))
+            .await
+            .is_ok());
     }
 
     #[test]

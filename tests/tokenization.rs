@@ -121,7 +121,7 @@ async fn tokenize_returns_ids_keys_and_the_rendered_chat() {
 #[tokio::test]
 async fn tokenizer_problems_get_clear_status_codes() {
     let tok = qwen3_tokenizer_arg();
-    let service = Service::start(&["--tokenizer", &tok]).await;
+    let service = Service::start(&["--tokenizer", &tok, "--allow-request-chat-template"]).await;
     let mut client = service.client().await;
     let model = "Qwen/Qwen3-8B".to_string();
     let chat = |body: &str| pb::ScoreRequest {

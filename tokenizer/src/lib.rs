@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde_json::{Map, Value as Json};
 
-use crate::chat::{ChatError, ChatRequest, ChatTemplate};
+use crate::chat::{ChatError, ChatRequest, ChatTemplate, RenderBounds};
 use crate::load::{LoadError, Sources, TokenizerFiles};
 use crate::pieces::{pieces, PieceCache, MIN_PIECE};
 
@@ -174,14 +174,19 @@ impl ModelTokenizer {
         Ok(ids)
     }
 
-    /// Renders a chat request with the model's (or the request's) template.
-    pub fn render_chat(&self, req: &ChatRequest) -> Result<String, ChatError> {
-        match &req.chat_template {
-            Some(src) => ChatTemplate::compile(src)?.render(req, &self.special_tokens),
-            None => match &self.chat {
-                Ok(t) => t.render(req, &self.special_tokens),
-                Err(e) => Err(ChatError::Template(e.clone())),
-            },
+    /// Renders a chat request within `bounds`: with `request_template` (the
+    /// request's own `chat_template`, compiled; whether a request may bring
+    /// one is the caller's decision, see [`chat::TemplateCache`]), else with
+    /// the model's template.
+    pub fn render_chat(
+        &self,
+        req: &ChatRequest,
+        request_template: Option<&ChatTemplate>,
+        bounds: &RenderBounds,
+    ) -> Result<String, ChatError> {
+        match (request_template, &self.chat) {
+            (Some(t), _) | (None, Ok(t)) => t.render(req, &self.special_tokens, bounds),
+            (None, Err(e)) => Err(ChatError::Template(e.clone())),
         }
     }
 

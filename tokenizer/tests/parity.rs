@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use tokenizer::chat::ChatRequest;
+use tokenizer::chat::{ChatRequest, RenderBounds};
 use tokenizer::load::{locate, Sources};
 use tokenizer::pieces::pieces;
 use tokenizer::ModelTokenizer;
@@ -80,7 +80,7 @@ fn golden_corpus_is_reproduced_exactly() {
                     let body = case["request"].to_string();
                     let req = ChatRequest::parse(&body).unwrap();
                     let rendered = tok
-                        .render_chat(&req)
+                        .render_chat(&req, None, &RenderBounds::output(8 << 20))
                         .unwrap_or_else(|e| panic!("{name} {id}: {e}"));
                     assert_eq!(
                         rendered,
