@@ -233,6 +233,11 @@ pub struct Args {
     )]
     pub allow_request_chat_template: Option<bool>,
 
+    /// Connect and read timeout of Hugging Face Hub downloads, e.g. `30s`
+    /// [default: 30s].
+    #[arg(long, env = "KV_INDEXER_HUB_TIMEOUT")]
+    pub hub_timeout: Option<String>,
+
     /// Key mode for one model, overriding the above:
     /// `MODEL=token` or `MODEL=engine[:ALGO[:SEED]]`. Repeatable.
     #[arg(long, env = "KV_INDEXER_MODEL_KEY_MODE", value_delimiter = ' ')]
@@ -314,6 +319,7 @@ pub struct FileConfig {
     pub tokenizers_dir: Option<PathBuf>,
     pub tokenization_cache: Option<String>,
     pub allow_request_chat_template: Option<bool>,
+    pub hub_timeout: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -384,6 +390,8 @@ pub struct Config {
     pub tokenization_cache_bytes: usize,
     /// Run requests' own chat templates.
     pub allow_request_chat_template: bool,
+    /// Connect and read timeout of Hub downloads.
+    pub hub_timeout: std::time::Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -799,6 +807,13 @@ impl Config {
             .allow_request_chat_template
             .or(file.allow_request_chat_template)
             .unwrap_or(false);
+        let hub_raw = args
+            .hub_timeout
+            .or(file.hub_timeout)
+            .unwrap_or_else(|| "30s".into());
+        let hub_timeout = parse_duration(&hub_raw)
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| invalid("hub_timeout", &hub_raw, "want e.g. 30s or 500ms"))?;
 
         Ok(Config {
             grpc_addr,
@@ -827,6 +842,7 @@ impl Config {
             tokenizers,
             tokenization_cache_bytes,
             allow_request_chat_template,
+            hub_timeout,
         })
     }
 }
@@ -1081,6 +1097,7 @@ mod tests {
         assert_eq!(c.indexer.tier_weights, TierWeights::default());
         assert_eq!(c.log_format, LogFormat::Text);
         assert!(!c.allow_request_chat_template);
+        assert_eq!(c.hub_timeout, std::time::Duration::from_secs(30));
         let c = Config::merge(
             args(&["--allow-request-chat-template"]),
             FileConfig::default(),
@@ -1174,6 +1191,7 @@ mod tests {
             (&["--tokenizer", "m"], "tokenizer"),
             (&["--tokenizer", "m=/no/such/dir"], "tokenizer"),
             (&["--tokenization-cache", "lots"], "tokenization_cache"),
+            (&["--hub-timeout", "soon"], "hub_timeout"),
             (&["--max-message", "0"], "max_message"),
             (&["--max-blocks", "0"], "max_blocks"),
             (&["--snapshot-interval", "often"], "snapshot_interval"),

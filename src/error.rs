@@ -15,6 +15,15 @@ pub enum ApiError {
     /// we looked).
     #[error("{0}")]
     TokenizerNotFound(String),
+    /// The model is neither configured (`--tokenizer`, `--tokenizers-dir`)
+    /// nor published by any pod: no tokenizer is loaded or fetched for it.
+    /// (`Score` answers every candidate 0 instead: nothing is cached for
+    /// such a model.)
+    #[error(
+        "model {0:?} is neither configured (--tokenizer, --tokenizers-dir) nor published by \
+         any pod: no tokenizer is loaded or downloaded for it"
+    )]
+    UnknownModel(String),
     /// The request brings its own `chat_template` and the service does not
     /// run clients' templates.
     #[error(
@@ -88,7 +97,7 @@ impl ApiError {
             | ApiError::MissingInput(_)
             | ApiError::BadChat(_)
             | ApiError::RequestTemplateRefused => Code::InvalidArgument,
-            ApiError::TokenizerNotFound(_) => Code::NotFound,
+            ApiError::TokenizerNotFound(_) | ApiError::UnknownModel(_) => Code::NotFound,
             ApiError::TokenizerUnusable(_) => Code::FailedPrecondition,
             ApiError::TooLarge { .. } => Code::InvalidArgument,
             ApiError::Overloaded(_) => Code::ResourceExhausted,

@@ -10,13 +10,14 @@ use indexer::event::Tier;
 use indexer::keys::BlockKey;
 use indexer::{Indexer, ScoreQuery};
 use tokenizer::chat::{ChatRequest, RenderBounds, TemplateCache};
-use tokenizer::Registry;
+use tokenizer::{Lookup, ModelTokenizer, Registry};
 use tonic::{Request, Response, Status};
 
 use crate::config::Limits;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::proto::kvindexer::v1 as pb;
+use crate::ratelimit::RateLimited;
 use pb::kv_indexer_server::KvIndexer;
 
 pub struct KvIndexerService {
@@ -33,11 +34,19 @@ pub struct KvIndexerService {
     allow_request_chat_template: bool,
     /// Compiled request templates (bounded, see `TemplateCache`).
     templates: Arc<TemplateCache>,
+    /// Requests for models with no tokenizer to be had: one line per 10 s.
+    unknown_models: RateLimited,
 }
 
 /// When a request stops being worth answering (`grpc-timeout`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Deadline(Option<Instant>);
+
+/// How much earlier than the client's `grpc-timeout` we stop: tonic's
+/// transport also enforces that header, and when its timer wins the client
+/// hears CANCELLED ("Timeout expired") instead of DEADLINE_EXCEEDED.
+/// Stopping a little earlier ourselves gives the right code and message.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
 
 impl Deadline {
     /// Fails if the deadline has passed: work that cannot be used is not started.
@@ -80,6 +89,7 @@ impl KvIndexerService {
             limits,
             allow_request_chat_template,
             templates: Arc::new(TemplateCache::default()),
+            unknown_models: RateLimited::new(Duration::from_secs(10)),
         }
     }
 
@@ -98,7 +108,7 @@ impl KvIndexerService {
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout)
-            .map(|d| Instant::now() + d);
+            .map(|d| Instant::now() + d.saturating_sub(DEADLINE_MARGIN.min(d / 10)));
         Ok((permit, Deadline(deadline)))
     }
 
@@ -114,12 +124,45 @@ impl KvIndexerService {
         Ok(())
     }
 
+    /// The tokenizer of `model`, if it may have one (configured, or
+    /// published by some pod: see `tokenizer::Registry`). A first use
+    /// waits for the load, asynchronously and no longer than the deadline.
+    async fn tokenizer_for(
+        &self,
+        model: &str,
+        deadline: Deadline,
+    ) -> Result<Arc<ModelTokenizer>, ApiError> {
+        let pending = match self.tokenizers.get(model, self.indexer.has_model(model)) {
+            Lookup::Ready(t) => return Ok(t),
+            Lookup::Failed(e) => return Err(e.into()),
+            Lookup::Unknown => {
+                self.unknown_models.warn(|suppressed| {
+                    tracing::info!(
+                        model = ?shorten(model),
+                        suppressed,
+                        "request for a model neither configured nor published by any pod: \
+                         not tokenized (Score answers 0, Tokenize NOT_FOUND)"
+                    )
+                });
+                return Err(ApiError::UnknownModel(shorten(model).to_owned()));
+            }
+            Lookup::Pending(p) => p,
+        };
+        match deadline.0 {
+            None => Ok(pending.wait().await?),
+            Some(d) => tokio::time::timeout_at(d.into(), pending.wait())
+                .await
+                .map_err(|_| ApiError::DeadlineExceeded("the model's tokenizer finished loading"))?
+                .map_err(ApiError::from),
+        }
+    }
+
     /// Tokenizes text or chat input with the model's tokenizer (LoRA
-    /// requests use the base model's), off the async executor: a first use
-    /// loads the tokenizer, a long prompt takes milliseconds, a chat
-    /// template runs up to its bounds. `permit` goes into the blocking work
-    /// and comes back with its result: a client that gives up does not free
-    /// its `--max-inflight` place while its render still runs.
+    /// requests use the base model's), off the async executor: a long
+    /// prompt takes milliseconds, a chat template runs up to its bounds.
+    /// `permit` goes into the blocking work and comes back with its result:
+    /// a client that gives up does not free its `--max-inflight` place
+    /// while its render still runs.
     async fn tokenize_input(
         &self,
         model: &str,
@@ -140,8 +183,7 @@ impl KvIndexerService {
             });
         }
         deadline.check("tokenization")?;
-        let registry = self.tokenizers.clone();
-        let model = model.to_owned();
+        let tok = self.tokenizer_for(model, deadline).await?;
         let kind = input.kind();
         let started = Instant::now();
         let bounds = RenderBounds {
@@ -152,7 +194,6 @@ impl KvIndexerService {
         let templates = self.templates.clone();
         let (out, permit) = tokio::task::spawn_blocking(move || {
             let out = (|| -> Result<Tokenized, ApiError> {
-                let tok = registry.get(&model)?;
                 match input {
                     TextInput::Prompt(text) => Ok(Tokenized {
                         ids: tok.encode(&text, add_special_tokens.unwrap_or(true))?,
@@ -194,6 +235,10 @@ impl KvIndexerService {
     }
 
     /// Scores a request; also used by the llm-d API.
+    ///
+    /// A text or chat prompt for a model that is neither configured nor
+    /// published is not tokenized: nothing is cached for it anywhere, so
+    /// every candidate scores 0 (with 0 prompt tokens and blocks).
     pub(crate) async fn score_outcome(
         &self,
         req: pb::ScoreRequest,
@@ -224,13 +269,15 @@ impl KvIndexerService {
         };
         // Held to the end of scoring (the tokenization hands it back).
         let (tokens, _permit) = match text {
-            Err(ids) => (ids, permit),
-            Ok(input) => {
-                let (t, permit) = self
-                    .tokenize_input(&req.model, input, req.add_special_tokens, deadline, permit)
-                    .await?;
-                (t.ids, permit)
-            }
+            Err(ids) => (ids, Some(permit)),
+            Ok(input) => match self
+                .tokenize_input(&req.model, input, req.add_special_tokens, deadline, permit)
+                .await
+            {
+                Ok((t, permit)) => (t.ids, Some(permit)),
+                Err(ApiError::UnknownModel(_)) => (Vec::new(), None),
+                Err(e) => return Err(e),
+            },
         };
         deadline.check("scoring")?;
         let out = self.indexer.score(&ScoreQuery {
@@ -349,6 +396,20 @@ struct Tokenized {
     rendered: Option<String>,
 }
 
+/// A client's string, cut for logs and messages (a model name can be as
+/// long as the message limit).
+fn shorten(s: &str) -> &str {
+    const MAX: usize = 256;
+    if s.len() <= MAX {
+        return s;
+    }
+    let mut end = MAX;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 /// Proto3 strings are never absent: empty means "not set".
 fn non_empty(s: &str) -> Option<&str> {
     (!s.is_empty()).then_some(s)
@@ -451,6 +512,7 @@ impl KvIndexer for KvIndexerService {
             Some(pb::tokenize_request::Input::ChatCompletionJson(body)) => TextInput::Chat(body),
             None => return Err(ApiError::MissingInput("`prompt` or `chat_completion_json`").into()),
         };
+        // A model with no tokenizer: NOT_FOUND (the answer is the tokens).
         let (out, _permit) = self
             .tokenize_input(&req.model, input, req.add_special_tokens, deadline, permit)
             .await?;
