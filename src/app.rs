@@ -48,8 +48,12 @@ const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// ingestion first, then in-flight RPCs finish.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
     let indexer = Arc::new(Indexer::new(config.indexer.clone()));
+    let mut sources = config.tokenizers.clone();
+    if let Some(hub) = &mut sources.hub {
+        hub.timeout = config.hub_timeout;
+    }
     let tokenizers = Arc::new(tokenizer::Registry::new(
-        config.tokenizers.clone(),
+        sources,
         config.tokenization_cache_bytes,
     ));
     let last_snapshot: crate::snapshots::LastSnapshot = Default::default();
@@ -129,6 +133,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             tokenizers,
             metrics.clone(),
             config.limits.clone(),
+            config.allow_request_chat_template,
         )
         .with_admin(config.admin),
     );

@@ -15,6 +15,22 @@ pub enum ApiError {
     /// we looked).
     #[error("{0}")]
     TokenizerNotFound(String),
+    /// The model is neither configured (`--tokenizer`, `--tokenizers-dir`)
+    /// nor published by any pod: no tokenizer is loaded or fetched for it.
+    /// (`Score` answers every candidate 0 instead: nothing is cached for
+    /// such a model.)
+    #[error(
+        "model {0:?} is neither configured (--tokenizer, --tokenizers-dir) nor published by \
+         any pod: no tokenizer is loaded or downloaded for it"
+    )]
+    UnknownModel(String),
+    /// The request brings its own `chat_template` and the service does not
+    /// run clients' templates.
+    #[error(
+        "the request's chat_template is refused: templates from requests run only with \
+         --allow-request-chat-template"
+    )]
+    RequestTemplateRefused,
     /// The tokenizer (or its chat template) exists but cannot serve this.
     #[error("{0}")]
     TokenizerUnusable(String),
@@ -50,6 +66,12 @@ impl From<ChatError> for ApiError {
     fn from(e: ChatError) -> ApiError {
         match e {
             ChatError::NoTemplate => ApiError::TokenizerUnusable(e.to_string()),
+            ChatError::DeadlineExceeded => {
+                ApiError::DeadlineExceeded("the chat template finished rendering")
+            }
+            // Out of fuel or over --max-prompt: this chat (or template)
+            // asks more than a render may take; retrying will not help.
+            ChatError::OutOfFuel | ChatError::OutputTooLarge(_) => ApiError::BadChat(e.to_string()),
             // Bad JSON or messages, or the template refusing them
             // (`raise_exception`): the request's fault.
             ChatError::Json(_) | ChatError::Invalid(_) | ChatError::Template(_) => {
@@ -71,10 +93,11 @@ impl From<TokenizeError> for ApiError {
 impl ApiError {
     pub fn code(&self) -> Code {
         match self {
-            ApiError::MissingModel | ApiError::MissingInput(_) | ApiError::BadChat(_) => {
-                Code::InvalidArgument
-            }
-            ApiError::TokenizerNotFound(_) => Code::NotFound,
+            ApiError::MissingModel
+            | ApiError::MissingInput(_)
+            | ApiError::BadChat(_)
+            | ApiError::RequestTemplateRefused => Code::InvalidArgument,
+            ApiError::TokenizerNotFound(_) | ApiError::UnknownModel(_) => Code::NotFound,
             ApiError::TokenizerUnusable(_) => Code::FailedPrecondition,
             ApiError::TooLarge { .. } => Code::InvalidArgument,
             ApiError::Overloaded(_) => Code::ResourceExhausted,

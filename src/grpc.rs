@@ -9,14 +9,15 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use indexer::event::Tier;
 use indexer::keys::BlockKey;
 use indexer::{Indexer, ScoreQuery};
-use tokenizer::chat::ChatRequest;
-use tokenizer::Registry;
+use tokenizer::chat::{ChatRequest, RenderBounds, TemplateCache};
+use tokenizer::{Lookup, ModelTokenizer, Registry};
 use tonic::{Request, Response, Status};
 
 use crate::config::Limits;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::proto::kvindexer::v1 as pb;
+use crate::ratelimit::RateLimited;
 use pb::kv_indexer_server::KvIndexer;
 
 pub struct KvIndexerService {
@@ -24,15 +25,30 @@ pub struct KvIndexerService {
     tokenizers: Arc<Registry>,
     metrics: Arc<Metrics>,
     limits: Limits,
-    /// Admission control: one permit per scoring request in flight.
+    /// Admission control: one permit per scoring request in flight, held
+    /// until its tokenization and rendering have stopped (not merely until
+    /// the client gave up), so the limit bounds CPU work.
     inflight: Arc<Semaphore>,
     /// `--admin`: whether write RPCs other than the router's are served.
     admin: bool,
+    /// `--allow-request-chat-template`: a request's `chat_template` is a
+    /// program from the client, run only if the operator says so.
+    allow_request_chat_template: bool,
+    /// Compiled request templates (bounded, see `TemplateCache`).
+    templates: Arc<TemplateCache>,
+    /// Requests for models with no tokenizer to be had: one line per 10 s.
+    unknown_models: RateLimited,
 }
 
 /// When a request stops being worth answering (`grpc-timeout`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Deadline(Option<Instant>);
+
+/// How much earlier than the client's `grpc-timeout` we stop: tonic's
+/// transport also enforces that header, and when its timer wins the client
+/// hears CANCELLED ("Timeout expired") instead of DEADLINE_EXCEEDED.
+/// Stopping a little earlier ourselves gives the right code and message.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
 
 impl Deadline {
     /// Fails if the deadline has passed: work that cannot be used is not started.
@@ -65,6 +81,7 @@ impl KvIndexerService {
         tokenizers: Arc<Registry>,
         metrics: Arc<Metrics>,
         limits: Limits,
+        allow_request_chat_template: bool,
     ) -> Self {
         KvIndexerService {
             indexer,
@@ -73,6 +90,9 @@ impl KvIndexerService {
             inflight: Arc::new(Semaphore::new(limits.max_inflight)),
             limits,
             admin: false,
+            allow_request_chat_template,
+            templates: Arc::new(TemplateCache::default()),
+            unknown_models: RateLimited::new(Duration::from_secs(10)),
         }
     }
 
@@ -108,7 +128,7 @@ impl KvIndexerService {
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout)
-            .map(|d| Instant::now() + d);
+            .map(|d| Instant::now() + d.saturating_sub(DEADLINE_MARGIN.min(d / 10)));
         Ok((permit, Deadline(deadline)))
     }
 
@@ -124,16 +144,53 @@ impl KvIndexerService {
         Ok(())
     }
 
+    /// The tokenizer of `model`, if it may have one (configured, or
+    /// published by some pod: see `tokenizer::Registry`). A first use
+    /// waits for the load, asynchronously and no longer than the deadline.
+    async fn tokenizer_for(
+        &self,
+        model: &str,
+        deadline: Deadline,
+    ) -> Result<Arc<ModelTokenizer>, ApiError> {
+        let pending = match self.tokenizers.get(model, self.indexer.has_model(model)) {
+            Lookup::Ready(t) => return Ok(t),
+            Lookup::Failed(e) => return Err(e.into()),
+            Lookup::Unknown => {
+                self.unknown_models.warn(|suppressed| {
+                    tracing::info!(
+                        model = ?shorten(model),
+                        suppressed,
+                        "request for a model neither configured nor published by any pod: \
+                         not tokenized (Score answers 0, Tokenize NOT_FOUND)"
+                    )
+                });
+                return Err(ApiError::UnknownModel(shorten(model).to_owned()));
+            }
+            Lookup::Pending(p) => p,
+        };
+        match deadline.0 {
+            None => Ok(pending.wait().await?),
+            Some(d) => tokio::time::timeout_at(d.into(), pending.wait())
+                .await
+                .map_err(|_| ApiError::DeadlineExceeded("the model's tokenizer finished loading"))?
+                .map_err(ApiError::from),
+        }
+    }
+
     /// Tokenizes text or chat input with the model's tokenizer (LoRA
-    /// requests use the base model's), off the async executor: a first use
-    /// loads the tokenizer, a long prompt takes milliseconds.
+    /// requests use the base model's), off the async executor: a long
+    /// prompt takes milliseconds, a chat template runs up to its bounds.
+    /// `permit` goes into the blocking work and comes back with its result:
+    /// a client that gives up does not free its `--max-inflight` place
+    /// while its render still runs.
     async fn tokenize_input(
         &self,
         model: &str,
         input: TextInput,
         add_special_tokens: Option<bool>,
         deadline: Deadline,
-    ) -> Result<Tokenized, ApiError> {
+        permit: OwnedSemaphorePermit,
+    ) -> Result<(Tokenized, OwnedSemaphorePermit), ApiError> {
         let bytes = match &input {
             TextInput::Prompt(t) | TextInput::Chat(t) => t.len(),
         };
@@ -146,28 +203,43 @@ impl KvIndexerService {
             });
         }
         deadline.check("tokenization")?;
-        let registry = self.tokenizers.clone();
-        let model = model.to_owned();
+        let tok = self.tokenizer_for(model, deadline).await?;
         let kind = input.kind();
         let started = Instant::now();
-        let out = tokio::task::spawn_blocking(move || -> Result<Tokenized, ApiError> {
-            let tok = registry.get(&model)?;
-            match input {
-                TextInput::Prompt(text) => Ok(Tokenized {
-                    ids: tok.encode(&text, add_special_tokens.unwrap_or(true))?,
-                    rendered: None,
-                }),
-                TextInput::Chat(body) => {
-                    let req = ChatRequest::parse(&body)?;
-                    let rendered = tok.render_chat(&req)?;
-                    // vLLM tokenizes rendered chats without adding specials.
-                    let ids = tok.encode(&rendered, add_special_tokens.unwrap_or(false))?;
-                    Ok(Tokenized {
-                        ids,
-                        rendered: Some(rendered),
-                    })
+        let bounds = RenderBounds {
+            max_output_bytes: self.limits.max_prompt_bytes,
+            deadline: deadline.0,
+        };
+        let allow_template = self.allow_request_chat_template;
+        let templates = self.templates.clone();
+        let (out, permit) = tokio::task::spawn_blocking(move || {
+            let out = (|| -> Result<Tokenized, ApiError> {
+                match input {
+                    TextInput::Prompt(text) => Ok(Tokenized {
+                        ids: tok.encode(&text, add_special_tokens.unwrap_or(true))?,
+                        rendered: None,
+                    }),
+                    TextInput::Chat(body) => {
+                        let req = ChatRequest::parse(&body)?;
+                        let request_template = match &req.chat_template {
+                            None => None,
+                            Some(_) if !allow_template => {
+                                return Err(ApiError::RequestTemplateRefused)
+                            }
+                            Some(source) => Some(templates.get(source)?),
+                        };
+                        let rendered =
+                            tok.render_chat(&req, request_template.as_deref(), &bounds)?;
+                        // vLLM tokenizes rendered chats without adding specials.
+                        let ids = tok.encode(&rendered, add_special_tokens.unwrap_or(false))?;
+                        Ok(Tokenized {
+                            ids,
+                            rendered: Some(rendered),
+                        })
+                    }
                 }
-            }
+            })();
+            (out, permit)
         })
         .await
         .map_err(|e| {
@@ -179,13 +251,18 @@ impl KvIndexerService {
         self.metrics.observe_tokenize(kind, started.elapsed());
         let out = out?;
         self.check_tokens(out.ids.len())?;
-        Ok(out)
+        Ok((out, permit))
     }
 
     /// Scores a request; also used by the llm-d API.
+    ///
+    /// A text or chat prompt for a model that is neither configured nor
+    /// published is not tokenized: nothing is cached for it anywhere, so
+    /// every candidate scores 0 (with 0 prompt tokens and blocks).
     pub(crate) async fn score_outcome(
         &self,
         req: pb::ScoreRequest,
+        permit: OwnedSemaphorePermit,
         deadline: Deadline,
     ) -> Result<(indexer::ScoreOutcome, usize), ApiError> {
         require_model(&req.model)?;
@@ -197,28 +274,30 @@ impl KvIndexerService {
                 flag: "max-candidate-pods",
             });
         }
-        let tokens = match req.input {
+        let text = match req.input {
             Some(pb::score_request::Input::TokenIds(t)) => {
                 self.check_tokens(t.ids.len())?;
-                t.ids
+                Err(t.ids)
             }
-            Some(pb::score_request::Input::Prompt(text)) => {
-                let input = TextInput::Prompt(text);
-                self.tokenize_input(&req.model, input, req.add_special_tokens, deadline)
-                    .await?
-                    .ids
-            }
-            Some(pb::score_request::Input::ChatCompletionJson(body)) => {
-                let input = TextInput::Chat(body);
-                self.tokenize_input(&req.model, input, req.add_special_tokens, deadline)
-                    .await?
-                    .ids
-            }
+            Some(pb::score_request::Input::Prompt(text)) => Ok(TextInput::Prompt(text)),
+            Some(pb::score_request::Input::ChatCompletionJson(body)) => Ok(TextInput::Chat(body)),
             None => {
                 return Err(ApiError::MissingInput(
                     "`prompt`, `token_ids` or `chat_completion_json`",
                 ))
             }
+        };
+        // Held to the end of scoring (the tokenization hands it back).
+        let (tokens, _permit) = match text {
+            Err(ids) => (ids, Some(permit)),
+            Ok(input) => match self
+                .tokenize_input(&req.model, input, req.add_special_tokens, deadline, permit)
+                .await
+            {
+                Ok((t, permit)) => (t.ids, Some(permit)),
+                Err(ApiError::UnknownModel(_)) => (Vec::new(), None),
+                Err(e) => return Err(e),
+            },
         };
         deadline.check("scoring")?;
         let out = self.indexer.score(&ScoreQuery {
@@ -241,9 +320,10 @@ impl KvIndexerService {
     async fn score_inner(
         &self,
         req: pb::ScoreRequest,
+        permit: OwnedSemaphorePermit,
         deadline: Deadline,
     ) -> Result<pb::ScoreResponse, ApiError> {
-        let (out, tokens) = self.score_outcome(req, deadline).await?;
+        let (out, tokens) = self.score_outcome(req, permit, deadline).await?;
         Ok(pb::ScoreResponse {
             block_size: out.block_size,
             total_blocks: out.total_blocks,
@@ -336,6 +416,20 @@ struct Tokenized {
     rendered: Option<String>,
 }
 
+/// A client's string, cut for logs and messages (a model name can be as
+/// long as the message limit).
+fn shorten(s: &str) -> &str {
+    const MAX: usize = 256;
+    if s.len() <= MAX {
+        return s;
+    }
+    let mut end = MAX;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 /// Proto3 strings are never absent: empty means "not set".
 fn non_empty(s: &str) -> Option<&str> {
     (!s.is_empty()).then_some(s)
@@ -374,8 +468,8 @@ impl KvIndexer for KvIndexerService {
             best = tracing::field::Empty,
         );
         let work = async move {
-            let (_permit, deadline) = admitted?;
-            self.score_inner(req, deadline).await
+            let (permit, deadline) = admitted?;
+            self.score_inner(req, permit, deadline).await
         };
         let result = self.observed(kind, span, work).await;
         result.map(Response::new).map_err(Status::from)
@@ -430,7 +524,7 @@ impl KvIndexer for KvIndexerService {
         &self,
         request: Request<pb::TokenizeRequest>,
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
-        let (_permit, deadline) = self.admit(request.metadata())?;
+        let (permit, deadline) = self.admit(request.metadata())?;
         let req = request.into_inner();
         require_model(&req.model)?;
         let input = match req.input {
@@ -438,8 +532,9 @@ impl KvIndexer for KvIndexerService {
             Some(pb::tokenize_request::Input::ChatCompletionJson(body)) => TextInput::Chat(body),
             None => return Err(ApiError::MissingInput("`prompt` or `chat_completion_json`").into()),
         };
-        let out = self
-            .tokenize_input(&req.model, input, req.add_special_tokens, deadline)
+        // A model with no tokenizer: NOT_FOUND (the answer is the tokens).
+        let (out, _permit) = self
+            .tokenize_input(&req.model, input, req.add_special_tokens, deadline, permit)
             .await?;
         let block_size = self.indexer.model_block_size(&req.model);
         let keys = self.indexer.request_keys(
@@ -534,6 +629,7 @@ mod tests {
                 max_candidate_pods: 16,
                 max_inflight,
             },
+            false,
         )
     }
 
@@ -572,7 +668,11 @@ mod tests {
             input: Some(pb::score_request::Input::Prompt("hi".into())),
             ..Default::default()
         };
-        let err = svc.score_outcome(req.clone(), past).await.unwrap_err();
+        let permit = || svc.admit(&md).unwrap().0;
+        let err = svc
+            .score_outcome(req.clone(), permit(), past)
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
         assert!(err.to_string().contains("tokenization"), "{err}");
         let ids = pb::ScoreRequest {
@@ -581,9 +681,15 @@ mod tests {
             })),
             ..req
         };
-        let err = svc.score_outcome(ids.clone(), past).await.unwrap_err();
+        let err = svc
+            .score_outcome(ids.clone(), permit(), past)
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("scoring"), "{err}");
-        assert!(svc.score_outcome(ids, Deadline(None)).await.is_ok());
+        assert!(svc
+            .score_outcome(ids, permit(), Deadline(None))
+            .await
+            .is_ok());
     }
 
     #[test]

@@ -52,8 +52,8 @@ impl llmd::indexer_service_server::IndexerService for LlmdIndexerService {
             ..Default::default()
         };
         let work = async move {
-            let (_permit, deadline) = admitted?;
-            self.inner.score_outcome(score, deadline).await
+            let (permit, deadline) = admitted?;
+            self.inner.score_outcome(score, permit, deadline).await
         };
         let (out, _) = self.inner.observed("prompt", span, work).await?;
         let mut scores: Vec<llmd::PodScore> = out

@@ -388,6 +388,21 @@ impl Collector for StateCollector {
             MetricType::Counter,
             vec![(vec![], ConstCounter::new(gaps))],
         )?;
+        let counts = self.tokenizers.counts();
+        family(
+            &mut encoder,
+            "tokenizers",
+            "Tokenizers held, one per source (aliases of a directory share one), by state",
+            MetricType::Gauge,
+            [
+                ("loaded", counts.loaded),
+                ("loading", counts.loading),
+                ("failed", counts.failed),
+            ]
+            .into_iter()
+            .map(|(state, n)| (vec![("state", state.to_owned())], ConstGauge::new(n as i64)))
+            .collect(),
+        )?;
         let tokenizers = self.tokenizers.loaded();
         let cache =
             |f: fn(&tokenizer::pieces::CacheStats) -> u64| -> Vec<(Labels, ConstCounter<u64>)> {

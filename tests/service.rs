@@ -210,18 +210,35 @@ async fn bad_requests_get_clear_status_codes() {
             Code::InvalidArgument,
             "token_ids",
         ),
-        // No tokenizer for this model anywhere (and the Hub is off).
-        (
-            pb::ScoreRequest {
-                model: "m".into(),
-                input: Some(pb::score_request::Input::Prompt("hello".into())),
-                ..Default::default()
-            },
-            Code::NotFound,
-            "tried",
-        ),
     ];
     assert_score_errors(&mut client, cases).await;
+    // A text prompt for a model neither configured nor published: nothing
+    // to tokenize it with and nothing cached, so Score answers 0 untokenized
+    // and Tokenize (whose answer is the tokens) NOT_FOUND.
+    let resp = client
+        .score(pb::ScoreRequest {
+            model: "m".into(),
+            input: Some(pb::score_request::Input::Prompt("hello".into())),
+            pods: vec!["a".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("Score")
+        .into_inner();
+    assert_eq!((resp.prompt_tokens, resp.pods[0].matched_blocks), (0, 0));
+    let status = client
+        .tokenize(pb::TokenizeRequest {
+            model: "m".into(),
+            input: Some(pb::tokenize_request::Input::Prompt("hello".into())),
+            ..Default::default()
+        })
+        .await
+        .expect_err("no tokenizer");
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    assert!(
+        status.message().contains("neither configured"),
+        "{status:?}"
+    );
     // A model nobody published for is a valid question with an empty answer.
     let resp = client
         .score(pb::ScoreRequest {

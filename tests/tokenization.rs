@@ -121,7 +121,7 @@ async fn tokenize_returns_ids_keys_and_the_rendered_chat() {
 #[tokio::test]
 async fn tokenizer_problems_get_clear_status_codes() {
     let tok = qwen3_tokenizer_arg();
-    let service = Service::start(&["--tokenizer", &tok]).await;
+    let service = Service::start(&["--tokenizer", &tok, "--allow-request-chat-template"]).await;
     let mut client = service.client().await;
     let model = "Qwen/Qwen3-8B".to_string();
     let chat = |body: &str| pb::ScoreRequest {
@@ -148,17 +148,32 @@ async fn tokenizer_problems_get_clear_status_codes() {
             Code::InvalidArgument,
             "roles must alternate",
         ),
-        (
-            pb::ScoreRequest {
-                model: "org/unknown-model".into(),
-                input: Some(pb::score_request::Input::Prompt("hi".into())),
-                ..Default::default()
-            },
-            Code::NotFound,
-            "org/unknown-model",
-        ),
     ];
     assert_score_errors(&mut client, cases).await;
+    // A model neither configured nor published: Score is not an error
+    // (nothing is cached for it), Tokenize has no tokens to give.
+    let unknown = client
+        .score(pb::ScoreRequest {
+            model: "org/unknown-model".into(),
+            input: Some(pb::score_request::Input::Prompt("hi".into())),
+            pods: vec!["pod-a".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("Score")
+        .into_inner();
+    assert_eq!(unknown.pods.len(), 1);
+    assert_eq!(unknown.pods[0].matched_blocks, 0);
+    let status = client
+        .tokenize(pb::TokenizeRequest {
+            model: "org/unknown-model".into(),
+            input: Some(pb::tokenize_request::Input::Prompt("hi".into())),
+            ..Default::default()
+        })
+        .await
+        .expect_err("no tokenizer");
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    assert!(status.message().contains("org/unknown-model"), "{status:?}");
     // A chat request for a model with a tokenizer works and is not cached as failing.
     let ok = client
         .score(chat(
@@ -170,9 +185,9 @@ async fn tokenizer_problems_get_clear_status_codes() {
     assert!(ok.prompt_tokens > 0);
 }
 
-/// A model with no local tokenizer is downloaded from the Hub endpoint
-/// (`HF_ENDPOINT`, with `HF_TOKEN`) into the HF cache, tokenizer files only;
-/// a later start with `HF_HUB_OFFLINE=1` finds it there.
+/// A model that pods publish and that has no local tokenizer is downloaded
+/// from the Hub endpoint (`HF_ENDPOINT`, with `HF_TOKEN`) into the HF cache,
+/// tokenizer files only; a later start with `HF_HUB_OFFLINE=1` finds it there.
 #[tokio::test]
 async fn missing_tokenizers_are_downloaded_once_into_the_hf_cache() {
     let hub = FakeHub::serve(
@@ -187,7 +202,15 @@ async fn missing_tokenizers_are_downloaded_once_into_the_hf_cache() {
         ("HF_TOKEN", "hf_secret".to_string()),
         ("HF_HOME", hf_home.path().display().to_string()),
     ];
-    let service = Service::start_with_env(&["--zmq-bind", "none"], None, &env).await;
+    let frames = &load_frames("qwen3-sha256-int");
+    let start = |env: Vec<(&'static str, String)>| async move {
+        let zmq = format!("tcp://127.0.0.1:{}", free_port());
+        let service = Service::start_with_env(&["--zmq-bind", &zmq], Some(zmq.clone()), &env).await;
+        // Its pods make the model one the service may fetch a tokenizer for.
+        let publisher = service.publish_recorded("Qwen/Qwen3-8B", frames).await;
+        (service, publisher)
+    };
+    let (service, _publisher) = start(env.to_vec()).await;
     let mut client = service.client().await;
     let req = pb::TokenizeRequest {
         model: "Qwen/Qwen3-8B".into(),
@@ -208,10 +231,7 @@ async fn missing_tokenizers_are_downloaded_once_into_the_hf_cache() {
         .iter()
         .filter(|p| p.ends_with("/tokenizer.json"))
         .count();
-    assert_eq!(
-        tokenizer_gets, 2,
-        "one metadata probe and one download: {requested:?}"
-    );
+    assert_eq!(tokenizer_gets, 1, "downloaded once: {requested:?}");
     assert!(service
         .logs()
         .contains("downloading from the Hugging Face Hub"));
@@ -226,7 +246,7 @@ async fn missing_tokenizers_are_downloaded_once_into_the_hf_cache() {
         ("HF_HUB_OFFLINE", "1".to_string()),
         ("HF_HOME", hf_home.path().display().to_string()),
     ];
-    let service = Service::start_with_env(&["--zmq-bind", "none"], None, &offline).await;
+    let (service, _publisher) = start(offline.to_vec()).await;
     let out = service
         .client()
         .await

@@ -626,6 +626,15 @@ impl Indexer {
         pod.inner.lock()
     }
 
+    /// Whether some pod (not removed) publishes events for `model`: the
+    /// service tokenizes prompts only for such models and configured ones.
+    pub fn has_model(&self, model: &str) -> bool {
+        self.models
+            .read()
+            .get(model)
+            .is_some_and(|m| !m.pods.is_empty())
+    }
+
     /// Block size prompts of `model` are chunked with, for the response header.
     pub fn model_block_size(&self, model: &str) -> u32 {
         match self.models.read().get(model) {
@@ -1187,10 +1196,13 @@ mod tests {
     fn removed_pods_drop_their_blocks_and_come_back_fresh() {
         let ix = Indexer::new(IndexerConfig::default());
         let tokens: Vec<u32> = (0..16).collect();
+        assert!(!ix.has_model("m"));
         let p = ix.pod("m", "p", None);
+        assert!(ix.has_model("m") && !ix.has_model("other"));
         ix.apply(&p, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
         assert_eq!(ix.remove_pod("m", "p"), Some(1));
         assert_eq!(ix.remove_pod("m", "p"), None);
+        assert!(!ix.has_model("m"), "no pod publishes it any more");
         assert!(p.is_removed());
         assert!(ix.list_pods(None).is_empty());
         assert_eq!(ix.indexed_keys(), 0);

@@ -287,9 +287,9 @@ settings! {
     /// A model's tokenizer: `MODEL=PATH`, PATH a directory with
     /// `tokenizer.json` (+ `tokenizer_config.json`) or a `tokenizer.json`.
     /// Repeatable; in the environment variable, separate them with spaces.
-    /// Otherwise the models dir, the Hugging Face cache and the Hub are tried
-    /// (`HF_HOME`, `HF_HUB_CACHE`, `HF_ENDPOINT`, `HF_TOKEN`,
-    /// `HF_HUB_OFFLINE` are honoured).
+    /// Otherwise the models dir; for a model some pod publishes events for,
+    /// also the Hugging Face cache and the Hub (`HF_HOME`, `HF_HUB_CACHE`,
+    /// `HF_ENDPOINT`, `HF_TOKEN`, `HF_HUB_OFFLINE` are honoured).
     #[arg(value_delimiter = ' ')]
     #[serde(alias = "tokenizers")]
     tokenizer: Vec<Item<TokenizerPath>>,

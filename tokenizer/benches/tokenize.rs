@@ -6,9 +6,15 @@ use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use tokenizer::chat::ChatRequest;
+use tokenizer::chat::{ChatRequest, RenderBounds};
 use tokenizer::load::{locate, Sources};
 use tokenizer::ModelTokenizer;
+
+/// The service's default `--max-prompt`.
+const BOUNDS: RenderBounds = RenderBounds {
+    max_output_bytes: 8 << 20,
+    deadline: None,
+};
 
 const WORDS: &[&str] = &[
     "the",
@@ -174,24 +180,24 @@ fn main() {
     messages.push(serde_json::json!({"role": "user", "content": "Summarize."}));
     let body = serde_json::json!({ "messages": messages }).to_string();
     let req = ChatRequest::parse(&body).unwrap();
-    let rendered = cold.render_chat(&req).unwrap();
+    let rendered = cold.render_chat(&req, None, &BOUNDS).unwrap();
     let tokens = cold.encode_uncached(&rendered, false).unwrap().len();
     let (render, _) = measure(budget, |_| {
         black_box(
-            cold.render_chat(&ChatRequest::parse(&body).unwrap())
+            cold.render_chat(&ChatRequest::parse(&body).unwrap(), None, &BOUNDS)
                 .unwrap(),
         );
     });
     let (chat_cold, _) = measure(budget, |_| {
         let r = cold
-            .render_chat(&ChatRequest::parse(&body).unwrap())
+            .render_chat(&ChatRequest::parse(&body).unwrap(), None, &BOUNDS)
             .unwrap();
         black_box(cold.encode(&r, false).unwrap());
     });
     warm.encode(&rendered, false).unwrap();
     let (chat_warm, _) = measure(budget, |_| {
         let r = warm
-            .render_chat(&ChatRequest::parse(&body).unwrap())
+            .render_chat(&ChatRequest::parse(&body).unwrap(), None, &BOUNDS)
             .unwrap();
         black_box(warm.encode(&r, false).unwrap());
     });

@@ -6,9 +6,20 @@
 //! environment (`trim_blocks`, `lstrip_blocks`, loop controls,
 //! `raise_exception`, `strftime_now`, Python string/dict methods) with a
 //! `tojson` that formats exactly like Python's `json.dumps`.
+//!
+//! Every render is bounded ([`RenderBounds`]): a template is a program, and
+//! the model's own template meets chats of any size while a request's
+//! template (when the service accepts them at all) is a program written by
+//! a client. Fuel bounds the steps, the output writer bounds the bytes and
+//! checks the request's deadline.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
 
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind};
+use parking_lot::Mutex;
 use serde_json::{Map, Value as Json};
 
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +32,46 @@ pub enum ChatError {
     NoTemplate,
     #[error("chat template error: {0}")]
     Template(String),
+    #[error(
+        "the chat template ran out of fuel: a render may take at most {} steps \
+         (the template loops too long for this chat)",
+        RENDER_FUEL
+    )]
+    OutOfFuel,
+    #[error("the rendered chat prompt is over the limit of {0} bytes (--max-prompt)")]
+    OutputTooLarge(usize),
+    #[error("the request's deadline passed while its chat template rendered")]
+    DeadlineExceeded,
+}
+
+/// Steps (minijinja instructions) one render may take.
+///
+/// Real templates need little, and per message, not per byte (a string
+/// operation is one step however long the string): a 1,000-message chat
+/// with tool calls costs the Qwen3 template 63K steps and the Llama 3.1
+/// template 25K (measured with [`ChatTemplate::render_counted`];
+/// `tokenizer/tests/render_bounds.rs` checks Qwen3's). 5M lets ~80,000
+/// messages of that shape render, far more than real conversations hold,
+/// while a runaway loop (`range(100000)` inside `range(100000)`, 10^10
+/// steps) stops after ~0.15 s of one core (release build) instead of hours.
+pub const RENDER_FUEL: u64 = 5_000_000;
+
+/// What one render may produce, and until when.
+#[derive(Clone, Copy, Debug)]
+pub struct RenderBounds {
+    /// Bytes of rendered prompt (`--max-prompt`: a rendered chat is a prompt).
+    pub max_output_bytes: usize,
+    /// The request's deadline: a render nobody waits for stops.
+    pub deadline: Option<Instant>,
+}
+
+impl RenderBounds {
+    pub fn output(max_output_bytes: usize) -> RenderBounds {
+        RenderBounds {
+            max_output_bytes,
+            deadline: None,
+        }
+    }
 }
 
 /// The parts of a chat completions request that shape the prompt.
@@ -197,6 +248,48 @@ pub struct ChatTemplate {
     env: Environment<'static>,
 }
 
+/// Why the bounded writer refused a write.
+#[derive(Clone, Copy, Debug)]
+enum Stop {
+    TooLarge,
+    Deadline,
+}
+
+/// Collects a render's output; fails the render past the byte cap or the
+/// deadline (checked every few writes: a clock read per write would cost
+/// more than most writes).
+struct BoundedOutput {
+    buf: Vec<u8>,
+    bounds: RenderBounds,
+    writes: u32,
+    stopped: Option<Stop>,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > self.bounds.max_output_bytes {
+            return Err(self.stop(Stop::TooLarge));
+        }
+        self.writes = self.writes.wrapping_add(1);
+        if self.writes % 64 == 0 && self.bounds.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(self.stop(Stop::Deadline));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl BoundedOutput {
+    fn stop(&mut self, why: Stop) -> std::io::Error {
+        self.stopped = Some(why);
+        std::io::Error::other("render stopped")
+    }
+}
+
 const TEMPLATE: &str = "chat";
 /// transformers' marker for `continue_final_message`.
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
@@ -210,17 +303,39 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned(TEMPLATE, source.to_owned())
             .map_err(|e| ChatError::Template(describe(&e)))?;
         Ok(ChatTemplate { env })
     }
 
-    /// Renders `req` with the tokenizer's special tokens in scope.
+    /// Whether this template was compiled from `source`.
+    pub fn has_source(&self, source: &str) -> bool {
+        self.env
+            .get_template(TEMPLATE)
+            .is_ok_and(|t| t.source() == source)
+    }
+
+    /// Renders `req` with the tokenizer's special tokens in scope, within
+    /// `bounds` and [`RENDER_FUEL`].
     pub fn render(
         &self,
         req: &ChatRequest,
         special_tokens: &Map<String, Json>,
+        bounds: &RenderBounds,
     ) -> Result<String, ChatError> {
+        self.render_counted(req, special_tokens, bounds)
+            .map(|(rendered, _)| rendered)
+    }
+
+    /// [`ChatTemplate::render`], and the fuel the render consumed (what
+    /// [`RENDER_FUEL`] is sized by).
+    pub fn render_counted(
+        &self,
+        req: &ChatRequest,
+        special_tokens: &Map<String, Json>,
+        bounds: &RenderBounds,
+    ) -> Result<(String, u64), ChatError> {
         let mut messages = req.messages.clone();
         let mut final_content = None;
         if req.continue_final_message {
@@ -258,13 +373,102 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE)
             .map_err(|e| ChatError::Template(describe(&e)))?;
-        let rendered = template
-            .render(Value::from_serialize(&ctx))
-            .map_err(|e| ChatError::Template(describe(&e)))?;
-        match final_content {
-            None => Ok(rendered),
-            Some(content) => cut_at_continue_tag(rendered, &content),
+        let mut out = BoundedOutput {
+            buf: Vec::new(),
+            bounds: *bounds,
+            writes: 0,
+            stopped: None,
+        };
+        let fuel = match template.render_captured_to(Value::from_serialize(&ctx), &mut out) {
+            Ok(captured) => captured
+                .state()
+                .fuel_levels()
+                .map_or(0, |(consumed, _)| consumed),
+            Err(e) => {
+                return Err(match (out.stopped, e.kind()) {
+                    (Some(Stop::TooLarge), _) => ChatError::OutputTooLarge(bounds.max_output_bytes),
+                    (Some(Stop::Deadline), _) => ChatError::DeadlineExceeded,
+                    (None, ErrorKind::OutOfFuel) => ChatError::OutOfFuel,
+                    (None, _) => ChatError::Template(describe(&e)),
+                })
+            }
+        };
+        // Templates only ever write `str`s.
+        let rendered = String::from_utf8(out.buf)
+            .map_err(|_| ChatError::Template("the template wrote invalid UTF-8".into()))?;
+        let rendered = match final_content {
+            None => rendered,
+            Some(content) => cut_at_continue_tag(rendered, &content)?,
+        };
+        Ok((rendered, fuel))
+    }
+}
+
+/// Compiled request templates (`chat_template` in a request), so a client
+/// that sends the same template with every request does not pay its
+/// compilation every time.
+///
+/// Bounded two ways: at most [`TemplateCache::ENTRIES`] templates, the least
+/// recently used one making room (a client or two in steady use keep theirs
+/// however many one-off templates pass by; with this few entries a linear
+/// scan for the victim costs nothing next to one compilation), and only
+/// sources up to [`TemplateCache::MAX_SOURCE_BYTES`] (real templates are a
+/// few KiB; a bigger one is compiled per request, which `--max-prompt` and
+/// `--max-inflight` already bound). Keyed by a hash of the source, checked
+/// against the source itself on a hit: a colliding template never renders
+/// in another's place.
+pub struct TemplateCache {
+    entries: Mutex<HashMap<u128, (Arc<ChatTemplate>, u64)>>,
+    clock: std::sync::atomic::AtomicU64,
+}
+
+impl Default for TemplateCache {
+    fn default() -> Self {
+        TemplateCache {
+            entries: Mutex::new(HashMap::new()),
+            clock: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+}
+
+impl TemplateCache {
+    pub const ENTRIES: usize = 64;
+    pub const MAX_SOURCE_BYTES: usize = 256 << 10;
+
+    /// The compiled `source`, from the cache or compiled now (outside the
+    /// lock: a slow compilation holds up nobody else).
+    pub fn get(&self, source: &str) -> Result<Arc<ChatTemplate>, ChatError> {
+        let key = xxhash_rust::xxh3::xxh3_128(source.as_bytes());
+        let tick = self
+            .clock
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some((template, used)) = self.entries.lock().get_mut(&key) {
+            if template.has_source(source) {
+                *used = tick;
+                return Ok(template.clone());
+            }
+        }
+        let template = Arc::new(ChatTemplate::compile(source)?);
+        if source.len() <= Self::MAX_SOURCE_BYTES {
+            let mut entries = self.entries.lock();
+            if entries.len() >= Self::ENTRIES && !entries.contains_key(&key) {
+                let oldest = entries.iter().min_by_key(|(_, (_, used))| *used);
+                if let Some(&k) = oldest.map(|(k, _)| k) {
+                    entries.remove(&k);
+                }
+            }
+            entries.insert(key, (template.clone(), tick));
+        }
+        Ok(template)
+    }
+
+    /// Templates held.
+    pub fn len(&self) -> usize {
+        self.entries.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -571,6 +775,11 @@ fn python_float(f: f64) -> String {
 mod tests {
     use super::*;
 
+    const BOUNDS: RenderBounds = RenderBounds {
+        max_output_bytes: 1 << 20,
+        deadline: None,
+    };
+
     fn render(src: &str, ctx: Json) -> String {
         let t = ChatTemplate::compile(src).unwrap();
         t.env
@@ -611,7 +820,10 @@ mod tests {
     fn raise_exception_surfaces_the_message() {
         let t = ChatTemplate::compile("{{ raise_exception('no system role') }}").unwrap();
         let req = ChatRequest::parse(r#"{"messages":[{"role":"user","content":"x"}]}"#).unwrap();
-        let err = t.render(&req, &Map::new()).unwrap_err().to_string();
+        let err = t
+            .render(&req, &Map::new(), &BOUNDS)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("no system role"), "{err}");
     }
 
@@ -657,9 +869,76 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            t.render(&req, &Map::new()).unwrap(),
+            t.render(&req, &Map::new(), &BOUNDS).unwrap(),
             "<user>hi</s>\n<assistant>Sure, "
         );
+    }
+
+    fn user(text: &str) -> ChatRequest {
+        ChatRequest::parse(
+            &serde_json::json!({"messages": [{"role": "user", "content": text}]}).to_string(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn runaway_templates_run_out_of_fuel() {
+        let t = ChatTemplate::compile(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        )
+        .unwrap();
+        let err = t.render(&user("x"), &Map::new(), &BOUNDS).unwrap_err();
+        assert!(matches!(err, ChatError::OutOfFuel), "{err}");
+    }
+
+    #[test]
+    fn output_past_the_cap_stops_the_render() {
+        let t = ChatTemplate::compile("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}")
+            .unwrap();
+        let err = t.render(&user("x"), &Map::new(), &BOUNDS).unwrap_err();
+        assert!(
+            matches!(err, ChatError::OutputTooLarge(n) if n == 1 << 20),
+            "{err}"
+        );
+        assert!(err.to_string().contains("--max-prompt"), "{err}");
+        // Exactly at the cap is fine.
+        let t = ChatTemplate::compile("{{ 'x' * 1000 }}").unwrap();
+        assert_eq!(
+            t.render(&user("x"), &Map::new(), &RenderBounds::output(1000))
+                .unwrap()
+                .len(),
+            1000
+        );
+    }
+
+    #[test]
+    fn a_passed_deadline_stops_the_render() {
+        let t = ChatTemplate::compile("{% for i in range(100000) %}{{ i }}{% endfor %}").unwrap();
+        let bounds = RenderBounds {
+            deadline: Some(Instant::now()),
+            ..BOUNDS
+        };
+        let err = t.render(&user("x"), &Map::new(), &bounds).unwrap_err();
+        assert!(matches!(err, ChatError::DeadlineExceeded), "{err}");
+    }
+
+    #[test]
+    fn the_template_cache_is_bounded_and_keeps_what_is_in_use() {
+        let cache = TemplateCache::default();
+        let hot = "{{ messages[0].content }}";
+        let first = cache.get(hot).unwrap();
+        for i in 0..200 {
+            cache.get(&format!("{{{{ {i} }}}}")).unwrap();
+            // The hot template is used all along: never the victim.
+            assert!(Arc::ptr_eq(&first, &cache.get(hot).unwrap()), "{i}");
+            assert!(cache.len() <= TemplateCache::ENTRIES);
+        }
+        assert_eq!(cache.len(), TemplateCache::ENTRIES);
+        // Too big to keep: compiled, not cached.
+        let big = format!("{}{{{{ 1 }}}}", " ".repeat(TemplateCache::MAX_SOURCE_BYTES));
+        let a = cache.get(&big).unwrap();
+        assert!(!Arc::ptr_eq(&a, &cache.get(&big).unwrap()));
+        assert!(cache.get("{% if %}").is_err());
     }
 
     #[test]

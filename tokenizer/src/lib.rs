@@ -1,25 +1,31 @@
 //! Hugging Face tokenizers, in-process and exact.
 //!
-//! [`Registry`] finds a model's tokenizer ([`load`]), loads it once (callers
-//! that ask concurrently wait for the one load), and hands out
-//! [`ModelTokenizer`]s that tokenize completions prompts and render chat
-//! requests ([`chat`]) the way vLLM does, with an exact incremental cache
+//! [`ModelTokenizer`]s tokenize completions prompts and render chat requests
+//! ([`chat`]) the way vLLM does, with an exact incremental cache
 //! ([`pieces`]).
+//!
+//! The pure part (no files, no network): this module's tokenizer built
+//! from the files' text, [`chat`], [`pieces`], [`names`] (which model names
+//! may name which files). The part that touches the outside: [`load`]
+//! (finding and reading files), [`hub`] (downloading from the Hugging Face
+//! Hub) and [`Registry`] (which models get a tokenizer, each loaded once on
+//! its own thread; callers wait without holding one).
 
 pub mod chat;
+pub mod hub;
 pub mod load;
+pub mod names;
 pub mod pieces;
+mod registry;
 
-use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
-use parking_lot::Mutex;
 use serde_json::{Map, Value as Json};
 
-use crate::chat::{ChatError, ChatRequest, ChatTemplate};
-use crate::load::{LoadError, Sources, TokenizerFiles};
+use crate::chat::{ChatError, ChatRequest, ChatTemplate, RenderBounds};
 use crate::pieces::{pieces, PieceCache, MIN_PIECE};
+
+pub use crate::registry::{Lookup, Pending, Registry, RegistryCounts};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -46,32 +52,43 @@ pub struct ModelTokenizer {
     cache: PieceCache,
 }
 
+/// The text of a tokenizer's files, as read.
+#[derive(Clone, Debug, Default)]
+pub struct TokenizerText {
+    /// `tokenizer.json`.
+    pub tokenizer_json: String,
+    /// `tokenizer_config.json`, if there is one.
+    pub config_json: Option<String>,
+    /// `chat_template.jinja`, if there is one (it wins over the config's).
+    pub chat_template: Option<String>,
+}
+
+/// Which of a tokenizer's files is unusable, and why.
+#[derive(Debug)]
+pub enum TextError {
+    TokenizerJson(String),
+    ConfigJson(String),
+}
+
 impl ModelTokenizer {
-    /// Loads `files`; `cache_bytes` bounds the tokenization cache.
-    pub fn load(
+    /// A tokenizer from its files' text; `cache_bytes` bounds the
+    /// tokenization cache. `origin` says where the files came from, for logs.
+    pub fn from_text(
         model: &str,
-        files: &TokenizerFiles,
+        origin: String,
+        text: &TokenizerText,
         cache_bytes: usize,
-    ) -> Result<Self, LoadError> {
-        let invalid = |path: &std::path::Path, reason: String| LoadError::Invalid {
-            model: model.to_owned(),
-            path: path.display().to_string(),
-            reason,
-        };
-        let json = std::fs::read_to_string(&files.tokenizer_json)
-            .map_err(|e| invalid(&files.tokenizer_json, e.to_string()))?;
+    ) -> Result<Self, TextError> {
+        let json = &text.tokenizer_json;
         let tokenizer: tokenizers::Tokenizer = json
             .parse()
-            .map_err(|e: tokenizers::Error| invalid(&files.tokenizer_json, e.to_string()))?;
-        let config: Json = match &files.config_json {
-            Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|e| invalid(p, e.to_string()))?;
-                serde_json::from_str(&text).map_err(|e| invalid(p, e.to_string()))?
-            }
+            .map_err(|e: tokenizers::Error| TextError::TokenizerJson(e.to_string()))?;
+        let config: Json = match &text.config_json {
+            Some(t) => serde_json::from_str(t).map_err(|e| TextError::ConfigJson(e.to_string()))?,
             None => Json::Object(Map::new()),
         };
-        let template_source = match &files.chat_template_jinja {
-            Some(p) => Some(std::fs::read_to_string(p).map_err(|e| invalid(p, e.to_string()))?),
+        let template_source = match &text.chat_template {
+            Some(t) => Some(t.clone()),
             None => chat_template_from_config(&config),
         };
         let chat = match template_source {
@@ -83,7 +100,7 @@ impl ModelTokenizer {
         }
         let mut t = ModelTokenizer {
             model: model.to_owned(),
-            origin: files.origin.clone(),
+            origin,
             tokenizer,
             chat,
             special_tokens: special_tokens_map(&config),
@@ -92,7 +109,7 @@ impl ModelTokenizer {
             cache: PieceCache::new(cache_bytes),
         };
         t.special_prefix = t.detect_special_prefix();
-        t.piecewise = piecewise_safe(&json) && t.passes_self_test();
+        t.piecewise = piecewise_safe(json) && t.passes_self_test();
         if !t.piecewise {
             tracing::info!(
                 model,
@@ -174,14 +191,19 @@ impl ModelTokenizer {
         Ok(ids)
     }
 
-    /// Renders a chat request with the model's (or the request's) template.
-    pub fn render_chat(&self, req: &ChatRequest) -> Result<String, ChatError> {
-        match &req.chat_template {
-            Some(src) => ChatTemplate::compile(src)?.render(req, &self.special_tokens),
-            None => match &self.chat {
-                Ok(t) => t.render(req, &self.special_tokens),
-                Err(e) => Err(ChatError::Template(e.clone())),
-            },
+    /// Renders a chat request within `bounds`: with `request_template` (the
+    /// request's own `chat_template`, compiled; whether a request may bring
+    /// one is the caller's decision, see [`chat::TemplateCache`]), else with
+    /// the model's template.
+    pub fn render_chat(
+        &self,
+        req: &ChatRequest,
+        request_template: Option<&ChatTemplate>,
+        bounds: &RenderBounds,
+    ) -> Result<String, ChatError> {
+        match (request_template, &self.chat) {
+            (Some(t), _) | (None, Ok(t)) => t.render(req, &self.special_tokens, bounds),
+            (None, Err(e)) => Err(ChatError::Template(e.clone())),
         }
     }
 
@@ -321,82 +343,6 @@ fn has_context_assertions(regex: &str) -> bool {
         prev = c;
     }
     false
-}
-
-/// Per-model tokenizers, loaded lazily, once.
-pub struct Registry {
-    sources: Sources,
-    cache_bytes: usize,
-    slots: Mutex<HashMap<String, Arc<Slot>>>,
-}
-
-struct Slot {
-    cell: OnceLock<Result<Arc<ModelTokenizer>, LoadError>>,
-    created: Instant,
-}
-
-/// A failed load is retried after this long (a file may appear, the Hub
-/// may come back), not on every request.
-const RETRY_FAILED_LOAD: Duration = Duration::from_secs(30);
-
-impl Registry {
-    pub fn new(sources: Sources, cache_bytes: usize) -> Registry {
-        Registry {
-            sources,
-            cache_bytes,
-            slots: Mutex::new(HashMap::new()),
-        }
-    }
-
-    /// The tokenizer of `model`; blocks while it loads (run it off the async
-    /// executor). Concurrent first callers wait for the same single load.
-    pub fn get(&self, model: &str) -> Result<Arc<ModelTokenizer>, LoadError> {
-        let slot = {
-            let mut slots = self.slots.lock();
-            let stale = slots.get(model).is_some_and(|s| {
-                matches!(s.cell.get(), Some(Err(_))) && s.created.elapsed() > RETRY_FAILED_LOAD
-            });
-            if stale {
-                slots.remove(model);
-            }
-            slots
-                .entry(model.to_owned())
-                .or_insert_with(|| {
-                    Arc::new(Slot {
-                        cell: OnceLock::new(),
-                        created: Instant::now(),
-                    })
-                })
-                .clone()
-        };
-        slot.cell
-            .get_or_init(|| {
-                let started = Instant::now();
-                let loaded = load::locate(model, &self.sources)
-                    .and_then(|files| ModelTokenizer::load(model, &files, self.cache_bytes));
-                match &loaded {
-                    Ok(t) => tracing::info!(
-                        model,
-                        origin = %t.origin,
-                        piecewise = t.piecewise,
-                        elapsed_ms = started.elapsed().as_millis() as u64,
-                        "tokenizer loaded"
-                    ),
-                    Err(e) => tracing::warn!(model, error = %e, "tokenizer unavailable"),
-                }
-                loaded.map(Arc::new)
-            })
-            .clone()
-    }
-
-    /// Tokenizers loaded so far.
-    pub fn loaded(&self) -> Vec<Arc<ModelTokenizer>> {
-        self.slots
-            .lock()
-            .values()
-            .filter_map(|s| s.cell.get().and_then(|r| r.as_ref().ok()).cloned())
-            .collect()
-    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,12 @@
-//! Finding a model's tokenizer files: an explicit mapping, a local models
-//! directory, the Hugging Face cache, or a download from the Hub (tokenizer
-//! files only, never weights).
+//! Finding and reading a model's tokenizer files: an explicit mapping, a
+//! local models directory, the Hugging Face cache, or a download from the
+//! Hub ([`crate::hub`]; tokenizer files only, never weights).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::{ModelTokenizer, TextError, TokenizerText};
 
 /// Where to look, in this order.
 #[derive(Clone, Debug, Default)]
@@ -11,7 +14,8 @@ pub struct Sources {
     /// `--tokenizer MODEL=PATH`: a directory, or a `tokenizer.json` file.
     pub explicit: HashMap<String, PathBuf>,
     /// `--tokenizers-dir DIR`: `DIR/<model>/tokenizer.json` (the model name
-    /// may contain `/`, i.e. `DIR/org/name/`).
+    /// may contain `/`, i.e. `DIR/org/name/`; never a name that would leave
+    /// `DIR`, see [`crate::names::dir_relative`]).
     pub models_dir: Option<PathBuf>,
     /// The Hugging Face hub cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
     /// `~/.cache/huggingface/hub`).
@@ -26,7 +30,15 @@ pub struct Hub {
     pub endpoint: Option<String>,
     /// `HF_TOKEN`, for gated models.
     pub token: Option<String>,
+    /// Connect and read timeout of every Hub request (`--hub-timeout`).
+    pub timeout: Duration,
 }
+
+/// `--hub-timeout`'s default. Python's `huggingface_hub` waits 10 s per
+/// request (`HF_HUB_DOWNLOAD_TIMEOUT`, `HF_HUB_ETAG_TIMEOUT`); 30 s leaves
+/// room for a slow link or proxy, while a Hub that never answers costs one
+/// attempt half a minute (and requests only their own deadline).
+pub const DEFAULT_HUB_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Sources {
     /// The Hugging Face settings from the environment (`HF_HOME`,
@@ -45,6 +57,7 @@ impl Sources {
             hub: (!offline).then(|| Hub {
                 endpoint: var("HF_ENDPOINT"),
                 token: var("HF_TOKEN"),
+                timeout: DEFAULT_HUB_TIMEOUT,
             }),
             ..Default::default()
         }
@@ -75,7 +88,7 @@ pub enum LoadError {
 }
 
 impl TokenizerFiles {
-    fn in_dir(dir: &Path, origin: String) -> Option<TokenizerFiles> {
+    pub(crate) fn in_dir(dir: &Path, origin: String) -> Option<TokenizerFiles> {
         let tokenizer_json = dir.join("tokenizer.json");
         if !tokenizer_json.is_file() {
             return None;
@@ -90,24 +103,36 @@ impl TokenizerFiles {
     }
 }
 
-/// Finds (downloading if allowed) the tokenizer files of `model`.
-pub fn locate(model: &str, sources: &Sources) -> Result<TokenizerFiles, LoadError> {
+/// The tokenizer files at `path`: a directory with `tokenizer.json` (and
+/// perhaps `tokenizer_config.json`, `chat_template.jinja`), or a
+/// `tokenizer.json` itself (its directory's other files still count).
+pub fn files_at(path: &Path, origin: String) -> Option<TokenizerFiles> {
+    if path.is_file() {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let mut files = TokenizerFiles::in_dir(dir, origin.clone()).unwrap_or(TokenizerFiles {
+            tokenizer_json: path.to_owned(),
+            config_json: None,
+            chat_template_jinja: None,
+            origin: String::new(),
+        });
+        files.tokenizer_json = path.to_owned();
+        files.origin = origin;
+        return Some(files);
+    }
+    TokenizerFiles::in_dir(path, origin)
+}
+
+/// `DIR/<model>` under `--tokenizers-dir`, if the name stays inside it.
+pub fn in_models_dir(dir: &Path, model: &str) -> Option<PathBuf> {
+    crate::names::dir_relative(model).map(|rel| dir.join(rel))
+}
+
+/// The local places `model`'s tokenizer may be, in order: `--tokenizer`,
+/// `--tokenizers-dir`, the Hugging Face cache. No network.
+pub fn locate_local(model: &str, sources: &Sources) -> Result<TokenizerFiles, Vec<String>> {
     let mut tried = Vec::new();
     if let Some(path) = sources.explicit.get(model) {
-        if path.is_file() {
-            let dir = path.parent().unwrap_or(Path::new("."));
-            let mut files = TokenizerFiles::in_dir(dir, format!("--tokenizer {}", path.display()))
-                .unwrap_or(TokenizerFiles {
-                    tokenizer_json: path.clone(),
-                    config_json: None,
-                    chat_template_jinja: None,
-                    origin: String::new(),
-                });
-            files.tokenizer_json = path.clone();
-            files.origin = format!("--tokenizer {}", path.display());
-            return Ok(files);
-        }
-        if let Some(f) = TokenizerFiles::in_dir(path, format!("--tokenizer {}", path.display())) {
+        if let Some(f) = files_at(path, format!("--tokenizer {}", path.display())) {
             return Ok(f);
         }
         tried.push(format!(
@@ -116,30 +141,96 @@ pub fn locate(model: &str, sources: &Sources) -> Result<TokenizerFiles, LoadErro
         ));
     }
     if let Some(dir) = &sources.models_dir {
-        let d = dir.join(model);
-        if let Some(f) = TokenizerFiles::in_dir(&d, format!("models dir {}", d.display())) {
-            return Ok(f);
+        match in_models_dir(dir, model) {
+            Some(d) => {
+                if let Some(f) = TokenizerFiles::in_dir(&d, format!("models dir {}", d.display())) {
+                    return Ok(f);
+                }
+                tried.push(format!("models dir {}", d.display()));
+            }
+            None => tried.push(format!(
+                "models dir {} (the name would leave it)",
+                dir.display()
+            )),
         }
-        tried.push(format!("models dir {}", d.display()));
     }
     if let Some(cache) = &sources.hf_cache {
-        let repo = cache.join(format!("models--{}", model.replace('/', "--")));
+        let repo = cache.join(hf_cache_repo(model));
         if let Some(f) = from_hf_cache(&repo) {
             return Ok(f);
         }
         tried.push(format!("Hugging Face cache {}", repo.display()));
     }
-    match &sources.hub {
-        Some(hub) => match download(model, hub, sources.hf_cache.as_deref()) {
+    Err(tried)
+}
+
+/// Finds (downloading if allowed) the tokenizer files of `model`. Blocks
+/// for as long as a download takes (bounded by the Hub timeout): the
+/// [`crate::Registry`] runs it on a thread of its own.
+pub fn locate(model: &str, sources: &Sources) -> Result<TokenizerFiles, LoadError> {
+    let mut tried = match locate_local(model, sources) {
+        Ok(files) => return Ok(files),
+        Err(tried) => tried,
+    };
+    match (&sources.hub, &sources.hf_cache) {
+        (Some(hub), Some(cache)) => match crate::hub::download(model, hub, cache) {
             Ok(f) => return Ok(f),
             Err(e) => tried.push(format!("Hub download: {e}")),
         },
-        None => tried.push("Hub download (disabled: HF_HUB_OFFLINE)".into()),
+        (Some(_), None) => {
+            tried.push("Hub download (no cache directory to download into: set HF_HOME)".into())
+        }
+        (None, _) => tried.push("Hub download (disabled: HF_HUB_OFFLINE)".into()),
     }
     Err(LoadError::NotFound {
         model: model.to_owned(),
         tried,
     })
+}
+
+/// `models--org--name`: one path component whatever the name (no `/` left).
+pub(crate) fn hf_cache_repo(model: &str) -> String {
+    format!("models--{}", model.replace('/', "--"))
+}
+
+/// Reads `files`.
+pub fn read(model: &str, files: &TokenizerFiles) -> Result<TokenizerText, LoadError> {
+    let invalid = |path: &Path, reason: String| LoadError::Invalid {
+        model: model.to_owned(),
+        path: path.display().to_string(),
+        reason,
+    };
+    let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| invalid(p, e.to_string()));
+    Ok(TokenizerText {
+        tokenizer_json: read(&files.tokenizer_json)?,
+        config_json: files.config_json.as_deref().map(read).transpose()?,
+        chat_template: files.chat_template_jinja.as_deref().map(read).transpose()?,
+    })
+}
+
+impl ModelTokenizer {
+    /// Reads and loads `files`; `cache_bytes` bounds the tokenization cache.
+    pub fn load(
+        model: &str,
+        files: &TokenizerFiles,
+        cache_bytes: usize,
+    ) -> Result<ModelTokenizer, LoadError> {
+        let text = read(model, files)?;
+        ModelTokenizer::from_text(model, files.origin.clone(), &text, cache_bytes).map_err(|e| {
+            let (path, reason) = match e {
+                TextError::TokenizerJson(r) => (&files.tokenizer_json, r),
+                TextError::ConfigJson(r) => (
+                    files.config_json.as_ref().unwrap_or(&files.tokenizer_json),
+                    r,
+                ),
+            };
+            LoadError::Invalid {
+                model: model.to_owned(),
+                path: path.display().to_string(),
+                reason,
+            }
+        })
+    }
 }
 
 /// `models--org--name/snapshots/<rev>/`: the revision `refs/main` names,
@@ -161,73 +252,4 @@ fn from_hf_cache(repo: &Path) -> Option<TokenizerFiles> {
     dirs.sort();
     dirs.into_iter()
         .find_map(|d| TokenizerFiles::in_dir(&d, format!("Hugging Face cache {}", d.display())))
-}
-
-/// Logs download progress every quarter.
-struct LogProgress {
-    file: String,
-    total: usize,
-    done: usize,
-    next_report: usize,
-}
-
-impl hf_hub::api::Progress for LogProgress {
-    fn init(&mut self, size: usize, filename: &str) {
-        self.file = filename.to_owned();
-        self.total = size;
-        self.next_report = size / 4;
-        tracing::info!(file = %filename, bytes = size, "downloading from the Hugging Face Hub");
-    }
-
-    fn update(&mut self, size: usize) {
-        self.done += size;
-        if self.total > 0 && self.done >= self.next_report && self.done < self.total {
-            tracing::info!(file = %self.file, percent = self.done * 100 / self.total, "downloading");
-            self.next_report += self.total / 4;
-        }
-    }
-
-    fn finish(&mut self) {
-        tracing::info!(file = %self.file, bytes = self.done, "downloaded");
-    }
-}
-
-/// Downloads `tokenizer.json` (required), `tokenizer_config.json` and
-/// `chat_template.jinja` (if the repo has them) into the HF cache.
-fn download(model: &str, hub: &Hub, cache: Option<&Path>) -> Result<TokenizerFiles, String> {
-    let mut builder = hf_hub::api::sync::ApiBuilder::new()
-        .with_progress(false)
-        .with_token(hub.token.clone());
-    if let Some(endpoint) = &hub.endpoint {
-        builder = builder.with_endpoint(endpoint.clone());
-    }
-    if let Some(cache) = cache {
-        builder = builder.with_cache_dir(cache.to_owned());
-    }
-    let api = builder.build().map_err(|e| e.to_string())?;
-    let repo = api.model(model.to_owned());
-    // hf-hub asserts internally on some filesystem states; never let that
-    // take the service down.
-    let get = |file: &str| {
-        let progress = LogProgress {
-            file: String::new(),
-            total: 0,
-            done: 0,
-            next_report: 0,
-        };
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            repo.download_with_progress(file, progress)
-        }))
-        .map_err(|_| format!("{file}: download failed"))?
-        .map_err(|e| format!("{file}: {e}"))
-    };
-    let tokenizer_json = get("tokenizer.json")?;
-    let config_json = get("tokenizer_config.json").ok();
-    let chat_template_jinja = get("chat_template.jinja").ok();
-    Ok(TokenizerFiles {
-        tokenizer_json,
-        config_json,
-        chat_template_jinja,
-        origin: format!("Hub {}", repo.url("tokenizer.json")),
-    })
 }
