@@ -32,6 +32,7 @@ pub mod grpc;
 pub mod ingest;
 pub mod llmd;
 pub mod metrics;
+pub mod publish;
 mod ratelimit;
 pub mod replay;
 pub mod snapshots;

@@ -6,6 +6,10 @@ use tracing_subscriber::EnvFilter;
 fn main() -> std::process::ExitCode {
     let mut args = Args::parse_or_exit();
     let command = args.command.take();
+    if matches!(command, Some(Command::Publish { .. })) {
+        // A client: its output is the point.
+        args.settings.log_level.get_or_insert_with(|| "warn".into());
+    }
     if matches!(command, Some(Command::Demo { .. })) {
         // The demo's output is the point: keep the service's logs quiet.
         let s = &mut args.settings;
@@ -41,6 +45,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    let publishing = matches!(command, Some(Command::Publish { .. }));
     let run = async move {
         match command {
             Some(Command::Demo {
@@ -48,6 +53,9 @@ fn main() -> std::process::ExitCode {
                 turns,
                 interval,
             }) => kv_indexer::demo::run(config, pods.max(1), turns, interval.into()).await,
+            Some(Command::Publish { frames, zmq, grpc }) => {
+                kv_indexer::publish::run(&frames, &zmq, &grpc).await
+            }
             _ => kv_indexer::app::run(config, shutdown_signal()).await,
         }
     };
@@ -55,6 +63,9 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "fatal");
+            if publishing {
+                eprintln!("kv-indexer publish: {e}");
+            }
             std::process::ExitCode::FAILURE
         }
     }

@@ -119,6 +119,20 @@ pub enum Command {
         #[arg(long, default_value = "1s")]
         interval: humantime::Duration,
     },
+    /// Publish a stream real vLLM recorded to a running kv-indexer, as a
+    /// pod would, score its first probe next to vLLM's answer, then remove
+    /// the pods it created (needs the service's --admin).
+    Publish {
+        /// Recorded stream (`*.frames.jsonl`, its `*.expected.json` beside it).
+        #[arg(default_value = "tests/fixtures/vllm-events/qwen3-lora-salt.frames.jsonl")]
+        frames: String,
+        /// The indexer's ZeroMQ SUB endpoint.
+        #[arg(long, default_value = "tcp://127.0.0.1:5557")]
+        zmq: String,
+        /// The indexer's gRPC address.
+        #[arg(long, default_value = "http://127.0.0.1:50051")]
+        grpc: String,
+    },
 }
 
 /// PEM material for gRPC TLS, read at start.

@@ -1,47 +1,68 @@
-//! Publishes a recorded vLLM event stream to a running kv-indexer, the way a
-//! vLLM pod would (ZeroMQ PUB connecting to the indexer's SUB socket), then
-//! scores one of the stream's probe prompts and prints the grpcurl command
-//! that asks the same question.
+//! `kv-indexer publish [FILE]`: publishes a stream that real vLLM recorded
+//! (`tests/fixtures/vllm-events/`) to a running kv-indexer, the way a vLLM
+//! pod does (ZeroMQ PUB connecting to the indexer's SUB socket), scores the
+//! stream's first probe prompt next to vLLM's own answer, prints the
+//! grpcurl command that asks the same question, and removes the pods it
+//! created (which needs the service's `--admin`).
 //!
-//! ```sh
-//! cargo run --release &                      # the service
-//! cargo run --example replay                 # publish + score
-//! cargo run --example replay -- tests/fixtures/vllm-events/qwen3-sha256-int.frames.jsonl
-//! ```
-//! Options: `--zmq tcp://127.0.0.1:5557`, `--grpc http://127.0.0.1:50051`.
+//! It is part of the binary, not a cargo example: an example builds the
+//! dev-dependencies, which re-resolves features and rebuilds much of the
+//! dependency tree (minutes) for a few hundred lines.
 
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use bytes::Bytes;
-use kv_indexer::proto::kvindexer::v1 as pb;
-use kv_indexer::zmq_io::Publisher;
-use pb::kv_indexer_client::KvIndexerClient;
 use serde_json::Value;
+use tonic::transport::Channel;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let mut frames_path = "tests/fixtures/vllm-events/qwen3-lora-salt.frames.jsonl".to_owned();
-    let mut zmq = "tcp://127.0.0.1:5557".to_owned();
-    let mut grpc = "http://127.0.0.1:50051".to_owned();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--zmq" => {
-                zmq = args
-                    .next()
-                    .ok_or_else(|| anyhow::anyhow!("--zmq needs a value"))?
+use crate::proto::kvindexer::v1 as pb;
+use crate::zmq_io::Publisher;
+use pb::kv_indexer_client::KvIndexerClient;
+
+/// The model of the marker batch that tells us the subscription is up.
+const MARKER_MODEL: &str = "replay-example";
+const MARKER_POD: &str = "replay-marker";
+
+/// Publishes `frames_path` to the indexer at `zmq` / `grpc`, then cleans up.
+pub async fn run(frames_path: &str, zmq: &str, grpc: &str) -> anyhow::Result<()> {
+    let client = KvIndexerClient::connect(grpc.to_owned())
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "no kv-indexer answers at {grpc} ({e}): start one first, e.g. \
+             `cargo run --release -- --admin &` (--admin lets this command remove \
+             the pods it creates), or point --grpc and --zmq at yours"
+            )
+        })?;
+    let (mut client, model, pods) = publish_and_score(client, frames_path, zmq, grpc).await?;
+    // Leave the service as it was: remove the stream's pods and the marker.
+    let mut removals = vec![(MARKER_MODEL.to_owned(), MARKER_POD.to_owned())];
+    removals.extend(pods.into_iter().map(|p| (model.clone(), p)));
+    for (model, pod) in removals {
+        match client.remove_pod(pb::RemovePodRequest { model, pod }).await {
+            Ok(_) => {}
+            Err(status) if status.code() == tonic::Code::PermissionDenied => {
+                println!(
+                    "\nthe published pods stay in the index: the service runs without --admin, \
+                     so RemovePod is refused (restart it with --admin, or let --pod-expiry forget them)"
+                );
+                return Ok(());
             }
-            "--grpc" => {
-                grpc = args
-                    .next()
-                    .ok_or_else(|| anyhow::anyhow!("--grpc needs a value"))?
-            }
-            path => frames_path = path.to_owned(),
+            Err(status) => return Err(status.into()),
         }
     }
-    let mut client = KvIndexerClient::connect(grpc.clone()).await?;
+    println!("\nremoved the pods this command created");
+    Ok(())
+}
 
+async fn publish_and_score(
+    mut client: KvIndexerClient<Channel>,
+    frames_path: &str,
+    zmq: &str,
+    grpc: &str,
+) -> anyhow::Result<(KvIndexerClient<Channel>, String, BTreeSet<String>)> {
     let mut frames = Vec::new();
     for line in std::fs::read_to_string(&frames_path)?.lines() {
         let v: Value = serde_json::from_str(line)?;
@@ -59,17 +80,21 @@ async fn main() -> anyhow::Result<()> {
         .to_owned();
 
     let context = zmq::Context::new();
-    let publisher = Publisher::connect(&context, &zmq)?;
+    let publisher = Publisher::connect(&context, zmq)?;
     // A fresh PUB drops messages until the subscriber's subscription reaches
     // it ("slow joiner"): send an empty marker batch until the indexer lists it.
     let marker = rmp_serde::to_vec(&(0.0f64, Vec::<u8>::new()))?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        publisher.send(&message("kv@replay-marker@replay-example", 0, &marker))?;
+        publisher.send(&message(
+            &format!("kv@{MARKER_POD}@{MARKER_MODEL}"),
+            0,
+            &marker,
+        ))?;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let pods = client
             .list_pods(pb::ListPodsRequest {
-                model: "replay-example".into(),
+                model: MARKER_MODEL.into(),
             })
             .await?
             .into_inner()
@@ -152,7 +177,15 @@ async fn main() -> anyhow::Result<()> {
     println!("vLLM's own answer: {}", probe["expected_cached_blocks"]);
     let addr = grpc.trim_start_matches("http://");
     println!("\nthe same with grpcurl:\n  grpcurl -plaintext -d '{request}' {addr} kvindexer.v1.KvIndexer/Score");
-    Ok(())
+    Ok((client, model, pods_of(&frames)))
+}
+
+/// The pod names of a stream's topics (`kv@<pod>@<model>`).
+fn pods_of(frames: &[(String, u64, Vec<u8>)]) -> BTreeSet<String> {
+    frames
+        .iter()
+        .filter_map(|(t, _, _)| t.split('@').nth(1).map(str::to_owned))
+        .collect()
 }
 
 fn message(topic: &str, seq: u64, payload: &[u8]) -> Vec<Bytes> {
