@@ -232,14 +232,7 @@ async fn announce(
             ))?;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let listed = client
-            .list_pods(pb::ListPodsRequest {
-                model: MODEL.into(),
-            })
-            .await?
-            .into_inner()
-            .pods;
-        if listed.len() >= fake.len() {
+        if listed(client).await?.len() >= fake.len() {
             break;
         }
         anyhow::ensure!(
@@ -253,6 +246,19 @@ async fn announce(
     Ok(())
 }
 
+/// The demo model's pods as the indexer lists them.
+async fn listed(
+    client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
+) -> anyhow::Result<Vec<pb::PodInfo>> {
+    Ok(client
+        .list_pods(pb::ListPodsRequest {
+            model: MODEL.into(),
+        })
+        .await?
+        .into_inner()
+        .pods)
+}
+
 /// Waits (bounded) until the indexer applied every batch `pod` published.
 async fn wait_applied(
     client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
@@ -260,14 +266,8 @@ async fn wait_applied(
 ) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(2);
     while std::time::Instant::now() < deadline {
-        let listed = client
-            .list_pods(pb::ListPodsRequest {
-                model: MODEL.into(),
-            })
+        if listed(client)
             .await?
-            .into_inner()
-            .pods;
-        if listed
             .iter()
             .any(|p| p.pod == pod.name && p.last_seq.is_some_and(|s| s + 1 >= pod.seq))
         {

@@ -80,6 +80,8 @@ struct Dialed {
     seen: HashSet<Vec<u8>>,
     last_message: Instant,
     down_since: Option<Instant>,
+    /// Counted in `kv_indexer_zmq_connections` now.
+    connected: bool,
 }
 
 /// Messages read from one socket before the others get their turn.
@@ -148,10 +150,14 @@ fn reconcile(
     opened: &mut u64,
 ) {
     let wanted: HashSet<&DialTarget> = desired.iter().collect();
-    dialed.retain(|(target, _)| {
+    dialed.retain(|(target, d)| {
         let keep = wanted.contains(target);
         if !keep {
             tracing::info!(endpoint = %target.endpoint, "pod no longer listed: disconnecting");
+            // Closing the socket closes its monitor too: no event follows.
+            if d.connected {
+                ctx.dispatcher.connection_closed();
+            }
         }
         keep
     });
@@ -186,6 +192,7 @@ fn open(ctx: &DialContext, target: &DialTarget, n: u64) -> zmq::Result<Dialed> {
         seen: HashSet::new(),
         last_message: Instant::now(),
         down_since: None,
+        connected: false,
     })
 }
 
@@ -216,7 +223,10 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
         zmq::SocketEvent::CONNECTED => {
             tracing::info!(endpoint = %target.endpoint, "connected to pod");
             d.down_since = None;
-            ctx.dispatcher.connection_opened();
+            if !d.connected {
+                d.connected = true;
+                ctx.dispatcher.connection_opened();
+            }
             if let Some(endpoint) = d.replay.clone() {
                 catch_up(ctx, endpoint);
             }
@@ -224,7 +234,10 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
         zmq::SocketEvent::DISCONNECTED => {
             tracing::info!(endpoint = %target.endpoint, "pod connection lost; libzmq reconnects");
             d.down_since.get_or_insert_with(Instant::now);
-            ctx.dispatcher.connection_closed();
+            if d.connected {
+                d.connected = false;
+                ctx.dispatcher.connection_closed();
+            }
         }
         _ => {}
     }

@@ -155,9 +155,13 @@ pub fn bind_error(endpoint: &str, e: zmq::Error) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn publisher_reaches_a_limited_sub_socket_and_monitor_sees_it() {
-        let context = zmq::Context::new();
+    /// A SUB socket limited to 1 KiB frames, bound on a free loopback port,
+    /// its monitor, and a publisher connected to it.
+    fn limited_sub(
+        context: &zmq::Context,
+        filter: &[u8],
+        name: &str,
+    ) -> (zmq::Socket, zmq::Socket, Publisher) {
         let sub = context.socket(zmq::SUB).unwrap();
         limit(
             &sub,
@@ -167,11 +171,18 @@ mod tests {
             },
         )
         .unwrap();
-        sub.set_subscribe(b"kv@").unwrap();
-        let events = monitor(&context, &sub, "test").unwrap();
+        sub.set_subscribe(filter).unwrap();
+        let events = monitor(context, &sub, name).unwrap();
         sub.bind("tcp://127.0.0.1:0").unwrap();
         let endpoint = last_endpoint(&sub).unwrap();
-        let publisher = Publisher::connect(&context, &endpoint).unwrap();
+        let publisher = Publisher::connect(context, &endpoint).unwrap();
+        (sub, events, publisher)
+    }
+
+    #[test]
+    fn publisher_reaches_a_limited_sub_socket_and_monitor_sees_it() {
+        let context = zmq::Context::new();
+        let (sub, events, publisher) = limited_sub(&context, b"kv@", "test");
         let frames = [
             Bytes::from_static(b"kv@p@m"),
             Bytes::copy_from_slice(&1u64.to_be_bytes()),
@@ -203,20 +214,7 @@ mod tests {
     #[test]
     fn a_frame_over_the_limit_drops_the_connection_not_the_process() {
         let context = zmq::Context::new();
-        let sub = context.socket(zmq::SUB).unwrap();
-        limit(
-            &sub,
-            ReceiveLimits {
-                max_message_bytes: 1024,
-                hwm: RECEIVE_HWM,
-            },
-        )
-        .unwrap();
-        sub.set_subscribe(b"").unwrap();
-        let events = monitor(&context, &sub, "oversize").unwrap();
-        sub.bind("tcp://127.0.0.1:0").unwrap();
-        let endpoint = last_endpoint(&sub).unwrap();
-        let publisher = Publisher::connect(&context, &endpoint).unwrap();
+        let (sub, events, publisher) = limited_sub(&context, b"", "oversize");
         sub.set_rcvtimeo(20).unwrap();
         let big = [Bytes::from(vec![0u8; 4096])];
         let mut disconnected = false;

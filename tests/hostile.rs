@@ -12,20 +12,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
-use serde::Serialize;
 
 const BLOCK: u32 = 16;
-
-#[derive(Serialize)]
-struct Stored {
-    #[serde(rename = "type")]
-    ty: &'static str,
-    block_hashes: Vec<u64>,
-    parent_block_hash: Option<u64>,
-    token_ids: Vec<u32>,
-    block_size: u32,
-    medium: &'static str,
-}
 
 fn tokens(blocks: u32) -> Vec<u32> {
     (0..blocks * BLOCK).map(|i| 1000 + i).collect()

@@ -9,18 +9,6 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use common::*;
-use serde::Serialize;
-
-#[derive(Serialize)]
-struct Stored {
-    #[serde(rename = "type")]
-    ty: &'static str,
-    block_hashes: Vec<u64>,
-    parent_block_hash: Option<u64>,
-    token_ids: Vec<u32>,
-    block_size: u32,
-    medium: &'static str,
-}
 
 const PODS: u64 = 4;
 const PER_BATCH: u64 = 1000;

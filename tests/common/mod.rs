@@ -406,6 +406,18 @@ impl RecordedFrame {
     }
 }
 
+/// vLLM's map-form `BlockStored` event, as msgspec encodes it.
+#[derive(serde::Serialize)]
+pub struct Stored {
+    #[serde(rename = "type")]
+    pub ty: &'static str,
+    pub block_hashes: Vec<u64>,
+    pub parent_block_hash: Option<u64>,
+    pub token_ids: Vec<u32>,
+    pub block_size: u32,
+    pub medium: &'static str,
+}
+
 /// A multipart ZeroMQ message, frame by frame.
 pub type ZmqMessage = Vec<Bytes>;
 
