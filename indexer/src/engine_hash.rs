@@ -116,6 +116,18 @@ pub struct EngineHasher {
 }
 
 impl EngineHasher {
+    /// What decides this hasher's digests, spelled out: the algorithm, the
+    /// seed's hash and the extra-key style (for the snapshot fingerprint).
+    pub fn describe(&self) -> String {
+        let seed: String = self
+            .none_hash
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!("{:?}:{seed}:{:?}", self.algo, self.style)
+    }
+
     pub fn new(algo: HashAlgo, seed: &str, style: ExtraKeyStyle) -> EngineHasher {
         let mut buf = Vec::with_capacity(64);
         let mut hasher = EngineHasher {

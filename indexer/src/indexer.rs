@@ -493,19 +493,22 @@ impl Indexer {
 
     /// Fingerprint of the key configuration: keys in a snapshot are only
     /// valid under the configuration that computed them.
+    ///
+    /// An explicit, sorted encoding of the settings that change keys (not a
+    /// `Debug` dump: a `HashMap`'s order differs per process, and a
+    /// fingerprint that differs across restarts throws every snapshot away).
     fn keys_fingerprint(&self) -> u64 {
-        let mut per_model: Vec<String> = self
-            .config
-            .keys
+        let keys = &self.config.keys;
+        let mut per_model: Vec<String> = keys
             .per_model
             .iter()
-            .map(|(m, k)| format!("{m}={k:?}"))
+            .map(|(m, k)| format!("{}={m}:{}", m.len(), k.key_fingerprint()))
             .collect();
         per_model.sort();
         let text = format!(
-            "{}|{:?}|{}",
+            "{}|{}|{}",
             crate::keys::SCHEME,
-            self.config.keys.default,
+            keys.default.key_fingerprint(),
             per_model.join(",")
         );
         xxhash_rust::xxh3::xxh3_64(text.as_bytes())
@@ -1087,6 +1090,50 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
+    }
+
+    /// A snapshot is kept across restarts only if the fingerprint is the
+    /// same in every process: with several LoRA paths it used to follow a
+    /// `HashMap`'s per-process order, so every restart started empty.
+    #[test]
+    fn the_key_fingerprint_is_stable_and_only_about_keys() {
+        use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo};
+        use crate::scheme::{EngineKeys, KeyMode, KeySchemes};
+        let indexer = |loras: &[(usize, &str)], self_check_every: u32| {
+            let lora_paths = loras
+                .iter()
+                .map(|(i, path)| (format!("adapter-{i}"), (*path).to_owned()))
+                .collect();
+            let mode = KeyMode::Engine(Box::new(EngineKeys {
+                hasher: EngineHasher::new(
+                    HashAlgo::Sha256,
+                    "vllm-none-hash",
+                    ExtraKeyStyle::Tagged,
+                ),
+                lora_paths,
+                assume_prefix_closed: true,
+                self_check_every,
+            }));
+            Indexer::new(IndexerConfig {
+                keys: KeySchemes {
+                    default: mode.clone(),
+                    per_model: [("m".to_owned(), mode)].into_iter().collect(),
+                },
+                ..Default::default()
+            })
+        };
+        let forward: Vec<(usize, &str)> = (0..16).map(|i| (i, "/adapters/x")).collect();
+        let backward: Vec<(usize, &str)> = forward.iter().rev().copied().collect();
+        // Each map gets its own random hasher state, as in another process.
+        let first = indexer(&forward, 64).keys_fingerprint();
+        for _ in 0..8 {
+            assert_eq!(indexer(&backward, 64).keys_fingerprint(), first);
+        }
+        // The self-check changes no key; an adapter's path does.
+        assert_eq!(indexer(&forward, 0).keys_fingerprint(), first);
+        let mut moved = forward.clone();
+        moved[3].1 = "/adapters/y";
+        assert_ne!(indexer(&moved, 64).keys_fingerprint(), first);
     }
 
     #[test]

@@ -50,6 +50,25 @@ pub enum KeyMode {
 }
 
 impl KeyMode {
+    /// An explicit encoding of only what changes this mode's keys: token
+    /// keys depend on nothing configurable; engine keys on the hasher and
+    /// the LoRA paths (sorted). Scoring-only settings (prefix closure, the
+    /// self-check) are left out, so changing them keeps a snapshot valid.
+    pub fn key_fingerprint(&self) -> String {
+        match self {
+            KeyMode::Token => "token".to_owned(),
+            KeyMode::Engine(e) => {
+                let mut lora: Vec<String> = e
+                    .lora_paths
+                    .iter()
+                    .map(|(name, path)| format!("{}={}:{}={}", name.len(), name, path.len(), path))
+                    .collect();
+                lora.sort();
+                format!("engine:{}:[{}]", e.hasher.describe(), lora.join(","))
+            }
+        }
+    }
+
     pub fn engine(&self) -> Option<&EngineKeys> {
         match self {
             KeyMode::Token => None,
