@@ -84,6 +84,14 @@ struct Dialed {
     connected: bool,
 }
 
+/// A pod discovery no longer lists: disconnected, and forgotten once it has
+/// been gone for `--pod-expiry` unless it comes back (a rollout's new pod
+/// may reuse the name; a pods-file edit may be undone).
+struct Departed {
+    topics: HashSet<Vec<u8>>,
+    since: Instant,
+}
+
 /// Messages read from one socket before the others get their turn.
 const BURST: usize = 1024;
 
@@ -98,11 +106,16 @@ fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &Ato
     let check_every = ctx.expiry.map_or(Duration::from_secs(3600), |e| {
         (e / 4).max(Duration::from_millis(100))
     });
+    let mut departed: Vec<Departed> = Vec::new();
     let mut last_check = Instant::now();
     let mut opened = 0u64;
     while !stop.load(Ordering::Relaxed) {
         if let Some(desired) = commands.try_iter().last() {
-            reconcile(&ctx, &mut dialed, desired, &mut opened);
+            reconcile(&ctx, &mut dialed, &mut departed, desired, &mut opened);
+        }
+        if ctx.expiry.is_some() && last_check.elapsed() >= check_every {
+            last_check = Instant::now();
+            expire(&ctx, &mut dialed, &mut departed);
         }
         if dialed.is_empty() {
             std::thread::sleep(Duration::from_millis(100));
@@ -136,27 +149,31 @@ fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &Ato
                 }
             }
         }
-        if ctx.expiry.is_some() && last_check.elapsed() >= check_every {
-            last_check = Instant::now();
-            expire(&ctx, &mut dialed);
-        }
     }
 }
 
 fn reconcile(
     ctx: &DialContext,
     dialed: &mut Vec<(DialTarget, Dialed)>,
+    departed: &mut Vec<Departed>,
     desired: Vec<DialTarget>,
     opened: &mut u64,
 ) {
     let wanted: HashSet<&DialTarget> = desired.iter().collect();
-    dialed.retain(|(target, d)| {
+    dialed.retain_mut(|(target, d)| {
         let keep = wanted.contains(target);
         if !keep {
-            tracing::info!(endpoint = %target.endpoint, "pod no longer listed: disconnecting");
+            tracing::info!(endpoint = %target.endpoint, expiry = ?ctx.expiry, "pod no longer listed: disconnecting; forgotten after --pod-expiry unless it comes back");
             // Closing the socket closes its monitor too: no event follows.
             if d.connected {
                 ctx.dispatcher.connection_closed();
+            }
+            // With expiry off nothing is ever forgotten: keep nothing.
+            if ctx.expiry.is_some() && !d.seen.is_empty() {
+                departed.push(Departed {
+                    topics: std::mem::take(&mut d.seen),
+                    since: Instant::now(),
+                });
             }
         }
         keep
@@ -258,20 +275,47 @@ fn catch_up(ctx: &DialContext, endpoint: Arc<str>) {
     });
 }
 
-fn expire(ctx: &DialContext, dialed: &mut [(DialTarget, Dialed)]) {
+fn expire(ctx: &DialContext, dialed: &mut [(DialTarget, Dialed)], departed: &mut Vec<Departed>) {
     let Some(after) = ctx.expiry else { return };
     for (target, d) in dialed.iter_mut() {
         let gone =
             d.down_since.is_some_and(|t| t.elapsed() >= after) && d.last_message.elapsed() >= after;
-        if !gone {
+        if gone {
+            forget(
+                ctx,
+                &target.endpoint,
+                d.seen.drain(),
+                "disconnected and silent",
+            );
+        }
+    }
+    // A departed pod that publishes again through a listed endpoint is back.
+    let live: HashSet<&Vec<u8>> = dialed.iter().flat_map(|(_, d)| &d.seen).collect();
+    for gone in departed.iter_mut() {
+        gone.topics.retain(|t| !live.contains(t));
+    }
+    departed.retain(|gone| !gone.topics.is_empty());
+    let (expired, waiting): (Vec<Departed>, Vec<Departed>) = std::mem::take(departed)
+        .into_iter()
+        .partition(|gone| gone.since.elapsed() >= after);
+    *departed = waiting;
+    for gone in expired {
+        forget(
+            ctx,
+            "(no longer listed)",
+            gone.topics.into_iter(),
+            "no longer listed",
+        );
+    }
+}
+
+/// Forgets the pods (every DP rank) behind `topics`.
+fn forget(ctx: &DialContext, source: &str, topics: impl Iterator<Item = Vec<u8>>, why: &str) {
+    for raw in topics {
+        let Ok(topic) = parse_topic(&raw) else {
             continue;
-        }
-        for raw in d.seen.drain() {
-            let Ok(topic) = parse_topic(&raw) else {
-                continue;
-            };
-            let (domains, blocks) = ctx.indexer.remove_pod_domains(topic.model, topic.pod);
-            tracing::info!(endpoint = %target.endpoint, model = %topic.model, pod = %topic.pod, domains, blocks, "pod expired: disconnected and silent");
-        }
+        };
+        let (domains, blocks) = ctx.indexer.remove_pod_domains(topic.model, topic.pod);
+        tracing::info!(%source, model = %topic.model, pod = %topic.pod, domains, blocks, why, "pod expired");
     }
 }

@@ -24,6 +24,8 @@ async fn pods_file_changes_add_and_remove_pods_without_restart() {
             file.to_str().unwrap(),
             "--discovery-interval",
             "100ms",
+            "--pod-expiry",
+            "1s",
         ],
         None,
     )
@@ -51,6 +53,51 @@ async fn pods_file_changes_add_and_remove_pods_without_restart() {
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert!(!a.reaches(&service, "file-a-3").await, "a was removed");
     assert!(b.reaches(&service, "file-b-2").await);
+
+    // After --pod-expiry, a's pods are forgotten: gone from ListPods and
+    // from Score's candidates; b's stay.
+    let names = |pods: Vec<String>| {
+        let a: Vec<String> = pods
+            .iter()
+            .filter(|p| p.starts_with("file-a-"))
+            .cloned()
+            .collect();
+        let b = pods.iter().filter(|p| p.starts_with("file-b-")).count();
+        (a, b)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let listed = service.list_pods(WARMUP_MODEL).await;
+        let (left, kept) = names(listed.into_iter().map(|p| p.pod).collect());
+        if left.is_empty() {
+            assert!(kept >= 1, "b's pods were forgotten too");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a's pods {left:?} were never forgotten; logs:\n{}",
+            service.logs()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let scored = service
+        .client()
+        .await
+        .score(kv_indexer::proto::kvindexer::v1::ScoreRequest {
+            model: WARMUP_MODEL.into(),
+            input: Some(
+                kv_indexer::proto::kvindexer::v1::score_request::Input::TokenIds(
+                    kv_indexer::proto::kvindexer::v1::TokenIds { ids: vec![1; 16] },
+                ),
+            ),
+            ..Default::default()
+        })
+        .await
+        .expect("Score")
+        .into_inner();
+    let (left, kept) = names(scored.pods.into_iter().map(|p| p.pod).collect());
+    assert!(left.is_empty(), "Score still lists {left:?}");
+    assert!(kept >= 1);
 }
 
 /// Answers A queries for one name from a table the test changes.
