@@ -169,6 +169,9 @@ impl Service {
         use std::io::{Read, Write};
         let mut s =
             std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).expect("connect http");
+        // A frozen service must fail the test, not hang it.
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
         write!(
             s,
             "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
