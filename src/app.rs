@@ -125,6 +125,25 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         .set_serving::<KvIndexerServer<KvIndexerService>>()
         .await;
     ready.store(true, Ordering::Relaxed);
+    // A dead ingest worker means events for its pods are dropped from now
+    // on: not ready, not serving, so the orchestrator restarts us.
+    let watchdog = {
+        let (dead, ready, health) = (ingest.worker_died(), ready.clone(), health.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
+            loop {
+                tick.tick().await;
+                if dead.load(Ordering::Relaxed) {
+                    tracing::error!("an ingest worker thread died: reporting NOT_SERVING");
+                    ready.store(false, Ordering::Relaxed);
+                    health
+                        .set_not_serving::<KvIndexerServer<KvIndexerService>>()
+                        .await;
+                    return;
+                }
+            }
+        })
+    };
 
     let (stop_rpc, rpc_stopped) = tokio::sync::oneshot::channel::<()>();
     let service = Arc::new(
@@ -144,7 +163,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     // delayed ACKs (~40 ms on loopback).
     let limit = crate::conn_limit::ConnectionLimit::new(config.max_connections);
     let refusals = metrics.clone();
-    let accepted = TcpListenerStream::new(listener).filter_map(move |conn| {
+    let accepted = TcpListenerStream::new(listener).then(|conn| async move {
+        // tonic retries a failed accept at once: out of file descriptors,
+        // that is a busy loop on a runtime worker. Back off first.
+        if conn.is_err() {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        conn
+    });
+    let accepted = accepted.filter_map(move |conn| {
         let conn = match conn {
             Ok(conn) => conn,
             Err(e) => return Some(Err(e)),
@@ -200,6 +227,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         () = shutdown => {}
     }
     tracing::info!("shutting down: stopping ingestion, then draining RPCs");
+    watchdog.abort();
     ready.store(false, Ordering::Relaxed);
     health
         .set_not_serving::<KvIndexerServer<KvIndexerService>>()

@@ -23,7 +23,11 @@ use crate::zmq_io::{self, ReceiveLimits};
 
 /// What the dial thread needs besides its targets.
 pub struct DialContext {
+    /// For replay sockets (the dial sockets get contexts of their own, see
+    /// [`ContextPool`]).
     pub context: zmq::Context,
+    /// Replay fetches in flight at once, shared with the workers' repairs.
+    pub replay_slots: Arc<tokio::sync::Semaphore>,
     pub limits: ReceiveLimits,
     pub topic_filter: String,
     pub dispatcher: Dispatcher,
@@ -82,6 +86,8 @@ struct Dialed {
     down_since: Option<Instant>,
     /// Counted in `kv_indexer_zmq_connections` now.
     connected: bool,
+    /// Which of the pool's contexts its sockets live in.
+    context_slot: usize,
 }
 
 /// A pod discovery no longer lists: disconnected, and forgotten once it has
@@ -91,6 +97,45 @@ struct Departed {
     topics: HashSet<Vec<u8>>,
     since: Instant,
 }
+
+/// libzmq allows 1,023 sockets per context by default (`ZMQ_MAX_SOCKETS`,
+/// which the `zmq` crate cannot change without `unsafe`), and each dialed
+/// pod takes three (its SUB, the monitor's two ends). Dialed pods are
+/// spread over as many contexts as that takes (each with one I/O thread).
+struct ContextPool {
+    contexts: Vec<(zmq::Context, usize)>,
+}
+
+const PODS_PER_CONTEXT: usize = 300;
+
+impl ContextPool {
+    fn acquire(&mut self) -> (usize, zmq::Context) {
+        let slot = match self
+            .contexts
+            .iter()
+            .position(|(_, n)| *n < PODS_PER_CONTEXT)
+        {
+            Some(slot) => slot,
+            None => {
+                self.contexts.push((zmq::Context::new(), 0));
+                self.contexts.len() - 1
+            }
+        };
+        self.contexts[slot].1 += 1;
+        (slot, self.contexts[slot].0.clone())
+    }
+
+    fn release(&mut self, slot: usize) {
+        if let Some((_, n)) = self.contexts.get_mut(slot) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+const RETRY_OPEN: Duration = Duration::from_secs(5);
+
+/// Topics remembered per dialed pod, to forget when it expires.
+const MAX_TOPICS_PER_POD: usize = 64;
 
 /// Messages read from one socket before the others get their turn.
 const BURST: usize = 1024;
@@ -107,11 +152,30 @@ fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &Ato
         (e / 4).max(Duration::from_millis(100))
     });
     let mut departed: Vec<Departed> = Vec::new();
+    let mut pool = ContextPool {
+        contexts: Vec::new(),
+    };
+    let mut desired: Vec<DialTarget> = Vec::new();
     let mut last_check = Instant::now();
+    let mut last_retry = Instant::now();
     let mut opened = 0u64;
     while !stop.load(Ordering::Relaxed) {
-        if let Some(desired) = commands.try_iter().last() {
-            reconcile(&ctx, &mut dialed, &mut departed, desired, &mut opened);
+        let changed = commands.try_iter().last();
+        // A target that could not be opened is tried again every 5 s.
+        let retry = dialed.len() < desired.len() && last_retry.elapsed() >= RETRY_OPEN;
+        if changed.is_some() || retry {
+            if let Some(list) = changed {
+                desired = list;
+            }
+            last_retry = Instant::now();
+            reconcile(
+                &ctx,
+                &mut pool,
+                &mut dialed,
+                &mut departed,
+                &desired,
+                &mut opened,
+            );
         }
         if ctx.expiry.is_some() && last_check.elapsed() >= check_every {
             last_check = Instant::now();
@@ -154,15 +218,17 @@ fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &Ato
 
 fn reconcile(
     ctx: &DialContext,
+    pool: &mut ContextPool,
     dialed: &mut Vec<(DialTarget, Dialed)>,
     departed: &mut Vec<Departed>,
-    desired: Vec<DialTarget>,
+    desired: &[DialTarget],
     opened: &mut u64,
 ) {
     let wanted: HashSet<&DialTarget> = desired.iter().collect();
     dialed.retain_mut(|(target, d)| {
         let keep = wanted.contains(target);
         if !keep {
+            pool.release(d.context_slot);
             tracing::info!(endpoint = %target.endpoint, expiry = ?ctx.expiry, "pod no longer listed: disconnecting; forgotten after --pod-expiry unless it comes back");
             // Closing the socket closes its monitor too: no event follows.
             if d.connected {
@@ -184,23 +250,31 @@ fn reconcile(
             continue;
         }
         *opened += 1;
-        match open(ctx, &target, *opened) {
+        let (slot, context) = pool.acquire();
+        match open(ctx, target, *opened, &context, slot) {
             Ok(d) => {
                 tracing::info!(endpoint = %target.endpoint, replay = ?target.replay, "dialing pod");
-                dialed.push((target, d));
+                dialed.push((target.clone(), d));
             }
             Err(e) => {
-                tracing::error!(endpoint = %target.endpoint, error = %e, "cannot dial pod")
+                pool.release(slot);
+                tracing::error!(endpoint = %target.endpoint, error = %e, "cannot dial pod; retrying in 5 s")
             }
         }
     }
 }
 
-fn open(ctx: &DialContext, target: &DialTarget, n: u64) -> zmq::Result<Dialed> {
-    let socket = ctx.context.socket(zmq::SUB)?;
+fn open(
+    ctx: &DialContext,
+    target: &DialTarget,
+    n: u64,
+    context: &zmq::Context,
+    context_slot: usize,
+) -> zmq::Result<Dialed> {
+    let socket = context.socket(zmq::SUB)?;
     zmq_io::limit(&socket, ctx.limits)?;
     socket.set_subscribe(ctx.topic_filter.as_bytes())?;
-    let monitor = zmq_io::monitor(&ctx.context, &socket, &format!("dial-{n}"))?;
+    let monitor = zmq_io::monitor(context, &socket, &format!("dial-{n}"))?;
     socket.connect(&target.endpoint)?;
     Ok(Dialed {
         socket,
@@ -210,6 +284,7 @@ fn open(ctx: &DialContext, target: &DialTarget, n: u64) -> zmq::Result<Dialed> {
         last_message: Instant::now(),
         down_since: None,
         connected: false,
+        context_slot,
     })
 }
 
@@ -219,7 +294,12 @@ fn receive_burst(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, warn: &
             Ok(frames) => {
                 d.last_message = Instant::now();
                 if let Some(topic) = frames.first() {
-                    if !d.seen.contains(topic) && parse_topic(topic).is_ok() {
+                    // One pod publishes one topic per model it serves; a
+                    // peer inventing topics must not grow this set.
+                    if d.seen.len() < MAX_TOPICS_PER_POD
+                        && !d.seen.contains(topic)
+                        && parse_topic(topic).is_ok()
+                    {
                         d.seen.insert(topic.clone());
                     }
                 }
@@ -265,12 +345,29 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
 /// this thread.
 fn catch_up(ctx: &DialContext, endpoint: Arc<str>) {
     let (context, limits, dispatcher) = (ctx.context.clone(), ctx.limits, ctx.dispatcher.clone());
-    ctx.runtime.spawn_blocking(move || {
-        match crate::replay::fetch(&context, &endpoint, 0, REPLAY_ON_CONNECT_TIMEOUT, limits) {
-            Ok(items) => dispatcher.catch_up(&endpoint, items),
-            Err(e) => {
-                tracing::warn!(%endpoint, error = %e, "catch-up replay failed; relying on gap repair")
+    let slots = ctx.replay_slots.clone();
+    let runtime = ctx.runtime.clone();
+    ctx.runtime.spawn(async move {
+        // Bounded: a flapping pod, or a thousand connecting at once, must
+        // not stack up fetches (each may bring a whole replay buffer).
+        let Ok(_slot) = slots.acquire_owned().await else {
+            return;
+        };
+        let fetched = runtime
+            .spawn_blocking(move || {
+                crate::replay::fetch(&context, &endpoint, 0, REPLAY_ON_CONNECT_TIMEOUT, limits)
+                    .map(|items| (endpoint, items))
+            })
+            .await;
+        match fetched {
+            Ok(Ok((endpoint, items))) => {
+                let _ = tokio::task::spawn_blocking(move || dispatcher.catch_up(&endpoint, items))
+                    .await;
             }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "catch-up replay failed; relying on gap repair")
+            }
+            Err(e) => tracing::warn!(error = %e, "catch-up task failed"),
         }
     });
 }
@@ -309,13 +406,24 @@ fn expire(ctx: &DialContext, dialed: &mut [(DialTarget, Dialed)], departed: &mut
     }
 }
 
-/// Forgets the pods (every DP rank) behind `topics`.
-fn forget(ctx: &DialContext, source: &str, topics: impl Iterator<Item = Vec<u8>>, why: &str) {
-    for raw in topics {
-        let Ok(topic) = parse_topic(&raw) else {
-            continue;
-        };
-        let (domains, blocks) = ctx.indexer.remove_pod_domains(topic.model, topic.pod);
-        tracing::info!(%source, model = %topic.model, pod = %topic.pod, domains, blocks, why, "pod expired");
-    }
+/// Forgets the pods (every DP rank) behind `topics`, off this thread:
+/// dropping a pod's blocks is index work, and this thread receives for
+/// every dialed pod.
+fn forget(
+    ctx: &DialContext,
+    source: &str,
+    topics: impl Iterator<Item = Vec<u8>>,
+    why: &'static str,
+) {
+    let topics: Vec<Vec<u8>> = topics.collect();
+    let (indexer, source) = (ctx.indexer.clone(), source.to_owned());
+    ctx.runtime.spawn_blocking(move || {
+        for raw in topics {
+            let Ok(topic) = parse_topic(&raw) else {
+                continue;
+            };
+            let (domains, blocks) = indexer.remove_pod_domains(topic.model, topic.pod);
+            tracing::info!(%source, model = %topic.model, pod = %topic.pod, domains, blocks, why, "pod expired");
+        }
+    });
 }

@@ -159,6 +159,8 @@ pub struct Ingest {
     dialer: Option<Arc<Dialer>>,
     workers: Vec<std::thread::JoinHandle<()>>,
     _zap: Option<crate::zap::ZapHandler>,
+    /// Set when an ingest worker thread ended unexpectedly.
+    dead: Arc<AtomicBool>,
     /// The endpoint the SUB socket actually bound (port 0 resolved).
     pub bound: Option<String>,
 }
@@ -191,24 +193,30 @@ impl Ingest {
         let mut senders = Vec::with_capacity(config.ingest_workers);
         let mut workers = Vec::with_capacity(config.ingest_workers);
         let stop = Arc::new(AtomicBool::new(false));
+        let dead = Arc::new(AtomicBool::new(false));
+        // Replay fetches in flight at once (gap repairs and catch-ups): each
+        // holds a socket and up to a replay buffer in memory.
+        let replay_slots = Arc::new(tokio::sync::Semaphore::new(MAX_REPLAYS_IN_FLIGHT));
         let worker_config = Arc::new(WorkerConfig {
             replay_endpoints: config.replay_endpoints.clone(),
             replay_timeout: config.replay_timeout,
             context: context.clone(),
             limits,
+            replay_slots: replay_slots.clone(),
         });
         for i in 0..config.ingest_workers {
             let (tx, rx) = flume::bounded(config.ingest_queue);
             senders.push(tx.clone());
             let indexer = indexer.clone();
             let metrics = metrics.clone();
-            let stop = stop.clone();
+            let (stop, dead) = (stop.clone(), dead.clone());
             let worker_config = worker_config.clone();
             let runtime = tokio::runtime::Handle::current();
             let handle = std::thread::Builder::new()
                 .name(format!("ingest-{i}"))
                 .spawn(move || {
-                    Worker::new(&indexer, &metrics, &worker_config, runtime, tx).run(rx, &stop)
+                    Worker::new(&indexer, &metrics, &worker_config, runtime, tx)
+                        .run(rx, &stop, &dead)
                 })
                 .map_err(IngestError::Thread)?;
             workers.push(handle);
@@ -260,6 +268,7 @@ impl Ingest {
             Dialer::start(
                 DialContext {
                     context,
+                    replay_slots,
                     limits,
                     topic_filter: config.topic_filter.clone(),
                     dispatcher,
@@ -291,8 +300,15 @@ impl Ingest {
             dialer: Some(dialer),
             workers,
             _zap: zap,
+            dead,
             bound,
         })
+    }
+
+    /// Set once an ingest worker died: its pods' events are no longer
+    /// applied, and the process must say so (readiness, gRPC health).
+    pub fn worker_died(&self) -> Arc<AtomicBool> {
+        self.dead.clone()
     }
 
     /// Stops receiving, lets the workers drain what they already have.
@@ -313,6 +329,9 @@ impl Ingest {
         }
     }
 }
+
+/// Replay fetches in flight at once.
+const MAX_REPLAYS_IN_FLIGHT: usize = 32;
 
 /// Messages read before the monitor and the stop flag are looked at again.
 const BURST: usize = 4096;

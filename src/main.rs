@@ -59,7 +59,11 @@ fn main() -> std::process::ExitCode {
             _ => kv_indexer::app::run(config, shutdown_signal()).await,
         }
     };
-    match runtime.block_on(run) {
+    let result = runtime.block_on(run);
+    // A replay fetch or a tokenizer download still running on the blocking
+    // pool must not hold the exit past the orchestrator's grace period.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "fatal");

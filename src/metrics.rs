@@ -64,6 +64,8 @@ pub struct Metrics {
     pub rejected_overload: Counter,
     /// Request handlers that panicked (answered INTERNAL).
     pub handler_panics: Counter,
+    /// Batches whose application panicked (the pod was reset).
+    pub ingest_panics: Counter,
 }
 
 fn latency_buckets() -> Histogram {
@@ -96,6 +98,7 @@ impl Metrics {
             unrecoverable_gaps: Counter::default(),
             rejected_overload: Counter::default(),
             handler_panics: Counter::default(),
+            ingest_panics: Counter::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -203,6 +206,11 @@ impl Metrics {
             "handler_panics",
             "Request handlers that panicked (answered INTERNAL)",
             m.handler_panics.clone(),
+        );
+        r.register(
+            "ingest_panics",
+            "Event batches whose application panicked (that pod was reset and flagged incomplete)",
+            m.ingest_panics.clone(),
         );
         let build: Family<Labels, Gauge> = Family::default();
         build

@@ -64,7 +64,7 @@ async fn publish_and_score(
     grpc: &str,
 ) -> anyhow::Result<(KvIndexerClient<Channel>, String, BTreeSet<String>)> {
     let mut frames = Vec::new();
-    for line in std::fs::read_to_string(&frames_path)?.lines() {
+    for line in std::fs::read_to_string(frames_path)?.lines() {
         let v: Value = serde_json::from_str(line)?;
         frames.push((
             v["topic"].as_str().unwrap_or_default().to_owned(),
@@ -108,10 +108,21 @@ async fn publish_and_score(
         );
     }
 
+    let applied_before: u64 = client
+        .list_pods(pb::ListPodsRequest {
+            model: model.clone(),
+        })
+        .await?
+        .into_inner()
+        .pods
+        .iter()
+        .map(|p| p.batches)
+        .sum();
     for (topic, seq, payload) in &frames {
         publisher.send(&message(topic, *seq, payload))?;
     }
-    let expected_batches = frames.len() as u64;
+    let expected_batches = applied_before + frames.len() as u64;
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let pods = client
             .list_pods(pb::ListPodsRequest {
@@ -120,7 +131,16 @@ async fn publish_and_score(
             .await?
             .into_inner()
             .pods;
-        if pods.iter().map(|p| p.batches).sum::<u64>() >= expected_batches {
+        let applied: u64 = pods.iter().map(|p| p.batches).sum();
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the indexer applied {} of {} batches within 30 s: a stream published again \
+             is skipped as duplicates while its pods are still indexed (see ListPods; \
+             RemovePod them, or restart the service)",
+            applied - applied_before,
+            frames.len()
+        );
+        if applied >= expected_batches {
             println!("published {} batches; the indexer now knows:", frames.len());
             for p in &pods {
                 println!(

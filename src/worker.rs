@@ -55,6 +55,11 @@ pub enum Work {
 /// A pod's topic and DP rank: one seq space.
 pub type StreamKey = (Bytes, Option<u32>);
 
+/// Live batches held per stream while its gap is repaired: vLLM's replay
+/// buffer holds 10,000 batches by default, so more could not be replayed
+/// either.
+const MAX_BUFFERED: usize = 10_000;
+
 /// Replay fetches per repair before giving up on the missing range.
 const MAX_ATTEMPTS: u32 = 4;
 /// Replay rounds per repair (each covers up to what the pod had published
@@ -68,6 +73,8 @@ pub struct WorkerConfig {
     /// For replay sockets: the process's libzmq context and frame limits.
     pub context: zmq::Context,
     pub limits: crate::zmq_io::ReceiveLimits,
+    /// Replay fetches in flight at once, process-wide.
+    pub replay_slots: Arc<tokio::sync::Semaphore>,
 }
 
 struct Stream {
@@ -130,7 +137,22 @@ impl<'a> Worker<'a> {
 
     /// Runs until `stop` is set and the queue is drained. (`self.tx` keeps
     /// the channel open for replay results, so closing alone cannot end it.)
-    pub fn run(mut self, rx: flume::Receiver<Work>, stop: &AtomicBool) {
+    /// `dead` is set if the thread ends any other way (a panic outside the
+    /// supervised apply): readiness and gRPC health then report it.
+    pub fn run(mut self, rx: flume::Receiver<Work>, stop: &AtomicBool, dead: &AtomicBool) {
+        struct Watch<'a>(&'a AtomicBool, &'a AtomicBool);
+        impl Drop for Watch<'_> {
+            fn drop(&mut self) {
+                if !self.0.load(Ordering::Relaxed) {
+                    self.1.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+        let _watch = Watch(stop, dead);
+        self.serve(&rx, stop);
+    }
+
+    fn serve(&mut self, rx: &flume::Receiver<Work>, stop: &AtomicBool) {
         loop {
             match rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(Work::Live(frame)) => self.live(frame),
@@ -187,6 +209,13 @@ impl<'a> Worker<'a> {
             return;
         };
         if let Some(repair) = &mut stream.repair {
+            // A replay endpoint that stalls must not make us hold its live
+            // batches without limit: past vLLM's own replay buffer size,
+            // later ones are dropped (the next repair round asks for them).
+            if repair.buffered.len() >= MAX_BUFFERED {
+                self.metrics.messages_dropped.inc();
+                return;
+            }
             repair.buffered.insert(seq, batch);
             return;
         }
@@ -274,8 +303,12 @@ impl<'a> Worker<'a> {
         let tx = self.tx.clone();
         let timeout = self.config.replay_timeout;
         let (context, limits) = (self.config.context.clone(), self.config.limits);
+        let slots = self.config.replay_slots.clone();
         self.runtime.spawn(async move {
             tokio::time::sleep(delay).await;
+            let Ok(_slot) = slots.acquire_owned().await else {
+                return;
+            };
             // libzmq blocks: the fetch takes a blocking-pool thread for at
             // most `timeout`.
             let result = tokio::task::spawn_blocking(move || {
@@ -313,6 +346,10 @@ impl<'a> Worker<'a> {
         }
         for (rank, batches) in by_stream {
             let key = (topic.clone(), rank);
+            // A pod removed or expired meanwhile starts over as a new pod.
+            if self.streams.get(&key).is_some_and(|s| s.pod.is_removed()) {
+                self.streams.remove(&key);
+            }
             if !self.streams.contains_key(&key) {
                 let Some(stream) = self.stream_for(&topic, Some(replay.clone()), rank) else {
                     continue;
@@ -328,7 +365,19 @@ impl<'a> Worker<'a> {
                 }
                 continue;
             }
-            let from = stream.next.unwrap_or(0);
+            let mut from = stream.next.unwrap_or(0);
+            // Every buffered seq below what we already applied: the pod
+            // restarted (a reconnect often means that) and its new run
+            // starts again at 0. Apply it from its start; the index sees
+            // the seq go back and drops the old run's blocks first.
+            if batches
+                .keys()
+                .next_back()
+                .is_some_and(|&newest| newest.saturating_add(1) < from)
+            {
+                tracing::info!(pod = %stream.pod.name, from, "replay buffer is behind what was applied: the pod restarted");
+                from = batches.keys().next().copied().unwrap_or(0);
+            }
             let applied = batches.range(from..).count() as u64;
             let (missing, last) = self.apply_from(&key, from, batches.into_iter());
             self.metrics.replay_batches.inc_by(applied);
@@ -478,7 +527,30 @@ impl<'a> Worker<'a> {
         };
         stream.next = Some(seq.wrapping_add(1));
         let pod = stream.pod.clone();
-        let stats = self.indexer.apply(&pod, seq, batch);
+        // Supervised: a bug that panics on one batch costs that pod its
+        // state (reset, flagged incomplete), never the worker and the
+        // other pods it serves.
+        let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.indexer.apply(&pod, seq, batch)
+        }));
+        let stats = match applied {
+            Ok(stats) => stats,
+            Err(_) => {
+                self.metrics.ingest_panics.inc();
+                tracing::error!(pod = %pod.name, model = %pod.model, seq, "applying a batch panicked: the pod is reset and flagged incomplete");
+                let reset = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.indexer.reset_pod(&pod)
+                }));
+                if reset.is_err() {
+                    tracing::error!(pod = %pod.name, "resetting the pod panicked too: removing it");
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        self.indexer.remove_pod(&pod.model, &pod.name)
+                    }));
+                    self.streams.remove(key);
+                }
+                return;
+            }
+        };
         if stats.engine_hash_mismatches > 0 && self.mismatch_warned.insert(pod.id.0) {
             tracing::warn!(
                 pod = %pod.name,

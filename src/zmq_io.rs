@@ -41,6 +41,16 @@ pub fn limit(socket: &zmq::Socket, limits: ReceiveLimits) -> zmq::Result<()> {
     // off to 10 s (libzmq reconnects by itself; these are its knobs).
     socket.set_reconnect_ivl(100)?;
     socket.set_reconnect_ivl_max(10_000)?;
+    // A peer that vanished without a FIN (a node lost, a partition) must
+    // show as disconnected: ZMTP heartbeats (libzmq answers them itself,
+    // vLLM's pyzmq too) close a connection silent for 30 s after a PING,
+    // TCP keepalive catches what heartbeats cannot (a stuck handshake).
+    socket.set_heartbeat_ivl(10_000)?;
+    socket.set_heartbeat_timeout(30_000)?;
+    socket.set_tcp_keepalive(1)?;
+    socket.set_tcp_keepalive_idle(60)?;
+    socket.set_tcp_keepalive_intvl(10)?;
+    socket.set_tcp_keepalive_cnt(3)?;
     Ok(())
 }
 

@@ -156,7 +156,8 @@ async fn a_frame_declaring_a_terabyte_drops_that_connection_not_the_process() {
 #[tokio::test]
 async fn messages_over_the_event_limit_are_refused_without_holding_memory() {
     let mut service = Service::start(&[]).await;
-    let publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    // Subscribed first: PUB drops everything until then.
+    let publisher = subscribed(&service).await;
     let big = Bytes::from(vec![7u8; 200 << 20]);
     for seq in 0..8u64 {
         publisher
@@ -428,6 +429,8 @@ async fn a_full_ingest_queue_drops_and_counts_and_loses_nothing_else() {
 
 #[tokio::test]
 async fn idle_connections_cannot_lock_out_grpc_or_health_checks() {
+    // This test process needs its own 1,100 descriptors and more.
+    rlimit::increase_nofile_limit(8192).expect("raise the test's open-files limit");
     let service = Service::start_with_soft_nofile(1024, &[]).await;
     // More idle connections than the process's soft limit had descriptors.
     let mut idle: Vec<TcpStream> = (0..1100)

@@ -374,6 +374,12 @@ impl Indexer {
     /// same `seq` twice is a duplicate and is skipped.
     pub fn apply(&self, pod: &Pod, seq: u64, batch: &EventBatch) -> ApplyStats {
         let mut stats = ApplyStats::default();
+        // A removed pod's late batches would hold entries no query sees
+        // (and that capacity eviction, which skips removed pods, never
+        // frees): dropped.
+        if pod.is_removed() {
+            return stats;
+        }
         let mut inner = pod.inner.lock();
         let PodInner { state, progress } = &mut *inner;
         match progress.last_seq {
@@ -617,6 +623,20 @@ impl Indexer {
             .collect();
         let blocks = names.iter().filter_map(|n| self.remove_pod(model, n)).sum();
         (names.len(), blocks)
+    }
+
+    /// Drops everything `pod` holds and flags it incomplete: what is left
+    /// of a pod after applying one of its batches failed part-way (its
+    /// state may be half-updated; an empty pod is conservative, it only
+    /// lowers its matches until its next stores).
+    pub fn reset_pod(&self, pod: &Pod) {
+        let mut inner = self.lock(pod);
+        let mut stats = ApplyStats::default();
+        inner.state.clear(&self.blocks, &mut stats);
+        inner.progress.unrecovered_batches += 1;
+        drop(inner);
+        pod.incomplete.store(true, Ordering::Relaxed);
+        self.account(pod, 0);
     }
 
     /// Records `missing` batches lost beyond repair.
