@@ -194,18 +194,8 @@ impl<'a> Worker<'a> {
             return;
         };
         let key = (frame.topic.clone(), batch.data_parallel_rank);
-        // A pod an admin removed starts over as a new pod.
-        if self.streams.get(&key).is_some_and(|s| s.pod.is_removed()) {
-            self.streams.remove(&key);
-        }
-        if !self.streams.contains_key(&key) {
-            let Some(stream) = self.new_stream(&frame, batch.data_parallel_rank) else {
-                return;
-            };
-            self.streams.insert(key.clone(), stream);
-        }
         let seq = frame.seq;
-        let Some(stream) = self.streams.get_mut(&key) else {
+        let Some(stream) = self.stream_entry(&key, frame.replay) else {
             return;
         };
         if let Some(repair) = &mut stream.repair {
@@ -247,8 +237,18 @@ impl<'a> Worker<'a> {
         }
     }
 
-    fn new_stream(&self, frame: &Frame, rank: Option<u32>) -> Option<Stream> {
-        self.stream_for(&frame.topic, frame.replay.clone(), rank)
+    /// The stream for `key`, created for a new pod; a pod removed (by an
+    /// admin, or expired) meanwhile starts over as a new pod. `None` when
+    /// a bound refuses the pod.
+    fn stream_entry(&mut self, key: &StreamKey, replay: Option<Arc<str>>) -> Option<&mut Stream> {
+        if self.streams.get(key).is_some_and(|s| s.pod.is_removed()) {
+            self.streams.remove(key);
+        }
+        if !self.streams.contains_key(key) {
+            let stream = self.stream_for(&key.0, replay, key.1)?;
+            self.streams.insert(key.clone(), stream);
+        }
+        self.streams.get_mut(key)
     }
 
     /// A stream for a new pod, or `None` (counted, logged at most once per
@@ -346,17 +346,7 @@ impl<'a> Worker<'a> {
         }
         for (rank, batches) in by_stream {
             let key = (topic.clone(), rank);
-            // A pod removed or expired meanwhile starts over as a new pod.
-            if self.streams.get(&key).is_some_and(|s| s.pod.is_removed()) {
-                self.streams.remove(&key);
-            }
-            if !self.streams.contains_key(&key) {
-                let Some(stream) = self.stream_for(&topic, Some(replay.clone()), rank) else {
-                    continue;
-                };
-                self.streams.insert(key.clone(), stream);
-            }
-            let Some(stream) = self.streams.get_mut(&key) else {
+            let Some(stream) = self.stream_entry(&key, Some(replay.clone())) else {
                 continue;
             };
             if let Some(repair) = &mut stream.repair {
