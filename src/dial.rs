@@ -289,30 +289,27 @@ fn open(
 }
 
 fn receive_burst(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, warn: &RateLimited) {
-    for _ in 0..BURST {
-        match d.socket.recv_multipart(zmq::DONTWAIT) {
-            Ok(frames) => {
-                d.last_message = Instant::now();
-                if let Some(topic) = frames.first() {
-                    // One pod publishes one topic per model it serves; a
-                    // peer inventing topics must not grow this set.
-                    if d.seen.len() < MAX_TOPICS_PER_POD
-                        && !d.seen.contains(topic)
-                        && parse_topic(topic).is_ok()
-                    {
-                        d.seen.insert(topic.clone());
-                    }
+    let (seen, last_message) = (&mut d.seen, &mut d.last_message);
+    ctx.dispatcher.receive_burst(
+        &d.socket,
+        BURST,
+        &target.endpoint,
+        d.replay.as_ref(),
+        warn,
+        |frames| {
+            *last_message = Instant::now();
+            // One pod publishes one topic per model it serves; a peer
+            // inventing topics must not grow this set.
+            if let Some(topic) = frames.first() {
+                if seen.len() < MAX_TOPICS_PER_POD
+                    && !seen.contains(topic)
+                    && parse_topic(topic).is_ok()
+                {
+                    seen.insert(topic.clone());
                 }
-                ctx.dispatcher
-                    .dispatch(frames, &target.endpoint, d.replay.as_ref());
             }
-            Err(zmq::Error::EAGAIN) => return,
-            Err(e) => {
-                ctx.dispatcher.receive_error(&target.endpoint, &e, warn);
-                return;
-            }
-        }
-    }
+        },
+    );
 }
 
 fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_io::MonitorEvent) {

@@ -110,7 +110,7 @@ impl Dispatcher {
 
     /// A peer's broken stream: counted and logged (rate-limited); the
     /// socket drops that peer and goes on.
-    pub fn receive_error(&self, source: &str, error: &zmq::Error, warn: &RateLimited) {
+    fn receive_error(&self, source: &str, error: &zmq::Error, warn: &RateLimited) {
         self.metrics.receive_errors.inc();
         warn.warn(|suppressed| tracing::warn!(%source, %error, suppressed, "ZeroMQ receive error"));
     }
@@ -124,7 +124,34 @@ impl Dispatcher {
         self.metrics.zmq_disconnects.inc();
     }
 
-    pub fn dispatch(&self, frames: Vec<Vec<u8>>, source: &str, replay: Option<&Arc<str>>) {
+    /// Reads up to `burst` waiting messages from `socket` without blocking
+    /// and dispatches each; `each` sees a message's frames first (dial mode
+    /// notes the pod's topics).
+    pub fn receive_burst(
+        &self,
+        socket: &zmq::Socket,
+        burst: usize,
+        source: &str,
+        replay: Option<&Arc<str>>,
+        warn: &RateLimited,
+        mut each: impl FnMut(&[Vec<u8>]),
+    ) {
+        for _ in 0..burst {
+            match socket.recv_multipart(zmq::DONTWAIT) {
+                Ok(frames) => {
+                    each(&frames);
+                    self.dispatch(frames, source, replay);
+                }
+                Err(zmq::Error::EAGAIN) => return,
+                Err(e) => {
+                    self.receive_error(source, &e, warn);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn dispatch(&self, frames: Vec<Vec<u8>>, source: &str, replay: Option<&Arc<str>>) {
         self.metrics.messages_received.inc();
         match check_frames(frames) {
             Ok(mut frame) => {
@@ -356,16 +383,7 @@ fn bind_loop(
         }
         let (messages, events) = (items[0].is_readable(), items[1].is_readable());
         if messages {
-            for _ in 0..BURST {
-                match socket.recv_multipart(zmq::DONTWAIT) {
-                    Ok(frames) => dispatcher.dispatch(frames, source, None),
-                    Err(zmq::Error::EAGAIN) => break,
-                    Err(e) => {
-                        dispatcher.receive_error(source, &e, &warn);
-                        break;
-                    }
-                }
-            }
+            dispatcher.receive_burst(socket, BURST, source, None, &warn, |_| {});
         }
         if events {
             for event in zmq_io::drain_monitor(monitor) {
