@@ -602,13 +602,18 @@ impl Indexer {
                 }
             }
         }
-        let mut inner = pod.inner.lock();
+        Some(self.clear_blocks(&pod))
+    }
+
+    /// Drops every block `pod` holds; returns how many it held (all tiers).
+    fn clear_blocks(&self, pod: &Pod) -> u64 {
+        let mut inner = self.lock(pod);
         let held: u64 = inner.state.held_per_tier().iter().sum();
         let mut stats = ApplyStats::default();
         inner.state.clear(&self.blocks, &mut stats);
         drop(inner);
-        self.account(&pod, 0);
-        Some(held)
+        self.account(pod, 0);
+        held
     }
 
     /// Forgets a pod with all its DP ranks (ids `pod` and `pod#dp<r>`).
@@ -630,13 +635,8 @@ impl Indexer {
     /// state may be half-updated; an empty pod is conservative, it only
     /// lowers its matches until its next stores).
     pub fn reset_pod(&self, pod: &Pod) {
-        let mut inner = self.lock(pod);
-        let mut stats = ApplyStats::default();
-        inner.state.clear(&self.blocks, &mut stats);
-        inner.progress.unrecovered_batches += 1;
-        drop(inner);
-        pod.incomplete.store(true, Ordering::Relaxed);
-        self.account(pod, 0);
+        self.clear_blocks(pod);
+        self.mark_incomplete(pod, 1);
     }
 
     /// Records `missing` batches lost beyond repair.
