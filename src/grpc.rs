@@ -152,7 +152,7 @@ impl KvIndexerService {
         model: &str,
         deadline: Deadline,
     ) -> Result<Arc<ModelTokenizer>, ApiError> {
-        let pending = match self.tokenizers.get(model, self.indexer.has_model(model)) {
+        let pending = match self.tokenizers.get(model, || self.indexer.has_model(model)) {
             Lookup::Ready(t) => return Ok(t),
             Lookup::Failed(e) => return Err(e.into()),
             Lookup::Unknown => {

@@ -144,10 +144,11 @@ impl Registry {
     }
 
     /// The tokenizer of `model`, if it may have one: configured, or
-    /// `published` (some pod publishes events for it). Never blocks on a
-    /// load: a first use starts one on its own thread and answers
-    /// [`Lookup::Pending`].
-    pub fn get(&self, model: &str, published: bool) -> Lookup {
+    /// `published` (some pod publishes events for it; asked only when the
+    /// model is neither loaded nor configured, off the hot path). Never
+    /// blocks on a load: a first use starts one on its own thread and
+    /// answers [`Lookup::Pending`].
+    pub fn get(&self, model: &str, published: impl FnOnce() -> bool) -> Lookup {
         if let Some(t) = self.ready.read().get(model) {
             return Lookup::Ready(t.clone());
         }
@@ -210,7 +211,11 @@ impl Registry {
 
     /// Where `model`'s tokenizer would come from, whether its name may be
     /// cached in `ready`, or `None` for a model that may have none.
-    fn resolve(&self, model: &str, published: bool) -> Option<(Source, String, bool)> {
+    fn resolve(
+        &self,
+        model: &str,
+        published: impl FnOnce() -> bool,
+    ) -> Option<(Source, String, bool)> {
         if let Some(path) = self.explicit.get(model) {
             let origin = format!("--tokenizer {}", path.display());
             return Some((Source::Local(path.clone()), origin, true));
@@ -225,7 +230,7 @@ impl Registry {
                 }
             }
         }
-        published.then(|| {
+        published().then(|| {
             let origin = format!("published model {model}");
             (Source::Published(model.to_owned()), origin, true)
         })
@@ -358,7 +363,7 @@ mod tests {
     }
 
     async fn ready(r: &Registry, model: &str, published: bool) -> Arc<ModelTokenizer> {
-        match r.get(model, published) {
+        match r.get(model, || published) {
             Lookup::Ready(t) => t,
             Lookup::Pending(p) => p.wait().await.unwrap(),
             Lookup::Failed(e) => panic!("{model}: {e}"),
@@ -386,7 +391,7 @@ mod tests {
         };
         let r = Registry::new(sources, 1 << 20);
         for name in ["org/unknown", "../qwen3", "/etc", "qwen3/../qwen3"] {
-            assert!(matches!(r.get(name, false), Lookup::Unknown), "{name}");
+            assert!(matches!(r.get(name, || false), Lookup::Unknown), "{name}");
         }
         assert_eq!(r.counts(), RegistryCounts::default());
         let first = ready(&r, "qwen3", false).await;
@@ -409,14 +414,14 @@ mod tests {
     #[tokio::test]
     async fn published_models_without_files_fail_once_then_wait_for_the_backoff() {
         let r = Registry::new(Sources::default(), 1 << 20);
-        assert!(matches!(r.get("org/m", false), Lookup::Unknown));
-        let err = match r.get("org/m", true) {
+        assert!(matches!(r.get("org/m", || false), Lookup::Unknown));
+        let err = match r.get("org/m", || true) {
             Lookup::Pending(p) => p.wait().await.err().unwrap(),
             _ => panic!("a first use loads"),
         };
         assert!(err.to_string().contains("HF_HUB_OFFLINE"), "{err}");
         // Not retried on the next request.
-        assert!(matches!(r.get("org/m", true), Lookup::Failed(_)));
+        assert!(matches!(r.get("org/m", || true), Lookup::Failed(_)));
         assert_eq!(r.counts().failed, 1);
     }
 }
