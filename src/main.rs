@@ -6,7 +6,8 @@ use tracing_subscriber::EnvFilter;
 fn main() -> std::process::ExitCode {
     let mut args = Args::parse_or_exit();
     let command = args.command.take();
-    if matches!(command, Some(Command::Publish { .. })) {
+    let publishing = matches!(command, Some(Command::Publish { .. }));
+    if publishing {
         // A client: its output is the point.
         args.settings.log_level.get_or_insert_with(|| "warn".into());
     }
@@ -45,7 +46,6 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let publishing = matches!(command, Some(Command::Publish { .. }));
     let run = async move {
         match command {
             Some(Command::Demo {
