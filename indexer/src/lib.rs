@@ -16,6 +16,7 @@ pub mod repeats;
 pub mod scheme;
 pub mod score;
 pub mod snapshot;
+pub mod stream;
 #[cfg(test)]
 mod test_rng;
 pub mod topic;
