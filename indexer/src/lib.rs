@@ -23,5 +23,6 @@ pub mod topic;
 pub mod wire;
 
 pub use crate::indexer::{
-    pod_id, Indexer, IndexerConfig, KeyHolders, Pod, PodScore, PodSummary, ScoreOutcome, ScoreQuery,
+    pod_id, Connection, Indexer, IndexerConfig, KeyHolders, Pod, PodScore, PodSummary, Refused,
+    ScoreOutcome, ScoreQuery, StreamCount,
 };

@@ -1,0 +1,173 @@
+//! Writing a pod: its batches, its restarts, its removal and its share of
+//! capacity eviction. Every function here is called by the pod's single
+//! writer (the service's ingest worker that owns its topic; in tests and
+//! benches, the one thread that feeds it). Seq rules are not here: they
+//! live in [`crate::stream`], whose actions the writer turns into these
+//! calls.
+
+use super::*;
+
+/// What a pod's stream reported, counted in `ListPods`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamCount {
+    Gap,
+    Duplicate,
+}
+
+impl Indexer {
+    /// Applies one decoded batch of `pod`'s events, published with `seq`,
+    /// in the order its stream decided (see [`crate::stream`]).
+    pub fn apply(&self, pod: &Pod, seq: u64, batch: &EventBatch) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        // A removed pod's late batches would hold entries no query sees:
+        // dropped.
+        if pod.is_removed() {
+            return stats;
+        }
+        let mut inner = pod.inner.lock();
+        let PodInner { state, progress } = &mut *inner;
+        progress.last_seq = Some(seq);
+        progress.batches += 1;
+        progress.events += batch.events.len() as u64;
+        progress.last_event = Some(Instant::now());
+        progress.skipped.unknown_event_types += batch.skipped.unknown_event_types;
+        progress.skipped.malformed_events += batch.skipped.malformed_events;
+        progress.skipped.unknown_fields += batch.skipped.unknown_fields;
+        for event in &batch.events {
+            match event {
+                KvEvent::Stored(ev) => state.store(&self.blocks, ev, &pod.mode, &mut stats),
+                KvEvent::Removed(ev) => state.remove(&self.blocks, ev, &mut stats),
+                KvEvent::AllCleared => state.clear(&self.blocks, &mut stats),
+            }
+        }
+        progress.applied.add(&stats);
+        debug_assert!(state.closure_is_current());
+        self.account(pod, state.entries());
+        let learned = state.block_size();
+        drop(inner);
+        if let Some(bs) = learned {
+            if pod.block_size.swap(bs, Ordering::Relaxed) != bs {
+                self.learn_block_size(&pod.model, bs);
+            }
+        }
+        stats
+    }
+
+    /// The publisher restarted (vLLM's cache starts empty): drops what the
+    /// pod holds and counts the restart. A fresh cache is fully known again.
+    pub fn restart_pod(&self, pod: &Pod) {
+        self.clear_blocks(pod);
+        let mut inner = self.lock(pod);
+        inner.progress.publisher_restarts += 1;
+        inner.progress.last_seq = None;
+        pod.incomplete.store(false, Ordering::Relaxed);
+    }
+
+    /// Counts what the pod's stream reported.
+    pub fn count_stream(&self, pod: &Pod, what: StreamCount) {
+        let mut inner = self.lock(pod);
+        match what {
+            StreamCount::Gap => inner.progress.seq_gaps += 1,
+            StreamCount::Duplicate => inner.progress.duplicate_batches += 1,
+        }
+    }
+
+    /// Updates the entry counts after `pod` now holds `now` entries.
+    pub(super) fn account(&self, pod: &Pod, now: usize) {
+        let before = pod.entries.swap(now as u64, Ordering::Relaxed);
+        if now as u64 >= before {
+            self.entries
+                .fetch_add(now as u64 - before, Ordering::Relaxed);
+        } else {
+            self.entries
+                .fetch_sub(before - now as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Over capacity: evicts down to 95% of it, always from the pod holding
+    /// the most entries (so a pod's share shrinks only when it is the
+    /// largest: fair), its least recently stored blocks first. Evicting
+    /// only ever lowers a pod's match: answers stay conservative.
+    ///
+    /// Only pods for which `owns` is true are evicted here (the caller is
+    /// their writer); when the largest pod is another writer's, it is
+    /// returned, with the entries still to evict, for the caller to ask
+    /// that writer (which calls this again). A single-threaded user passes
+    /// `|_| true`.
+    pub fn enforce_capacity(&self, owns: impl Fn(&Pod) -> bool) -> Option<(Arc<Pod>, usize)> {
+        let cap = self.config.max_entries?;
+        // The pods' fixed cost takes its share first (admission keeps it
+        // at most half the budget).
+        let cap = cap.saturating_sub(
+            self.live_pods()
+                .saturating_mul(self.config.pod_cost_entries),
+        );
+        if self.entries.load(Ordering::Relaxed) as usize <= cap {
+            return None;
+        }
+        let _guard = self.evicting.try_lock()?;
+        let target = cap - cap / 20;
+        while self.entries.load(Ordering::Relaxed) as usize > target {
+            let victim = self
+                .table
+                .read()
+                .pods()
+                .filter(|p| !p.is_removed())
+                .max_by_key(|p| p.entries.load(Ordering::Relaxed))
+                .cloned();
+            let victim = victim?;
+            let excess = self.entries.load(Ordering::Relaxed) as usize - target;
+            if !owns(&victim) {
+                return Some((victim, excess));
+            }
+            // Chunks keep each pod lock short and the choice fair.
+            if self.evict(&victim, excess.min(4096)) == 0 {
+                break;
+            }
+        }
+        None
+    }
+
+    /// Evicts up to `n` of `pod`'s blocks (leaves first, least recently
+    /// stored first). Returns how many went.
+    pub fn evict(&self, pod: &Pod, n: usize) -> usize {
+        if pod.is_removed() {
+            return 0;
+        }
+        let mut inner = self.lock(pod);
+        let evicted = inner.state.evict_oldest(&self.blocks, n);
+        debug_assert!(inner.state.closure_is_current());
+        let now = inner.state.entries();
+        drop(inner);
+        self.account(pod, now);
+        self.evictions.fetch_add(evicted as u64, Ordering::Relaxed);
+        evicted
+    }
+
+    /// Drops every block `pod` holds; returns how many it held (all tiers).
+    pub(super) fn clear_blocks(&self, pod: &Pod) -> u64 {
+        let mut inner = self.lock(pod);
+        let held: u64 = inner.state.held_per_tier().iter().sum();
+        let mut stats = ApplyStats::default();
+        inner.state.clear(&self.blocks, &mut stats);
+        drop(inner);
+        self.account(pod, 0);
+        held
+    }
+
+    /// Drops everything `pod` holds and flags it incomplete: what is left
+    /// of a pod after applying one of its batches failed part-way (its
+    /// state may be half-updated; an empty pod is conservative, it only
+    /// lowers its matches until its next stores).
+    pub fn reset_pod(&self, pod: &Pod) {
+        self.clear_blocks(pod);
+        self.mark_incomplete(pod, 1);
+    }
+
+    /// Records `missing` batches lost beyond repair (0: continuity could
+    /// not be checked).
+    pub fn mark_incomplete(&self, pod: &Pod, missing: u64) {
+        self.lock(pod).progress.unrecovered_batches += missing;
+        pod.incomplete.store(true, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,678 @@
+use super::*;
+use crate::event::{BlockStored, EngineHash, KvEvent};
+
+fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u32) -> KvEvent {
+    KvEvent::Stored(BlockStored {
+        block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+        parent_block_hash: parent.map(EngineHash),
+        token_ids: tokens.to_vec(),
+        block_size: Some(bs),
+        ..Default::default()
+    })
+}
+
+fn batch(events: Vec<KvEvent>) -> EventBatch {
+    EventBatch {
+        events,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn scores_every_candidate_best_first() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..40).collect();
+    let a = ix.pod("m", "a", None);
+    let b = ix.pod("m", "b", Some(0));
+    ix.apply(
+        &a,
+        0,
+        &batch(vec![stored(&[1, 2], None, &tokens[..32], 16)]),
+    );
+    ix.apply(&b, 0, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+    let out = ix.score(&ScoreQuery {
+        model: "m",
+        tokens: &tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    });
+    assert_eq!(out.block_size, 16);
+    assert_eq!(out.total_blocks, 2);
+    let got: Vec<(&str, u32, f64)> = out
+        .pods
+        .iter()
+        .map(|p| (p.pod.as_str(), p.matched.matched_blocks, p.score))
+        .collect();
+    assert_eq!(got, vec![("a", 2, 1.0), ("b", 1, 0.5)]);
+
+    // Named candidates, one unknown, one duplicated.
+    let names = ["zz".to_string(), "b".to_string(), "b".to_string()];
+    let out = ix.score(&ScoreQuery {
+        pods: &names,
+        ..ScoreQuery {
+            model: "m",
+            tokens: &tokens,
+            lora_name: None,
+            cache_salt: None,
+            pods: &[],
+        }
+    });
+    let got: Vec<(&str, u32)> = out
+        .pods
+        .iter()
+        .map(|p| (p.pod.as_str(), p.matched.matched_blocks))
+        .collect();
+    assert_eq!(got, vec![("b", 1), ("zz", 0)]);
+}
+
+#[test]
+fn pods_with_different_block_sizes_are_each_scored_in_their_own_blocks() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..64).collect();
+    let small = ix.pod("m", "small", None);
+    let large = ix.pod("m", "large", None);
+    ix.apply(
+        &small,
+        0,
+        &batch(vec![stored(&[1, 2, 3], None, &tokens[..48], 16)]),
+    );
+    ix.apply(
+        &large,
+        0,
+        &batch(vec![stored(&[7], None, &tokens[..32], 32)]),
+    );
+    let out = ix.score(&ScoreQuery {
+        model: "m",
+        tokens: &tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    });
+    let get = |n: &str| out.pods.iter().find(|p| p.pod == n).unwrap().clone();
+    assert_eq!(get("small").matched.matched_blocks, 3);
+    assert_eq!(get("small").total_blocks, 4);
+    assert_eq!(get("large").matched.matched_blocks, 1);
+    assert_eq!(get("large").block_size, 32);
+    assert_eq!(get("large").total_blocks, 2);
+}
+
+/// New pods appearing while others ask about named pods: `try_pod`
+/// holds the pod table and inserts a name; a named lookup must not hold
+/// a name-map guard while it waits for the table (it used to: the
+/// process froze within seconds of a fleet's first minute).
+#[test]
+fn new_pods_during_named_lookups_do_not_deadlock() {
+    let ix = Arc::new(Indexer::new(IndexerConfig::default()));
+    let names: Vec<String> = (0..64).map(|i| format!("named-{i}")).collect();
+    for n in &names {
+        ix.pod("m", n, None);
+    }
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    {
+        let (ix, stop, done_tx) = (ix.clone(), stop.clone(), done_tx.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                ix.pod("m", &format!("new-{i}"), None);
+                i += 1;
+            }
+            let _ = done_tx.send(());
+        }));
+    }
+    for _ in 0..3 {
+        let (ix, stop, done_tx, names) =
+            (ix.clone(), stop.clone(), done_tx.clone(), names.clone());
+        threads.push(std::thread::spawn(move || {
+            let tokens: Vec<u32> = (0..32).collect();
+            while !stop.load(Ordering::Relaxed) {
+                ix.score(&ScoreQuery {
+                    model: "m",
+                    tokens: &tokens,
+                    lora_name: None,
+                    cache_salt: None,
+                    pods: &names,
+                });
+            }
+            let _ = done_tx.send(());
+        }));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    for _ in 0..threads.len() {
+        // Each loop iteration is microseconds: a thread that does not
+        // finish within this long is stuck for good.
+        done.recv_timeout(Duration::from_secs(20))
+            .expect("deadlock: a thread never finished");
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+/// A snapshot is kept across restarts only if the fingerprint is the
+/// same in every process: with several LoRA paths it used to follow a
+/// `HashMap`'s per-process order, so every restart started empty.
+#[test]
+fn the_key_fingerprint_is_stable_and_only_about_keys() {
+    use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo};
+    use crate::scheme::{EngineKeys, KeyMode, KeySchemes};
+    let indexer = |loras: &[(usize, &str)], self_check_every: u32| {
+        let lora_paths = loras
+            .iter()
+            .map(|(i, path)| (format!("adapter-{i}"), (*path).to_owned()))
+            .collect();
+        let mode = KeyMode::Engine(Box::new(EngineKeys {
+            hasher: EngineHasher::new(
+                HashAlgo::Sha256,
+                "vllm-none-hash",
+                ExtraKeyStyle::Tagged,
+            ),
+            lora_paths,
+            assume_prefix_closed: true,
+            self_check_every,
+        }));
+        Indexer::new(IndexerConfig {
+            keys: KeySchemes {
+                default: mode.clone(),
+                per_model: [("m".to_owned(), mode)].into_iter().collect(),
+            },
+            ..Default::default()
+        })
+    };
+    let forward: Vec<(usize, &str)> = (0..16).map(|i| (i, "/adapters/x")).collect();
+    let backward: Vec<(usize, &str)> = forward.iter().rev().copied().collect();
+    // Each map gets its own random hasher state, as in another process.
+    let first = indexer(&forward, 64).keys_fingerprint();
+    for _ in 0..8 {
+        assert_eq!(indexer(&backward, 64).keys_fingerprint(), first);
+    }
+    // The self-check changes no key; an adapter's path does.
+    assert_eq!(indexer(&forward, 0).keys_fingerprint(), first);
+    let mut moved = forward.clone();
+    moved[3].1 = "/adapters/y";
+    assert_ne!(indexer(&moved, 64).keys_fingerprint(), first);
+}
+
+#[test]
+fn pod_and_model_bounds_refuse_new_ones_only() {
+    let ix = Indexer::new(IndexerConfig {
+        max_pods: Some(3),
+        max_models: Some(2),
+        ..Default::default()
+    });
+    ix.try_pod("a", "p1", None).unwrap();
+    ix.try_pod("a", "p2", None).unwrap();
+    ix.try_pod("b", "p1", None).unwrap();
+    assert_eq!(ix.try_pod("a", "p3", None).err(), Some(Refused::Pods));
+    // Existing pods are unaffected.
+    assert!(ix.try_pod("a", "p1", None).is_ok());
+    ix.remove_pod(&ix.find_pod("a", "p2").unwrap()).unwrap();
+    assert_eq!(ix.try_pod("c", "p1", None).err(), Some(Refused::Models));
+    ix.try_pod("a", "p3", None).unwrap();
+    assert_eq!(ix.live_pods(), 3);
+    // A model whose last pod left frees its place.
+    ix.remove_pod(&ix.find_pod("b", "p1").unwrap()).unwrap();
+    ix.try_pod("c", "p1", None).unwrap();
+}
+
+#[test]
+fn pods_fixed_cost_takes_at_most_half_the_memory_budget() {
+    let ix = Indexer::new(IndexerConfig {
+        max_entries: Some(1000),
+        pod_cost_entries: 10,
+        ..Default::default()
+    });
+    for i in 0..50 {
+        ix.try_pod("m", &format!("p{i}"), None).unwrap();
+    }
+    assert_eq!(ix.try_pod("m", "p50", None).err(), Some(Refused::Memory));
+    // Blocks get what the pods leave: 1000 - 50 * 10 = 500 entries.
+    let pod = ix.pod("m", "p0", None);
+    let tokens: Vec<u32> = (0..16 * 600).collect();
+    let hashes: Vec<u64> = (1..=600).collect();
+    ix.apply(&pod, 0, &batch(vec![stored(&hashes, None, &tokens, 16)]));
+    assert!(ix.enforce_capacity(|_| true).is_none());
+    assert!(ix.entries() <= 500, "{} entries", ix.entries());
+}
+
+#[test]
+fn dp_ranks_are_separate_pods_and_models_do_not_mix() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..16).collect();
+    let r1 = ix.pod("m", "p", Some(1));
+    let other = ix.pod("other", "p", None);
+    assert_eq!(r1.name, "p#dp1");
+    ix.apply(&r1, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
+    ix.apply(&other, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
+    let q = |model| {
+        ix.score(&ScoreQuery {
+            model,
+            tokens: &tokens,
+            lora_name: None,
+            cache_salt: None,
+            pods: &[],
+        })
+    };
+    let m = q("m");
+    assert_eq!(m.pods.len(), 1);
+    assert_eq!(
+        (m.pods[0].pod.as_str(), m.pods[0].matched.matched_blocks),
+        ("p#dp1", 1)
+    );
+    assert_eq!(q("other").pods[0].matched.matched_blocks, 1);
+    assert!(q("nobody").pods.is_empty());
+}
+
+#[test]
+fn a_publisher_restart_drops_the_pods_blocks_and_is_counted() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let p = ix.pod("m", "p", None);
+    let tokens: Vec<u32> = (0..32).collect();
+    let q = ScoreQuery {
+        model: "m",
+        tokens: &tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    };
+    ix.apply(&p, 0, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+    ix.apply(
+        &p,
+        1,
+        &batch(vec![stored(&[2], Some(1), &tokens[16..], 16)]),
+    );
+    ix.count_stream(&p, StreamCount::Duplicate);
+    ix.mark_incomplete(&p, 2);
+    assert_eq!(ix.score(&q).pods[0].matched.matched_blocks, 2);
+    // vLLM restarted: cache empty, new blocks only, fully known again.
+    ix.restart_pod(&p);
+    let other: Vec<u32> = (100..116).collect();
+    ix.apply(&p, 0, &batch(vec![stored(&[9], None, &other, 16)]));
+    assert_eq!(ix.score(&q).pods[0].matched.matched_blocks, 0);
+    let s = &ix.list_pods(None)[0];
+    assert_eq!((s.publisher_restarts, s.duplicate_batches), (1, 1));
+    assert_eq!(s.blocks_per_tier, [1, 0, 0]);
+    assert!(!s.incomplete);
+}
+
+#[test]
+fn removed_pods_drop_their_blocks_and_come_back_fresh() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..16).collect();
+    assert!(!ix.has_model("m"));
+    let p = ix.pod("m", "p", None);
+    assert!(ix.has_model("m") && !ix.has_model("other"));
+    ix.apply(&p, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
+    assert_eq!(ix.remove_pod(&p), Some(1));
+    assert_eq!(ix.remove_pod(&p), None);
+    assert!(!ix.has_model("m"), "no pod publishes it any more");
+    assert!(p.is_removed());
+    assert!(ix.list_pods(None).is_empty());
+    assert_eq!(ix.indexed_keys(), 0);
+    let again = ix.pod("m", "p", None);
+    assert!(!again.is_removed());
+    assert_eq!(again.id, p.id, "a removed pod's id is reused");
+    assert_eq!(ix.list_pods(None)[0].batches, 0);
+    // A late batch through the old handle is dropped, never applied.
+    ix.apply(&p, 1, &batch(vec![stored(&[1], None, &tokens, 16)]));
+    assert_eq!(ix.entries(), 0);
+    assert_eq!(ix.indexed_keys(), 0);
+}
+
+#[test]
+fn capacity_evicts_from_the_largest_pod_oldest_first() {
+    let ix = Indexer::new(IndexerConfig {
+        max_entries: Some(100),
+        ..Default::default()
+    });
+    let big = ix.pod("m", "big", None);
+    let small = ix.pod("m", "small", None);
+    let tokens: Vec<u32> = (0..16).collect();
+    let block = |h: u64| -> Vec<u32> { tokens.iter().map(|x| x + h as u32 * 100).collect() };
+    for h in 0..20u64 {
+        ix.apply(
+            &small,
+            h,
+            &batch(vec![stored(&[h], None, &block(1000 + h), 16)]),
+        );
+        assert!(ix.enforce_capacity(|_| true).is_none());
+    }
+    for h in 0..150u64 {
+        ix.apply(&big, h, &batch(vec![stored(&[h], None, &block(h), 16)]));
+        assert!(ix.enforce_capacity(|_| true).is_none());
+    }
+    assert!(ix.entries() <= 100, "{}", ix.entries());
+    assert!(ix.evictions() >= 70, "{}", ix.evictions());
+    let pods = ix.list_pods(None);
+    let held = |n: &str| pods.iter().find(|p| p.pod == n).unwrap().blocks_per_tier[0];
+    // Only the largest pod paid.
+    assert_eq!(held("small"), 20);
+    assert_eq!(held("big") + 20, ix.entries());
+    // The most recent blocks survive.
+    let last = block(149);
+    let q = ScoreQuery {
+        model: "m",
+        tokens: &last,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    };
+    let out = ix.score(&q);
+    assert_eq!(
+        out.pods
+            .iter()
+            .find(|p| p.pod == "big")
+            .unwrap()
+            .matched
+            .matched_blocks,
+        1
+    );
+    let first = block(0);
+    let out = ix.score(&ScoreQuery {
+        tokens: &first,
+        ..q
+    });
+    assert_eq!(
+        out.pods
+            .iter()
+            .find(|p| p.pod == "big")
+            .unwrap()
+            .matched
+            .matched_blocks,
+        0
+    );
+}
+
+#[test]
+fn a_snapshot_restores_every_pod_exactly() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..48).collect();
+    let a = ix.pod("m", "a", None);
+    let b = ix.pod("m", "b", Some(1));
+    ix.apply(&a, 4, &batch(vec![stored(&[1, 2, 3], None, &tokens, 16)]));
+    ix.apply(&b, 9, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+    ix.apply(&b, 10, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+    let bytes = crate::snapshot::encode(&ix.export());
+    let restored = Indexer::new(IndexerConfig::default());
+    let snap = crate::snapshot::decode(&bytes).unwrap();
+    assert_eq!(restored.import(&snap).unwrap(), 2);
+    let q = ScoreQuery {
+        model: "m",
+        tokens: &tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    };
+    assert_eq!(ix.score(&q), restored.score(&q));
+    let rb = restored.pod("m", "b", Some(1));
+    assert_eq!(restored.last_seq(&rb), Some(10));
+    // Counts survive: b stored hash 1 twice, so one removal keeps it.
+    restored.apply(
+        &rb,
+        11,
+        &batch(vec![KvEvent::Removed(crate::event::BlockRemoved {
+            block_hashes: vec![EngineHash(1)],
+            ..Default::default()
+        })]),
+    );
+    assert_eq!(
+        restored
+            .score(&q)
+            .pods
+            .iter()
+            .find(|p| p.pod == "b#dp1")
+            .unwrap()
+            .matched
+            .matched_blocks,
+        1
+    );
+    // Another key configuration cannot use these keys.
+    let engine = Indexer::new(IndexerConfig {
+        keys: KeySchemes::engine(
+            crate::engine_hash::EngineHasher::new(
+                crate::engine_hash::HashAlgo::Sha256,
+                "x",
+                crate::engine_hash::ExtraKeyStyle::Tagged,
+            ),
+            true,
+            0,
+        ),
+        ..Default::default()
+    });
+    assert_eq!(engine.import(&snap), Err(SnapshotError::KeysChanged));
+}
+
+#[test]
+fn list_pods_reports_progress_and_gaps() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let p = ix.pod("m", "p", None);
+    let tokens: Vec<u32> = (0..16).collect();
+    ix.apply(&p, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
+    ix.count_stream(&p, StreamCount::Gap);
+    ix.apply(&p, 2, &batch(vec![KvEvent::AllCleared]));
+    let s = &ix.list_pods(Some("m"))[0];
+    assert_eq!(s.last_seq, Some(2));
+    assert_eq!(s.seq_gaps, 1);
+    assert_eq!(s.batches, 2);
+    assert_eq!(s.applied.clears, 1);
+    assert_eq!(s.blocks_per_tier, [0, 0, 0]);
+    assert!(ix.list_pods(Some("x")).is_empty());
+    let keys = ix.request_keys("m", None, None, &tokens, 16);
+    assert!(ix.lookup(&keys)[0].pods.is_empty());
+}
+
+fn engine_indexer() -> Indexer {
+    Indexer::new(IndexerConfig {
+        keys: KeySchemes::engine(
+            crate::engine_hash::EngineHasher::new(
+                crate::engine_hash::HashAlgo::Sha256,
+                crate::engine_hash::DEFAULT_SEED,
+                crate::engine_hash::ExtraKeyStyle::Tagged,
+            ),
+            false,
+            0,
+        ),
+        ..Default::default()
+    })
+}
+
+/// The binary search over prefix-closed pods must give exactly what the
+/// block-by-block walk gives, whatever the events did to the index:
+/// chains stored under held parents, under unknown parents, middle
+/// blocks removed (holes), CPU copies, clears. Random histories, checked
+/// after every batch against `walk` on the same index.
+#[test]
+fn jump_search_equals_the_first_miss_walk_on_random_histories() {
+    let mut rnd = crate::test_rng::xorshift(0x1234_5678_9abc_def1u64);
+    // Chains: node i's parent is node parent[i] (or none); hash = i + 1.
+    let mut parent: Vec<Option<u64>> = Vec::new();
+    for i in 0..400u64 {
+        parent.push(match i % 40 {
+            0 => None,
+            _ => Some(i),
+        });
+    }
+    // A few branches off the first chain.
+    for i in 400..480u64 {
+        parent.push(Some(if i % 20 == 0 { 1 + rnd(30) } else { i }));
+    }
+    let path_to = |mut node: u64, parent: &[Option<u64>]| -> Vec<u64> {
+        let mut path = vec![node + 1];
+        while let Some(p) = parent[node as usize] {
+            path.push(p);
+            node = p - 1;
+        }
+        path.reverse();
+        path
+    };
+    let tokens = [7u32; 16];
+    let mut closed_seen = 0;
+    for round in 0..6 {
+        let ix = engine_indexer();
+        let pods: Vec<_> = (0..5)
+            .map(|p| ix.pod("m", &format!("p{p}"), None))
+            .collect();
+        let mut seqs = [0u64; 5];
+        for step in 0..300 {
+            let p = rnd(5) as usize;
+            let node = rnd(parent.len() as u64);
+            let ev = match rnd(10) {
+                // Store a whole path from its root, the usual case.
+                0..=4 => {
+                    let path = path_to(node, &parent);
+                    // Mostly from the root; sometimes under a parent
+                    // the pod may not hold.
+                    let cut = match rnd(4) {
+                        0 => rnd(path.len() as u64) as usize,
+                        _ => 0,
+                    };
+                    let parent = cut.checked_sub(1).map(|i| path[i]);
+                    let hashes = &path[cut..];
+                    stored(hashes, parent, &tokens.repeat(hashes.len()), 16)
+                }
+                // Removals: any block (holes) in the early rounds; a
+                // path's tail, deepest first as vLLM evicts, later.
+                5..=7 if round < 3 => KvEvent::Removed(crate::event::BlockRemoved {
+                    block_hashes: vec![EngineHash(node + 1)],
+                    ..Default::default()
+                }),
+                5..=7 => {
+                    let path = path_to(node, &parent);
+                    let cut = rnd(path.len() as u64) as usize;
+                    KvEvent::Removed(crate::event::BlockRemoved {
+                        block_hashes: path[cut..]
+                            .iter()
+                            .rev()
+                            .map(|h| EngineHash(*h))
+                            .collect(),
+                        ..Default::default()
+                    })
+                }
+                8 if round < 2 => {
+                    let mut e = stored(&[node + 1], Some(node), &[], 16);
+                    if let KvEvent::Stored(s) = &mut e {
+                        s.medium = Some(if round == 0 { "CPU" } else { "GPU" }.into());
+                    }
+                    e
+                }
+                9 if rnd(3) == 0 => KvEvent::AllCleared,
+                _ => continue,
+            };
+            ix.apply(&pods[p], seqs[p], &batch(vec![ev]));
+            seqs[p] += 1;
+            let ids: Vec<PodId> = pods.iter().map(|p| p.id).collect();
+            for probe in 0..6 {
+                let path = path_to(rnd(parent.len() as u64), &parent);
+                let keys: Vec<BlockKey> = path.iter().map(|h| BlockKey(*h)).collect();
+                let want: Vec<(PodId, PrefixMatch)> = ids
+                    .iter()
+                    .copied()
+                    .zip(walk(&ix.blocks, &keys, &ids, &ix.config.tier_weights))
+                    .filter(|(_, m)| m.matched_blocks > 0)
+                    .collect();
+                let got = ix.prefix_matches("m", &keys);
+                assert_eq!(got, want, "round {round} step {step} probe {probe}");
+            }
+            closed_seen += pods.iter().filter(|p| p.closure.is_closed()).count();
+        }
+    }
+    // The fast path was taken, and not always.
+    assert!(closed_seen > 1000, "{closed_seen}");
+    assert!(closed_seen < 6 * 300 * 5, "{closed_seen}");
+}
+
+/// Readers binary-search pods while their writer applies events. The
+/// writer repeats: store a 100-block chain (match 100); remove its
+/// 50th block, a hole (match 49: the pod is no longer prefix-closed, and
+/// a binary search would see the last block and answer 100); remove the
+/// orphaned tail (49); remove the rest (0). A read that overlapped
+/// states `k0..=k1` must answer within their matches; a read made wholly
+/// inside the hole must answer 49. The writer waits for such a read in
+/// every state.
+#[test]
+fn concurrent_reads_stay_between_the_states_they_overlap() {
+    use std::sync::atomic::AtomicU64;
+    let ix = engine_indexer();
+    let pod = ix.pod("m", "p", None);
+    let tokens = vec![7u32; 100 * 16];
+    let chain: Vec<u64> = (1..=100).collect();
+    let keys: Vec<BlockKey> = chain.iter().map(|h| BlockKey(*h)).collect();
+    let removed = |hashes: Vec<u64>| {
+        KvEvent::Removed(crate::event::BlockRemoved {
+            block_hashes: hashes.into_iter().map(EngineHash).collect(),
+            ..Default::default()
+        })
+    };
+    let script = [
+        (stored(&chain, None, &tokens, 16), 100),
+        (removed(vec![50]), 49),
+        (removed((51..=100).rev().collect()), 49),
+        (removed((1..=49).rev().collect()), 0),
+    ];
+    const ROUNDS: u64 = 300;
+    let total = ROUNDS * script.len() as u64;
+    let match_after = |k: u64| match k {
+        0 => 0,
+        k => script[((k - 1) % script.len() as u64) as usize].1,
+    };
+    // Events applied so far, and the last state read cleanly.
+    let applied = AtomicU64::new(0);
+    let read_in = AtomicU64::new(u64::MAX);
+    let reader_failed = AtomicBool::new(false);
+    // Set if the reader panics, so the writer stops waiting for it.
+    struct Flag<'a>(&'a AtomicBool);
+    impl Drop for Flag<'_> {
+        fn drop(&mut self) {
+            self.0.store(std::thread::panicking(), Ordering::Release);
+        }
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for k in 0..total {
+                let (event, _) = &script[(k % script.len() as u64) as usize];
+                ix.apply(&pod, k, &batch(vec![event.clone()]));
+                applied.store(k + 1, Ordering::Release);
+                let since = Instant::now();
+                while read_in.load(Ordering::Acquire) != k + 1
+                    && since.elapsed() < Duration::from_secs(10)
+                    && !reader_failed.load(Ordering::Acquire)
+                {
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        let _flag = Flag(&reader_failed);
+        let mut clean_reads = 0u64;
+        loop {
+            let k0 = applied.load(Ordering::Acquire);
+            let got = ix
+                .prefix_matches("m", &keys)
+                .first()
+                .map_or(0, |(_, m)| m.matched_blocks);
+            let k1 = applied.load(Ordering::Acquire);
+            // States k0..=k1 were visible, and state k1 + 1 in flight.
+            let last = (k1 + 1).min(total);
+            let range = (k0..=last).map(match_after);
+            let (lo, hi) = (range.clone().min().unwrap(), range.max().unwrap());
+            assert!(
+                (lo..=hi).contains(&got),
+                "read over states {k0}..={last} answered {got}, not in {lo}..={hi}"
+            );
+            if k0 == k1 {
+                if k0 % 4 == 2 {
+                    // Inside the hole, with only the tail's removal after it.
+                    assert_eq!(got, 49, "read inside the hole (state {k0})");
+                }
+                clean_reads += 1;
+                read_in.store(k0, Ordering::Release);
+            }
+            if k0 == total {
+                break;
+            }
+        }
+        assert!(clean_reads >= total, "{clean_reads}");
+    });
+}
