@@ -1,14 +1,15 @@
-//! Snapshot files: written atomically (temp file, fsync, rename, fsync of
-//! the directory), loaded at start. A missing file starts empty; a corrupt
-//! or incompatible one is reported and ignored, never fatal.
+//! Snapshot files: streamed one pod at a time through a buffer into a temp
+//! file, made durable and atomic (fsync, rename, fsync of the directory);
+//! loaded at start, checked whole before a pod is restored. A missing file
+//! starts empty; a corrupt or incompatible one is reported and ignored,
+//! never fatal.
 
-use std::io::Write;
+use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use indexer::snapshot;
 use indexer::Indexer;
 
 const FILE: &str = "kv-indexer.snapshot";
@@ -29,8 +30,8 @@ fn now() -> u64 {
 /// Loads the snapshot in `dir` into the (empty) indexer, if there is one.
 pub fn load(dir: &Path, indexer: &Indexer, last: &LastSnapshot) {
     let file = path(dir);
-    let bytes = match std::fs::read(&file) {
-        Ok(b) => b,
+    let opened = match std::fs::File::open(&file) {
+        Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             tracing::info!(file = %file.display(), "no snapshot yet: starting empty");
             return;
@@ -40,9 +41,10 @@ pub fn load(dir: &Path, indexer: &Indexer, last: &LastSnapshot) {
             return;
         }
     };
-    match snapshot::decode(&bytes).and_then(|s| indexer.import(&s)) {
+    match indexer.import(&opened) {
         Ok(pods) => {
-            let modified = std::fs::metadata(&file)
+            let modified = opened
+                .metadata()
                 .and_then(|m| m.modified())
                 .ok()
                 .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -59,20 +61,22 @@ pub fn load(dir: &Path, indexer: &Indexer, last: &LastSnapshot) {
 /// Writes the indexer's state to `dir`, atomically.
 pub fn write(dir: &Path, indexer: &Indexer, last: &LastSnapshot) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let bytes = snapshot::encode(&indexer.export());
     let tmp = dir.join(format!("{FILE}.tmp"));
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-    }
+    let file = std::fs::File::create(&tmp)?;
+    let file = indexer
+        .export(BufWriter::with_capacity(1 << 16, file))?
+        .into_inner()
+        .map_err(|e| e.into_error())?;
+    file.sync_all()?;
+    let bytes = file.metadata()?.len();
+    drop(file);
     std::fs::rename(&tmp, path(dir))?;
     // The rename itself must survive a crash.
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
     last.store(now(), Ordering::Relaxed);
-    tracing::debug!(bytes = bytes.len(), "snapshot written");
+    tracing::debug!(bytes, "snapshot written");
     Ok(())
 }
 

@@ -8,6 +8,46 @@ use std::net::{Ipv4Addr, UdpSocket};
 use std::sync::{Arc, Mutex};
 
 use common::*;
+use kv_indexer::proto::kvindexer::v1 as pb;
+
+const CONNECTIONS: &str = "kv_indexer_zmq_connections";
+
+/// Waits until no pod named `gone*` is left in `ListPods` or among
+/// `Score`'s candidates, and checks that pods named `kept*` are still in
+/// both: a pod discovery stopped listing is forgotten after --pod-expiry,
+/// not only disconnected.
+async fn wait_forgotten(service: &Service, gone: &str, kept: &str) {
+    let names = async || -> (Vec<String>, Vec<String>) {
+        let listed = service.list_pods(WARMUP_MODEL).await;
+        let scored = service
+            .client()
+            .await
+            .score(pb::ScoreRequest {
+                model: WARMUP_MODEL.into(),
+                input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+                    ids: vec![1; 16],
+                })),
+                ..Default::default()
+            })
+            .await
+            .expect("Score")
+            .into_inner();
+        (
+            listed.into_iter().map(|p| p.pod).collect(),
+            scored.pods.into_iter().map(|p| p.pod).collect(),
+        )
+    };
+    let has = |pods: &[String], prefix: &str| pods.iter().any(|p| p.starts_with(prefix));
+    service
+        .wait_until(&format!("{gone}* forgotten"), async || {
+            let (listed, scored) = names().await;
+            !has(&listed, gone) && !has(&scored, gone)
+        })
+        .await;
+    let (listed, scored) = names().await;
+    assert!(has(&listed, kept), "{kept}* left ListPods too: {listed:?}");
+    assert!(has(&scored, kept), "{kept}* left Score too: {scored:?}");
+}
 
 #[tokio::test]
 async fn pods_file_changes_add_and_remove_pods_without_restart() {
@@ -31,6 +71,7 @@ async fn pods_file_changes_add_and_remove_pods_without_restart() {
     )
     .await;
     a.wait_subscribed(&service, "file-a-1").await;
+    service.wait_metric(CONNECTIONS, |v| v == 1.0).await;
     assert!(
         !b.reaches(&service, "file-b-0").await,
         "b is not listed yet"
@@ -43,61 +84,21 @@ async fn pods_file_changes_add_and_remove_pods_without_restart() {
     )
     .unwrap();
     b.wait_subscribed(&service, "file-b-1").await;
+    service.wait_metric(CONNECTIONS, |v| v == 2.0).await;
 
     // A broken write keeps the current pods.
     std::fs::write(&file, "pods: [not an endpoint").unwrap();
     assert!(a.reaches(&service, "file-a-2").await);
 
-    // Remove a.
+    // Remove a: disconnected at once.
     std::fs::write(&file, format!("pods:\n  - {eb}\n")).unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    service.wait_metric(CONNECTIONS, |v| v == 1.0).await;
     assert!(!a.reaches(&service, "file-a-3").await, "a was removed");
     assert!(b.reaches(&service, "file-b-2").await);
 
     // After --pod-expiry, a's pods are forgotten: gone from ListPods and
     // from Score's candidates; b's stay.
-    let names = |pods: Vec<String>| {
-        let a: Vec<String> = pods
-            .iter()
-            .filter(|p| p.starts_with("file-a-"))
-            .cloned()
-            .collect();
-        let b = pods.iter().filter(|p| p.starts_with("file-b-")).count();
-        (a, b)
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let listed = service.list_pods(WARMUP_MODEL).await;
-        let (left, kept) = names(listed.into_iter().map(|p| p.pod).collect());
-        if left.is_empty() {
-            assert!(kept >= 1, "b's pods were forgotten too");
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "a's pods {left:?} were never forgotten; logs:\n{}",
-            service.logs()
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    let scored = service
-        .client()
-        .await
-        .score(kv_indexer::proto::kvindexer::v1::ScoreRequest {
-            model: WARMUP_MODEL.into(),
-            input: Some(
-                kv_indexer::proto::kvindexer::v1::score_request::Input::TokenIds(
-                    kv_indexer::proto::kvindexer::v1::TokenIds { ids: vec![1; 16] },
-                ),
-            ),
-            ..Default::default()
-        })
-        .await
-        .expect("Score")
-        .into_inner();
-    let (left, kept) = names(scored.pods.into_iter().map(|p| p.pod).collect());
-    assert!(left.is_empty(), "Score still lists {left:?}");
-    assert!(kept >= 1);
+    wait_forgotten(&service, "file-a-", "file-b-").await;
 }
 
 /// Answers A queries for one name from a table the test changes.
@@ -182,19 +183,25 @@ async fn dns_discovery_follows_the_records_of_a_headless_service() {
             &dns.addr,
             "--discovery-interval",
             "100ms",
+            "--pod-expiry",
+            "1s",
         ],
         None,
     )
     .await;
     a.wait_subscribed(&service, "dns-a-1").await;
+    service.wait_metric(CONNECTIONS, |v| v == 1.0).await;
     assert!(!b.reaches(&service, "dns-b-0").await);
 
     dns.set(name, &[ip_a, ip_b]);
     b.wait_subscribed(&service, "dns-b-1").await;
+    service.wait_metric(CONNECTIONS, |v| v == 2.0).await;
 
+    // a leaves the Service: disconnected at once, forgotten after
+    // --pod-expiry.
     dns.set(name, &[ip_b]);
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    service.wait_metric(CONNECTIONS, |v| v == 1.0).await;
     assert!(!a.reaches(&service, "dns-a-2").await, "a left the Service");
     assert!(b.reaches(&service, "dns-b-2").await);
-    assert!(service.logs().contains("pod no longer listed"));
+    wait_forgotten(&service, "dns-a-", "dns-b-").await;
 }

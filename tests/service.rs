@@ -499,17 +499,16 @@ async fn an_admin_can_remove_a_pod_and_it_returns_fresh_if_it_publishes_again() 
                 .message(),
         )
         .await;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
+    // Listed as soon as it is known; wait for its batch to be applied.
+    let back = async || {
         let pods = service.list_pods(&expected.model).await;
-        // Listed as soon as it is known; wait for its batch to be applied.
-        if let Some(p) = pods.iter().find(|p| p.pod == "pod-1" && p.batches == 1) {
-            assert_eq!(p.gpu_blocks, 30);
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline);
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+        pods.into_iter()
+            .find(|p| p.pod == "pod-1" && p.batches == 1)
+    };
+    service
+        .wait_until("pod-1 back with its batch", async || back().await.is_some())
+        .await;
+    assert_eq!(back().await.map(|p| p.gpu_blocks), Some(30));
 }
 
 #[tokio::test]
@@ -538,9 +537,22 @@ async fn a_dialed_publisher_that_restarts_is_reconnected() {
     let (mut first, _) = Publisher::bind_on(&endpoint).await;
     let service = Service::start_dialing(std::slice::from_ref(&endpoint), &[]).await;
     first.wait_subscribed(&service, "before-restart").await;
+    service
+        .wait_metric("kv_indexer_zmq_connections", |v| v == 1.0)
+        .await;
     drop(first);
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    let (mut second, _) = Publisher::bind_on(&endpoint).await;
+    service
+        .wait_metric("kv_indexer_zmq_connections", |v| v == 0.0)
+        .await;
+    // The port comes free once libzmq's I/O thread closed the listener.
+    let mut second = None;
+    service
+        .wait_until("the endpoint free again", async || {
+            second = Publisher::try_bind_on(&endpoint);
+            second.is_some()
+        })
+        .await;
+    let (mut second, _) = second.expect("bound");
     second.wait_subscribed(&service, "after-restart").await;
 }
 
@@ -568,21 +580,14 @@ async fn dialed_pods_expire_only_when_disconnected_and_silent() {
         .wait_applied(&expected.model, &batches_per_pod(&frames))
         .await;
     drop(gone); // pod-1's publisher dies
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let pods: Vec<String> = service
-            .list_pods(&expected.model)
-            .await
-            .into_iter()
-            .map(|p| p.pod)
-            .collect();
-        if pods == vec!["pod-0".to_string()] {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "{pods:?}");
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    // pod-0 stays quiet but connected, well past the expiry.
+    service
+        .wait_until("only pod-0 left", async || {
+            let pods = service.list_pods(&expected.model).await;
+            pods.len() == 1 && pods[0].pod == "pod-0"
+        })
+        .await;
+    // pod-0 stays quiet but connected, well past the expiry. A sleep on
+    // purpose: what is checked is that nothing happens meanwhile.
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     let pods = service.list_pods(&expected.model).await;
     assert_eq!(pods.len(), 1);

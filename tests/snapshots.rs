@@ -80,7 +80,7 @@ async fn snapshots_are_written_periodically() {
     for _ in 0..100 {
         if file.is_file() {
             let bytes = std::fs::read(&file).unwrap();
-            assert!(indexer::snapshot::decode(&bytes).is_ok());
+            assert!(indexer::snapshot::SnapshotReader::open(std::io::Cursor::new(bytes)).is_ok());
             return;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;

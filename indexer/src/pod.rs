@@ -10,7 +10,8 @@
 //! - a block whose parent is unknown cannot be keyed. It is counted and
 //!   skipped; nothing else is touched.
 
-use std::collections::{HashSet, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use crate::block_map::{BlockMap, Entry};
@@ -180,9 +181,16 @@ pub struct PodState {
     extra: Repeats<EngineHash>,
     /// Store clock, and (hash, stamp) in store order for eviction. An
     /// entry whose stamp no longer matches was re-stored or removed since:
-    /// skipped, and compacted away when they pile up.
+    /// skipped, and compacted away when they pile up. A block eviction
+    /// reaches while it still has children is passed (see `released`).
     clock: u64,
     order: VecDeque<(EngineHash, Stamp)>,
+    /// Blocks whose `order` entry eviction passed while they had children
+    /// (a prefix this pod still extends), and whose last child has gone
+    /// since: evictable again, and older than anything left in `order`.
+    /// By store time (the clock's, so the heap's order never changes),
+    /// oldest first; stale entries are skipped as `order`'s are.
+    released: BinaryHeap<Reverse<(u64, EngineHash)>>,
     /// Under a capacity limit: keep `by_hash` at most half full, so churn at
     /// capacity rehashes in place instead of doubling the table. Also the
     /// only case that needs `order`.
@@ -216,6 +224,7 @@ impl PodState {
             extra: Repeats::default(),
             clock: 0,
             order: VecDeque::new(),
+            released: BinaryHeap::new(),
             half_full: false,
             orphans: 0,
             born_clock: 0,
@@ -516,16 +525,33 @@ impl PodState {
         self.by_hash.len()
     }
 
-    /// Evicts up to `n` least recently stored blocks (every tier of each).
-    /// Returns how many were evicted.
+    /// Evicts up to `n` blocks (every tier of each), least recently stored
+    /// leaves first: a block another held block extends goes only after
+    /// that one, so the held set stays prefix-closed where it was and an
+    /// eviction only ever shortens a match from its end. Returns how many
+    /// were evicted: `n`, or every block if fewer (a non-empty held set
+    /// always has a leaf: links only point to older incarnations).
+    ///
+    /// O(log) amortised per block: `order` is walked once, a block passed
+    /// for its children waits for its last child to go (`became_leaf`).
     pub fn evict_oldest(&mut self, index: &BlockIndex, n: usize) -> usize {
         let mut evicted = 0;
         while evicted < n {
-            let Some((hash, stamp)) = self.order.pop_front() else {
+            // Released blocks first: they are the older ones.
+            let next = match self.released.pop() {
+                Some(Reverse((time, hash))) => Some((hash, Stamp(time as u32))),
+                None => self.order.pop_front(),
+            };
+            let Some((hash, stamp)) = next else {
                 break;
             };
-            let current = self.by_hash.get(&hash).is_some_and(|b| b.stamp == stamp);
-            if !current {
+            let leaf = match self.by_hash.get(&hash) {
+                Some(b) if b.stamp == stamp => b.links.children() == 0,
+                // Re-stored or removed since.
+                _ => continue,
+            };
+            if !leaf {
+                // Passed: `released` takes it when its last child goes.
                 continue;
             }
             if let Some(held) = self.forget(hash) {
@@ -541,6 +567,28 @@ impl PodState {
         }
         self.flush(index);
         evicted
+    }
+
+    /// `hash`, stored at `stamp`, just lost its last child. If eviction
+    /// passed its `order` entry meanwhile (it is not newer than the front:
+    /// `order` is in store order), it is evictable again: into `released`.
+    /// A block still queued may be pushed too (equal stamps, after
+    /// `age_out`): the second entry is stale by the time it is reached.
+    fn became_leaf(&mut self, hash: EngineHash, stamp: Stamp) {
+        let passed = self
+            .order
+            .front()
+            .is_none_or(|(_, front)| self.age(stamp) >= self.age(*front));
+        if !passed {
+            return;
+        }
+        let time = self.clock.saturating_sub(u64::from(self.age(stamp)));
+        self.released.push(Reverse((time, hash)));
+        // A child that comes and goes again and again pushes its parent
+        // each time: rebuild before they outnumber the live blocks.
+        if self.released.len() > self.by_hash.len() + 64 {
+            self.rebuild_order();
+        }
     }
 
     /// Drops every block of this pod: O(blocks of this pod).
@@ -561,6 +609,7 @@ impl PodState {
         self.held_per_tier = [0; TIERS];
         self.extra.clear();
         self.order.clear();
+        self.released.clear();
         self.orphans = 0;
         self.flush(index);
         stats.clears += 1;
@@ -722,7 +771,14 @@ impl PodState {
     /// that incarnation is still held, else one orphan.
     fn drop_link(&mut self, link: Link) {
         match self.by_hash.get_mut(&link.parent) {
-            Some(up) if link.born != 0 && up.born == link.born => up.links.remove_child(),
+            Some(up) if link.born != 0 && up.born == link.born => {
+                up.links.remove_child();
+                // Only a bounded index evicts (see `store_block`).
+                if self.half_full && up.links.children() == 0 {
+                    let stamp = up.stamp;
+                    self.became_leaf(link.parent, stamp);
+                }
+            }
             _ => {
                 debug_assert!(self.orphans > 0, "orphan count out of step");
                 self.orphans -= 1;
@@ -761,8 +817,10 @@ impl PodState {
         }
     }
 
-    /// The eviction order of the live entries, oldest first.
+    /// The eviction order of the live entries, oldest first (every one
+    /// queued again: nothing is left passed or released).
     fn rebuild_order(&mut self) {
+        self.released.clear();
         self.order = self
             .oldest_first()
             .into_iter()
@@ -1018,6 +1076,7 @@ mod tests {
 
     #[test]
     fn eviction_drops_the_least_recently_stored_blocks_first() {
+        // Every block a prompt start, so every one a leaf: plain store order.
         let index = BlockIndex::new();
         let mut pod = PodState::new(PodId(0), "m").bounded();
         let mut stats = ApplyStats::default();
@@ -1114,6 +1173,150 @@ mod tests {
                 "{stats:?}"
             );
         }
+    }
+
+    /// A held block's incarnation and the parent (hash, incarnation) it is
+    /// linked to, if it was stored under a held parent.
+    type Linked = HashMap<EngineHash, (u32, Option<(EngineHash, u32)>)>;
+
+    fn links_of(pod: &PodState) -> Linked {
+        pod.by_hash
+            .iter()
+            .map(|(h, b)| {
+                let parent = (b.links.has_parent() && b.parent_born != 0)
+                    .then_some((b.parent, b.parent_born));
+                (*h, (b.born, parent))
+            })
+            .collect()
+    }
+
+    /// What eviction must keep: a block still held that extended a held
+    /// parent before still has that parent (so an evicted block only ever
+    /// shortened a match from its end).
+    fn assert_prefixes_kept(before: &Linked, pod: &PodState, what: &str) {
+        for (hash, (_, parent)) in links_of(pod) {
+            let Some((p, born)) = parent else { continue };
+            let held_before = before.get(&p).is_some_and(|(b, _)| *b == born);
+            let held_now = pod.by_hash.get(&p).is_some_and(|up| up.born == born);
+            assert!(
+                !held_before || held_now,
+                "{what}: {hash:?} kept, its parent {p:?} evicted"
+            );
+        }
+    }
+
+    #[test]
+    fn eviction_takes_leaves_first_and_keeps_the_prefixes_a_pod_extends() {
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m").bounded();
+        let mut stats = ApplyStats::default();
+        let held = |pod: &PodState| -> Vec<u64> {
+            let mut v: Vec<u64> = pod.by_hash.keys().map(|h| h.0).collect();
+            v.sort_unstable();
+            v
+        };
+        // 1 <- 2 <- 3 first (the oldest blocks), 4 and 5 alone, 6 under 1.
+        pod.store_t(&index, &store(&[1, 2, 3], None, &tokens(12, 0)), &mut stats);
+        pod.store_t(&index, &store(&[4], None, &tokens(4, 40)), &mut stats);
+        pod.store_t(&index, &store(&[5], None, &tokens(4, 50)), &mut stats);
+        pod.store_t(&index, &store(&[6], Some(1), &tokens(4, 60)), &mut stats);
+        let before = links_of(&pod);
+        // 1 and 2 are the oldest, but 3 extends them: 3 goes, then 2 (a
+        // leaf now, and older than 4). 1 still has 6.
+        assert_eq!(pod.evict_oldest(&index, 2), 2);
+        assert_eq!(held(&pod), vec![1, 4, 5, 6]);
+        assert_prefixes_kept(&before, &pod, "first");
+        assert_eq!(pod.closed_tier(), Some(Tier::Gpu));
+        assert_eq!(pod.evict_oldest(&index, 2), 2);
+        assert_eq!(held(&pod), vec![1, 6]);
+        // 6, then 1 (its last child gone).
+        assert_eq!(pod.evict_oldest(&index, 1), 1);
+        assert_eq!(held(&pod), vec![1]);
+        assert_eq!(pod.evict_oldest(&index, 5), 1);
+        assert!(index.is_empty() && pod.entries() == 0);
+
+        // A parent eviction passed while it had a child is evicted once
+        // that child is removed by the pod itself.
+        pod.store_t(&index, &store(&[1, 2], None, &tokens(8, 0)), &mut stats);
+        pod.store_t(&index, &store(&[3], None, &tokens(4, 40)), &mut stats);
+        pod.store_t(&index, &store(&[2], Some(1), &tokens(4, 4)), &mut stats);
+        assert_eq!(pod.evict_oldest(&index, 1), 1);
+        assert_eq!(held(&pod), vec![1, 2], "3, the oldest leaf");
+        pod.remove(&index, &removed(&[2]), &mut stats);
+        pod.remove(&index, &removed(&[2]), &mut stats);
+        assert_eq!(held(&pod), vec![1]);
+        assert_eq!(pod.evict_oldest(&index, 1), 1);
+        assert!(index.is_empty() && pod.entries() == 0);
+    }
+
+    /// Random histories (prompts under held, unknown or no parents, repeated
+    /// hashes, offloads, removals that leave holes, clears), evicting at
+    /// random points: every eviction takes what it was asked for (a held
+    /// set always has a leaf), makes no orphan, and keeps every prefix.
+    #[test]
+    fn eviction_keeps_every_prefix_under_random_histories() {
+        let engine = crate::engine_hash::EngineHasher::new(
+            crate::engine_hash::HashAlgo::Sha256,
+            crate::engine_hash::DEFAULT_SEED,
+            crate::engine_hash::ExtraKeyStyle::Tagged,
+        );
+        let engine = KeySchemes::engine(engine, false, 0).default;
+        let mut evictions = 0;
+        for seed in 1..=24u64 {
+            let mode = if seed % 2 == 0 {
+                &engine
+            } else {
+                &KeyMode::Token
+            };
+            let mut rnd = crate::test_rng::xorshift(0x9e37_79b9_7f4a_7c15 ^ seed);
+            let index = BlockIndex::new();
+            let mut pod = PodState::new(PodId(0), "m").bounded();
+            let mut stats = ApplyStats::default();
+            let mut fresh = 0u64;
+            for step in 0..600 {
+                let what = format!("seed {seed}, step {step}");
+                match rnd(12) {
+                    0..=6 => {
+                        let n = 1 + rnd(5) as usize;
+                        let hashes: Vec<u64> = (0..n)
+                            .map(|_| match rnd(5) {
+                                0 => 1 + rnd(fresh + 1),
+                                _ => {
+                                    fresh += 1;
+                                    fresh
+                                }
+                            })
+                            .collect();
+                        let parent = (rnd(4) > 0).then(|| 1 + rnd(fresh + 1));
+                        let mut ev = store(&hashes, parent, &tokens(n * BS, rnd(3) as u32));
+                        if rnd(8) == 0 {
+                            ev.token_ids.clear();
+                            ev.medium = Some("CPU".into());
+                        }
+                        pod.store(&index, &ev, mode, &mut stats);
+                    }
+                    7..=8 => {
+                        let hashes: Vec<u64> =
+                            (0..1 + rnd(3)).map(|_| 1 + rnd(fresh + 1)).collect();
+                        pod.remove(&index, &removed(&hashes), &mut stats);
+                    }
+                    9..=10 => {
+                        let before = links_of(&pod);
+                        let orphans = pod.orphans;
+                        let n = 1 + rnd(8) as usize;
+                        let want = n.min(pod.entries());
+                        assert_eq!(pod.evict_oldest(&index, n), want, "{what}");
+                        assert!(pod.orphans <= orphans, "{what}: eviction made an orphan");
+                        assert_prefixes_kept(&before, &pod, &what);
+                        evictions += want;
+                    }
+                    _ if rnd(30) == 0 => pod.clear(&index, &mut stats),
+                    _ => {}
+                }
+                assert!(pod.released.len() <= pod.entries() + 64, "{what}");
+            }
+        }
+        assert!(evictions > 5000, "{evictions}");
     }
 
     #[test]

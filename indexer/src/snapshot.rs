@@ -2,25 +2,38 @@
 //! last seq and flags, so a restarted indexer continues where it stopped and
 //! asks the pods' replay buffers only for what came after.
 //!
-//! Format: `KVIXSNAP`, version (u32 LE), xxh3-64 of the body (u64 LE), body
-//! (msgpack). A wrong magic, version or checksum, or a snapshot written
-//! under another key configuration, is refused as a whole.
+//! Format (version 2), written and read one pod at a time, so neither side
+//! holds more than one pod's blocks besides the index itself:
+//!
+//! ```text
+//! "KVIXSNAP"  version (u32 LE)  key fingerprint (u64 LE)
+//! { 1, pod (msgpack PodSnapshot) }*  0
+//! xxh3-64 of every byte before it (u64 LE)
+//! ```
+//!
+//! The checksum is a trailer because a stream only knows it at its end. A
+//! wrong magic, version or checksum, a record that does not decode, or a
+//! snapshot written under another key configuration, is refused as a whole:
+//! the reader checks the whole file before it hands out the first pod.
+//! (Version 1 was one msgpack body with its checksum in the header: it had
+//! to be built in memory whole before a byte was written.)
+
+use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::Xxh3;
 
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
+/// Magic, version, key fingerprint.
+const HEADER: u64 = 20;
+/// The checksum.
+const TRAILER: u64 = 8;
+const POD: u8 = 1;
+const END: u8 = 0;
 
 /// One held block: (engine hash, key, count per tier).
 pub type SnapshotBlock = (u64, u64, [u32; crate::event::TIERS]);
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Snapshot {
-    /// Fingerprint of the key configuration the keys were computed with.
-    pub keys_fingerprint: u64,
-    pub pods: Vec<PodSnapshot>,
-}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PodSnapshot {
@@ -35,9 +48,7 @@ pub struct PodSnapshot {
     /// (engine hash, key, counts per tier), least recently stored first.
     pub blocks: Vec<SnapshotBlock>,
     /// Each block's parent hash, parallel to `blocks` (what keeps a restored
-    /// pod's prefix closure known). Last, and defaulted: snapshots written
-    /// before it existed still load, their blocks counted as orphans.
-    #[serde(default)]
+    /// pod's prefix closure known).
     pub parents: Vec<Option<u64>>,
 }
 
@@ -55,113 +66,295 @@ pub enum SnapshotError {
         "snapshot was written with another key configuration (key mode, hash algorithm or seed)"
     )]
     KeysChanged,
+    #[error("cannot read snapshot: {0}")]
+    Io(String),
 }
 
-pub fn encode(s: &Snapshot) -> Vec<u8> {
-    // Serialising plain data to a Vec cannot fail.
-    let body = rmp_serde::to_vec(s).unwrap_or_default();
-    let mut out = Vec::with_capacity(body.len() + 20);
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&xxh3_64(&body).to_le_bytes());
-    out.extend_from_slice(&body);
-    out
+impl From<io::Error> for SnapshotError {
+    fn from(e: io::Error) -> Self {
+        match e.kind() {
+            io::ErrorKind::UnexpectedEof => SnapshotError::Decode("truncated".into()),
+            _ => SnapshotError::Io(e.to_string()),
+        }
+    }
 }
 
-pub fn decode(bytes: &[u8]) -> Result<Snapshot, SnapshotError> {
-    if bytes.len() < 20 || &bytes[..8] != MAGIC {
-        return Err(SnapshotError::NotASnapshot);
+/// Writes a snapshot to `out`, one pod at a time, hashing as it goes.
+/// `out` should be buffered: records are written in small pieces.
+pub struct SnapshotWriter<W: Write> {
+    out: W,
+    hash: Xxh3,
+}
+
+impl<W: Write> Write for SnapshotWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.out.write(buf)?;
+        self.hash.update(&buf[..n]);
+        Ok(n)
     }
-    let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap_or_default());
-    if version != VERSION {
-        return Err(SnapshotError::Version(version));
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
     }
-    let sum = u64::from_le_bytes(bytes[12..20].try_into().unwrap_or_default());
-    let body = &bytes[20..];
-    if xxh3_64(body) != sum {
-        return Err(SnapshotError::Checksum);
+}
+
+impl<W: Write> SnapshotWriter<W> {
+    /// Starts a snapshot of keys computed under `keys_fingerprint`.
+    pub fn new(out: W, keys_fingerprint: u64) -> io::Result<Self> {
+        let mut w = SnapshotWriter {
+            out,
+            hash: Xxh3::new(),
+        };
+        w.write_all(MAGIC)?;
+        w.write_all(&VERSION.to_le_bytes())?;
+        w.write_all(&keys_fingerprint.to_le_bytes())?;
+        Ok(w)
     }
-    rmp_serde::from_slice(body).map_err(|e| SnapshotError::Decode(e.to_string()))
+
+    pub fn pod(&mut self, pod: &PodSnapshot) -> io::Result<()> {
+        self.write_all(&[POD])?;
+        rmp_serde::encode::write(self, pod).map_err(io::Error::other)
+    }
+
+    /// Ends the snapshot (end mark, checksum) and flushes it; returns the
+    /// writer it went to.
+    pub fn finish(mut self) -> io::Result<W> {
+        self.write_all(&[END])?;
+        let sum = self.hash.digest();
+        self.out.write_all(&sum.to_le_bytes())?;
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
+
+/// Reads a snapshot one pod at a time, after `open` checked all of it.
+pub struct SnapshotReader<R: Read + Seek> {
+    input: Counted<BufReader<R>>,
+    keys_fingerprint: u64,
+    /// Where the end mark is.
+    end: u64,
+}
+
+impl<R: Read + Seek> SnapshotReader<R> {
+    /// Checks the whole snapshot (magic, version, checksum, every record
+    /// decodes and they end where the checksum begins), two passes over the
+    /// input that keep at most one pod in memory, so that nothing is
+    /// restored from a snapshot that is then refused.
+    pub fn open(input: R) -> Result<Self, SnapshotError> {
+        let mut input = BufReader::with_capacity(1 << 16, input);
+        let len = input.seek(SeekFrom::End(0))?;
+        input.rewind()?;
+        let mut head = [0u8; 12];
+        if input.read_exact(&mut head).is_err() || &head[..8] != MAGIC {
+            return Err(SnapshotError::NotASnapshot);
+        }
+        let version = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+        if version != VERSION {
+            return Err(SnapshotError::Version(version));
+        }
+        if len < HEADER + 1 + TRAILER {
+            return Err(SnapshotError::Decode("truncated".into()));
+        }
+        input.rewind()?;
+        let mut hash = Xxh3::new();
+        let mut buf = vec![0u8; 1 << 16];
+        let mut left = len - TRAILER;
+        while left > 0 {
+            let n = (buf.len() as u64).min(left) as usize;
+            input.read_exact(&mut buf[..n])?;
+            hash.update(&buf[..n]);
+            left -= n as u64;
+        }
+        if u64::from_le_bytes(read_array(&mut input)?) != hash.digest() {
+            return Err(SnapshotError::Checksum);
+        }
+        let mut reader = SnapshotReader {
+            input: Counted { inner: input, n: 0 },
+            keys_fingerprint: 0,
+            end: len - TRAILER - 1,
+        };
+        reader.start()?;
+        while reader.next_pod()?.is_some() {}
+        reader.start()?;
+        Ok(reader)
+    }
+
+    /// Back to the first pod.
+    fn start(&mut self) -> Result<(), SnapshotError> {
+        self.input.inner.seek(SeekFrom::Start(12))?;
+        self.input.n = 12;
+        self.keys_fingerprint = u64::from_le_bytes(read_array(&mut self.input)?);
+        Ok(())
+    }
+
+    /// Fingerprint of the key configuration the keys were computed with.
+    pub fn keys_fingerprint(&self) -> u64 {
+        self.keys_fingerprint
+    }
+
+    /// The next pod, or `None` after the last.
+    pub fn next_pod(&mut self) -> Result<Option<PodSnapshot>, SnapshotError> {
+        let [mark] = read_array(&mut self.input)?;
+        match mark {
+            END if self.input.n == self.end + 1 => Ok(None),
+            END => Err(SnapshotError::Decode("ends before its checksum".into())),
+            POD if self.input.n <= self.end => rmp_serde::from_read(&mut self.input)
+                .map(Some)
+                .map_err(|e| SnapshotError::Decode(e.to_string())),
+            _ => Err(SnapshotError::Decode(format!(
+                "record mark {mark} at byte {}",
+                self.input.n - 1
+            ))),
+        }
+    }
+}
+
+fn read_array<const N: usize>(input: &mut impl Read) -> io::Result<[u8; N]> {
+    let mut a = [0u8; N];
+    input.read_exact(&mut a)?;
+    Ok(a)
+}
+
+/// A reader that counts the bytes read through it (where a record ends).
+struct Counted<R> {
+    inner: R,
+    n: u64,
+}
+
+impl<R: Read> Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.n += n as u64;
+        Ok(n)
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::io::Cursor;
+
     use super::*;
 
-    fn sample() -> Snapshot {
-        Snapshot {
-            keys_fingerprint: 7,
-            pods: vec![PodSnapshot {
-                model: "m".into(),
-                pod: "p".into(),
-                dp_rank: Some(0),
-                block_size: Some(16),
-                last_seq: Some(41),
-                incomplete: false,
-                non_full_groups: vec![1],
-                blocks: vec![(1, 2, [1, 0, 0]), (3, 4, [0, 2, 0])],
-                parents: vec![None, Some(1)],
-            }],
+    fn pod(name: &str, blocks: Vec<SnapshotBlock>) -> PodSnapshot {
+        let parents = (0..blocks.len())
+            .map(|i| i.checked_sub(1).map(|p| blocks[p].0))
+            .collect();
+        PodSnapshot {
+            model: "m".into(),
+            pod: name.into(),
+            dp_rank: Some(0),
+            block_size: Some(16),
+            last_seq: Some(41),
+            incomplete: false,
+            non_full_groups: vec![1],
+            blocks,
+            parents,
         }
     }
 
+    fn sample() -> Vec<PodSnapshot> {
+        vec![
+            pod("p", vec![(1, 2, [1, 0, 0]), (3, 4, [0, 2, 0])]),
+            pod("empty", vec![]),
+            pod("q", (0..1000).map(|h| (h, h * 7, [1, 1, 0])).collect()),
+        ]
+    }
+
+    fn encode(fingerprint: u64, pods: &[PodSnapshot]) -> Vec<u8> {
+        let mut w = SnapshotWriter::new(Vec::new(), fingerprint).unwrap();
+        for p in pods {
+            w.pod(p).unwrap();
+        }
+        w.finish().unwrap()
+    }
+
+    fn decode(bytes: &[u8]) -> Result<(u64, Vec<PodSnapshot>), SnapshotError> {
+        let mut r = SnapshotReader::open(Cursor::new(bytes))?;
+        let mut pods = Vec::new();
+        while let Some(p) = r.next_pod()? {
+            pods.push(p);
+        }
+        Ok((r.keys_fingerprint(), pods))
+    }
+
+    /// The checksum a damaged body is given again, so that what is tested
+    /// is the check behind it.
+    fn resum(bytes: &mut [u8]) {
+        let n = bytes.len() - TRAILER as usize;
+        let sum = xxhash_rust::xxh3::xxh3_64(&bytes[..n]);
+        bytes[n..].copy_from_slice(&sum.to_le_bytes());
+    }
+
     #[test]
-    fn round_trips_and_refuses_damage() {
-        let bytes = encode(&sample());
-        assert_eq!(decode(&bytes).unwrap(), sample());
+    fn round_trips_pod_by_pod() {
+        assert_eq!(decode(&encode(7, &sample())).unwrap(), (7, sample()));
+        assert_eq!(decode(&encode(9, &[])).unwrap(), (9, vec![]));
+    }
+
+    #[test]
+    fn the_checksum_covers_every_byte() {
+        let bytes = encode(7, &sample()[..2]);
+        for i in 0..bytes.len() - TRAILER as usize {
+            let mut flipped = bytes.clone();
+            flipped[i] ^= 0x10;
+            let err = decode(&flipped).unwrap_err();
+            // The magic and version are checked before the checksum.
+            match i {
+                0..8 => assert_eq!(err, SnapshotError::NotASnapshot, "byte {i}"),
+                8..12 => assert!(matches!(err, SnapshotError::Version(_)), "byte {i}"),
+                _ => assert_eq!(err, SnapshotError::Checksum, "byte {i}"),
+            }
+        }
         let mut flipped = bytes.clone();
         let last = flipped.len() - 1;
         flipped[last] ^= 1;
         assert_eq!(decode(&flipped), Err(SnapshotError::Checksum));
+    }
+
+    #[test]
+    fn refuses_wrong_magic_version_and_truncation() {
+        let bytes = encode(7, &sample());
         assert_eq!(decode(b"hello"), Err(SnapshotError::NotASnapshot));
-        let mut v2 = bytes.clone();
-        v2[8] = 2;
-        assert_eq!(decode(&v2), Err(SnapshotError::Version(2)));
-        for cut in [0, 10, 19, 25, bytes.len() - 1] {
-            assert!(decode(&bytes[..cut]).is_err());
+        let mut other = bytes.clone();
+        other[..8].copy_from_slice(b"KVIXSNAQ");
+        assert_eq!(decode(&other), Err(SnapshotError::NotASnapshot));
+        for v in [1, 3] {
+            let mut old = bytes.clone();
+            old[8..12].copy_from_slice(&u32::to_le_bytes(v));
+            assert_eq!(decode(&old), Err(SnapshotError::Version(v)));
+        }
+        for cut in [0, 10, 19, 20, 25, bytes.len() / 2, bytes.len() - 1] {
+            assert!(decode(&bytes[..cut]).is_err(), "cut at {cut}");
         }
     }
 
-    /// A snapshot from before `parents` existed (same version, one field
-    /// fewer) still loads, with no parents.
+    /// Bodies with a valid checksum that are still not a snapshot (what a
+    /// writer bug would leave) are refused before any pod is handed out.
     #[test]
-    fn snapshots_without_parents_still_load() {
-        #[derive(Serialize)]
-        struct OldPod {
-            model: String,
-            pod: String,
-            dp_rank: Option<u32>,
-            block_size: Option<u32>,
-            last_seq: Option<u64>,
-            incomplete: bool,
-            non_full_groups: Vec<u32>,
-            blocks: Vec<SnapshotBlock>,
-        }
-        #[derive(Serialize)]
-        struct Old {
-            keys_fingerprint: u64,
-            pods: Vec<OldPod>,
-        }
-        let old = Old {
-            keys_fingerprint: 7,
-            pods: vec![OldPod {
-                model: "m".into(),
-                pod: "p".into(),
-                dp_rank: Some(0),
-                block_size: Some(16),
-                last_seq: Some(41),
-                incomplete: false,
-                non_full_groups: vec![1],
-                blocks: vec![(1, 2, [1, 0, 0]), (3, 4, [0, 2, 0])],
-            }],
-        };
-        let body = rmp_serde::to_vec(&old).unwrap();
-        let mut bytes = MAGIC.to_vec();
-        bytes.extend_from_slice(&VERSION.to_le_bytes());
-        bytes.extend_from_slice(&xxh3_64(&body).to_le_bytes());
-        bytes.extend_from_slice(&body);
-        let mut want = sample();
-        want.pods[0].parents.clear();
-        assert_eq!(decode(&bytes).unwrap(), want);
+    fn refuses_bad_records_under_a_valid_checksum() {
+        let bytes = encode(7, &sample());
+        let n = bytes.len() - TRAILER as usize;
+        // A record mark that is neither pod nor end.
+        let mut bad = bytes.clone();
+        bad[HEADER as usize] = 7;
+        resum(&mut bad);
+        assert!(matches!(decode(&bad), Err(SnapshotError::Decode(_))));
+        // The end mark early: pods after it.
+        let mut early = encode(7, &sample()[..1]);
+        early.truncate(early.len() - TRAILER as usize);
+        early.push(END);
+        early.extend_from_slice(&[0; TRAILER as usize]);
+        resum(&mut early);
+        assert!(matches!(decode(&early), Err(SnapshotError::Decode(_))));
+        // No end mark: the last pod runs into the checksum.
+        let mut endless = bytes[..n - 1].to_vec();
+        endless.extend_from_slice(&[0; TRAILER as usize]);
+        resum(&mut endless);
+        assert!(matches!(decode(&endless), Err(SnapshotError::Decode(_))));
+        // A pod record that is not a pod.
+        let mut garbage = bytes[..HEADER as usize].to_vec();
+        garbage.extend_from_slice(&[POD, 0xc1, END, 0, 0, 0, 0, 0, 0, 0, 0]);
+        resum(&mut garbage);
+        assert!(matches!(decode(&garbage), Err(SnapshotError::Decode(_))));
     }
 }

@@ -196,24 +196,57 @@ fn engine_mode_self_check_flags_a_wrong_seed() {
     assert!(mismatches > 0);
 }
 
-/// An indexer that joins after the first third of the stream: engine keys
-/// index every later block at once; answers never exceed the truth, and the
-/// prefix-closure rule recovers at least what the first-miss walk does.
+/// An indexer that joins late (the first third, half or two thirds of a
+/// stream dropped): answers never exceed the truth, and each rule recovers
+/// exactly the cached blocks it did when these fixtures were recorded.
+///
+/// Why the figures are what they are (the fixtures are fixed, so they are
+/// exact): both streams churn their caches, so what the probes at the end
+/// find cached was mostly stored late. Dropping the first third loses
+/// nothing a probe asks for: every rule recovers all of it, in both
+/// streams. sha256cbor-bytes stored everything its probes find in its last
+/// third, so it stays at 100% however deep the cut. In sha256-int, cuts at
+/// one half and two thirds drop the stores of some blocks that are still
+/// cached at the end (123 and 247 of 5,336 probed blocks): token keys cannot
+/// key a block stored under an unseen parent and the engine first-miss walk
+/// stops at the first unseen block, so those two recover the same; the
+/// prefix-closure rule counts unseen leading blocks once a later block of
+/// the prompt is held, so it gets 16 and 27 of them back. A change in these
+/// numbers is a change in what a late indexer answers: look at why, then
+/// update the table.
 #[test]
 fn engine_mode_late_start_never_overclaims_and_closure_recovers_more() {
-    for (stream, algo) in [
-        ("qwen3-sha256-int", HashAlgo::Sha256),
-        ("qwen3-sha256cbor-bytes", HashAlgo::Sha256Cbor),
-    ] {
+    // (stream, hash, [(batches dropped of 6ths, truth, token, first-miss,
+    // closure)]): blocks recovered, summed over every probe and pod.
+    let table = [
+        (
+            "qwen3-sha256-int",
+            HashAlgo::Sha256,
+            [
+                (2, 5336, 5336, 5336, 5336),
+                (3, 5336, 5213, 5213, 5229),
+                (4, 5336, 5089, 5089, 5116),
+            ],
+        ),
+        (
+            "qwen3-sha256cbor-bytes",
+            HashAlgo::Sha256Cbor,
+            [
+                (2, 4619, 4619, 4619, 4619),
+                (3, 4619, 4619, 4619, 4619),
+                (4, 4619, 4619, 4619, 4619),
+            ],
+        ),
+    ];
+    for (stream, algo, cases) in table {
         let expected = expected(stream);
         let total = std::fs::read_to_string(fixtures().join(format!("{stream}.frames.jsonl")))
             .unwrap()
             .lines()
             .count();
         let run = |config, skip| answers(&replay_with(stream, config, skip), &expected);
-        // The first third, as asked; deeper late starts show the difference
-        // between the rules (these streams churn their caches completely).
-        for skip in [total / 3, total / 2, 2 * total / 3] {
+        for (sixths, want_truth, want_token, want_walk, want_closed) in cases {
+            let skip = total * sixths / 6;
             let token = run(IndexerConfig::default(), skip);
             let walk = run(engine_config(algo, DEFAULT_SEED, false), skip);
             let closed = run(engine_config(algo, DEFAULT_SEED, true), skip);
@@ -237,17 +270,24 @@ fn engine_mode_late_start_never_overclaims_and_closure_recovers_more() {
                 assert!(t.1 <= t.2, "{stream}: token mode overclaims {}", t.0);
                 assert!(c.1 >= w.1, "{stream}: closure lost blocks {}", c.0);
             }
+            let pct = |n: u64| 100.0 * n as f64 / truth as f64;
             println!(
-            "{stream}: late start (first {skip} of {total} batches dropped), {} probe/pod pairs, \
-             {truth} cached blocks: token keys recover {:.1}%, engine first-miss {:.1}%, \
-             engine + prefix closure {:.1}%",
-            closed.len(),
-            100.0 * sum(&token) as f64 / truth as f64,
-            100.0 * sum(&walk) as f64 / truth as f64,
-            100.0 * sum(&closed) as f64 / truth as f64,
-        );
-            assert!(sum(&closed) >= sum(&walk));
-            assert!(sum(&walk) >= sum(&token));
+                "{stream}: late start (first {skip} of {total} batches dropped), {} probe/pod pairs, \
+                 {truth} cached blocks: token keys recover {} ({:.1}%), engine first-miss {} ({:.1}%), \
+                 engine + prefix closure {} ({:.1}%)",
+                closed.len(),
+                sum(&token),
+                pct(sum(&token)),
+                sum(&walk),
+                pct(sum(&walk)),
+                sum(&closed),
+                pct(sum(&closed)),
+            );
+            assert_eq!(
+                (truth, sum(&token), sum(&walk), sum(&closed)),
+                (want_truth, want_token, want_walk, want_closed),
+                "{stream}, first {sixths}/6 dropped: (truth, token, first-miss, closure)"
+            );
         }
     }
 }

@@ -352,6 +352,21 @@ impl Service {
         }
     }
 
+    /// Polls `done` until it holds, for at most 20 s, then fails with
+    /// `what` and the service's log: a wait for a condition, where a fixed
+    /// sleep would either waste time or be too short on a loaded machine.
+    pub async fn wait_until(&self, what: &str, mut done: impl AsyncFnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !done().await {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: not within 20 s; logs:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// SIGKILL: no shutdown, no cleanup, as a crash.
     pub fn kill9(mut self) {
         let _ = self.child.kill();
@@ -601,9 +616,15 @@ impl Publisher {
     }
 
     pub async fn bind_on(endpoint: &str) -> (Publisher, String) {
+        Publisher::try_bind_on(endpoint).expect("PUB bind")
+    }
+
+    /// `bind_on`, or `None` while the address is still taken (e.g. by a
+    /// publisher just dropped: libzmq closes its listener asynchronously).
+    pub fn try_bind_on(endpoint: &str) -> Option<(Publisher, String)> {
         let (socket, endpoint) =
-            kv_indexer::zmq_io::Publisher::bind(zmq_context(), endpoint).expect("PUB bind");
-        (Publisher { socket }, endpoint)
+            kv_indexer::zmq_io::Publisher::bind(zmq_context(), endpoint).ok()?;
+        Some((Publisher { socket }, endpoint))
     }
 
     /// Publishes markers for a while and reports whether any arrived.

@@ -86,8 +86,9 @@ impl Indexer {
 
     /// Over capacity: evicts down to 95% of it, always from the pod holding
     /// the most entries (so a pod's share shrinks only when it is the
-    /// largest: fair), its least recently stored blocks first. Evicting
-    /// only ever lowers a pod's match: answers stay conservative.
+    /// largest: fair), its least recently stored leaf blocks first (see
+    /// `PodState::evict_oldest`). Evicting only ever shortens a pod's match
+    /// from its end: answers stay conservative.
     ///
     /// Only pods for which `owns` is true are evicted here (the caller is
     /// their writer); when the largest pod is another writer's, it is

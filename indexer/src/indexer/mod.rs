@@ -27,7 +27,7 @@ use crate::keys::BlockKey;
 use crate::pod::{ApplyStats, PodState};
 use crate::scheme::{KeyMode, KeySchemes};
 use crate::score::{extend_prefix_closed, holding, jump, walk, PrefixMatch, Scratch, TierWeights};
-use crate::snapshot::{PodSnapshot, Snapshot, SnapshotError};
+use crate::snapshot::{PodSnapshot, SnapshotError, SnapshotReader, SnapshotWriter};
 use table::PodTable;
 
 #[derive(Clone, Debug)]

@@ -24,13 +24,15 @@ impl Indexer {
         xxhash_rust::xxh3::xxh3_64(text.as_bytes())
     }
 
-    /// Everything needed to restart where we are (each pod locked briefly).
-    pub fn export(&self) -> Snapshot {
+    /// Writes everything needed to restart where we are to `out`, one pod
+    /// at a time: each pod is locked only while its blocks are copied out,
+    /// and written unlocked, so no more than one pod's blocks are copied at
+    /// once and ingest is never paused for the whole write.
+    pub fn export<W: std::io::Write>(&self, out: W) -> std::io::Result<W> {
+        let mut snapshot = SnapshotWriter::new(out, self.keys_fingerprint())?;
         let pods: Vec<Arc<Pod>> = self.table.read().pods().cloned().collect();
-        let pods = pods
-            .iter()
-            .filter(|p| !p.is_removed())
-            .map(|p| {
+        for p in pods.iter().filter(|p| !p.is_removed()) {
+            let pod = {
                 let inner = self.lock(p);
                 let export = inner.state.export();
                 PodSnapshot {
@@ -44,22 +46,26 @@ impl Indexer {
                     blocks: export.blocks,
                     parents: export.parents,
                 }
-            })
-            .collect();
-        Snapshot {
-            keys_fingerprint: self.keys_fingerprint(),
-            pods,
+            };
+            snapshot.pod(&pod)?;
         }
+        snapshot.finish()
     }
 
-    /// Restores a snapshot into this (empty) indexer. Returns the pods
-    /// restored.
-    pub fn import(&self, snapshot: &Snapshot) -> Result<usize, SnapshotError> {
-        if snapshot.keys_fingerprint != self.keys_fingerprint() {
+    /// Restores a snapshot into this (empty) indexer, one pod at a time,
+    /// once all of it was checked. Returns the pods restored. Runs before
+    /// any writer starts (the service loads snapshots before ingest), so
+    /// this thread is every pod's writer meanwhile.
+    pub fn import<R: std::io::Read + std::io::Seek>(
+        &self,
+        snapshot: R,
+    ) -> Result<usize, SnapshotError> {
+        let mut snapshot = SnapshotReader::open(snapshot)?;
+        if snapshot.keys_fingerprint() != self.keys_fingerprint() {
             return Err(SnapshotError::KeysChanged);
         }
         let mut imported = 0;
-        for ps in &snapshot.pods {
+        while let Some(ps) = snapshot.next_pod()? {
             // Bounds may have been lowered since the snapshot was written.
             let Ok(pod) = self.try_pod(&ps.model, &ps.pod, ps.dp_rank) else {
                 continue;
