@@ -154,7 +154,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             config.limits.clone(),
             config.allow_request_chat_template,
         )
-        .with_admin(config.admin),
+        .with_admin(config.admin.then(|| ingest.control())),
     );
     let max_message = config.limits.max_message_bytes;
     let llmd = crate::llmd::LlmdIndexerService::new(service.clone());

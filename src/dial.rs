@@ -3,10 +3,11 @@
 //! the dispatcher.
 //!
 //! Discovery tells it which pods to dial ([`Dialer::reconcile`]); the
-//! thread connects new targets, closes the ones no longer listed, runs a
-//! catch-up replay each time a connection comes up (first connect and
-//! every reconnect), and forgets a pod whose connection has been down and
-//! that published nothing for `--pod-expiry`.
+//! thread connects new targets, closes the ones no longer listed, and runs
+//! a catch-up replay each time a connection comes up (first connect and
+//! every reconnect). Each socket is one connection to the workers: when it
+//! goes down (or is closed because discovery dropped the pod) they are
+//! told, and they forget its pods after `--pod-expiry` unless it comes back.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,11 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use indexer::topic::parse_topic;
-use indexer::Indexer;
 
 use crate::config::DialTarget;
-use crate::ingest::Dispatcher;
+use crate::ingest::{Dispatcher, Source};
 use crate::ratelimit::RateLimited;
+use crate::worker::ConnId;
 use crate::zmq_io::{self, ReceiveLimits};
 
 /// What the dial thread needs besides its targets.
@@ -31,9 +32,6 @@ pub struct DialContext {
     pub limits: ReceiveLimits,
     pub topic_filter: String,
     pub dispatcher: Dispatcher,
-    /// Forget pods that are disconnected and silent this long (`None`: never).
-    pub expiry: Option<Duration>,
-    pub indexer: Arc<Indexer>,
     pub runtime: tokio::runtime::Handle,
 }
 
@@ -79,23 +77,15 @@ struct Dialed {
     socket: zmq::Socket,
     monitor: zmq::Socket,
     replay: Option<Arc<str>>,
-    /// Topics seen on this socket (copied once each, not per message): the
-    /// pods to forget when it expires.
+    /// Topics seen on this socket (copied once each, not per message):
+    /// what a catch-up reports on even when the buffer is empty.
     seen: HashSet<Vec<u8>>,
-    last_message: Instant,
-    down_since: Option<Instant>,
+    /// What the workers know this socket's connection by.
+    conn: ConnId,
     /// Counted in `kv_indexer_zmq_connections` now.
     connected: bool,
     /// Which of the pool's contexts its sockets live in.
     context_slot: usize,
-}
-
-/// A pod discovery no longer lists: disconnected, and forgotten once it has
-/// been gone for `--pod-expiry` unless it comes back (a rollout's new pod
-/// may reuse the name; a pods-file edit may be undone).
-struct Departed {
-    topics: HashSet<Vec<u8>>,
-    since: Instant,
 }
 
 /// libzmq allows 1,023 sockets per context by default (`ZMQ_MAX_SOCKETS`,
@@ -134,7 +124,7 @@ impl ContextPool {
 
 const RETRY_OPEN: Duration = Duration::from_secs(5);
 
-/// Topics remembered per dialed pod, to forget when it expires.
+/// Topics remembered per dialed pod.
 const MAX_TOPICS_PER_POD: usize = 64;
 
 /// Messages read from one socket before the others get their turn.
@@ -148,15 +138,10 @@ fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &Ato
     // without copying a target.
     let mut dialed: Vec<(DialTarget, Dialed)> = Vec::new();
     let warn = RateLimited::new(Duration::from_secs(10));
-    let check_every = ctx.expiry.map_or(Duration::from_secs(3600), |e| {
-        (e / 4).max(Duration::from_millis(100))
-    });
-    let mut departed: Vec<Departed> = Vec::new();
     let mut pool = ContextPool {
         contexts: Vec::new(),
     };
     let mut desired: Vec<DialTarget> = Vec::new();
-    let mut last_check = Instant::now();
     let mut last_retry = Instant::now();
     let mut opened = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -168,18 +153,7 @@ fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &Ato
                 desired = list;
             }
             last_retry = Instant::now();
-            reconcile(
-                &ctx,
-                &mut pool,
-                &mut dialed,
-                &mut departed,
-                &desired,
-                &mut opened,
-            );
-        }
-        if ctx.expiry.is_some() && last_check.elapsed() >= check_every {
-            last_check = Instant::now();
-            expire(&ctx, &mut dialed, &mut departed);
+            reconcile(&ctx, &mut pool, &mut dialed, &desired, &mut opened);
         }
         if dialed.is_empty() {
             std::thread::sleep(Duration::from_millis(100));
@@ -220,7 +194,6 @@ fn reconcile(
     ctx: &DialContext,
     pool: &mut ContextPool,
     dialed: &mut Vec<(DialTarget, Dialed)>,
-    departed: &mut Vec<Departed>,
     desired: &[DialTarget],
     opened: &mut u64,
 ) {
@@ -229,18 +202,12 @@ fn reconcile(
         let keep = wanted.contains(target);
         if !keep {
             pool.release(d.context_slot);
-            tracing::info!(endpoint = %target.endpoint, expiry = ?ctx.expiry, "pod no longer listed: disconnecting; forgotten after --pod-expiry unless it comes back");
+            tracing::info!(endpoint = %target.endpoint, "pod no longer listed: disconnecting; forgotten after --pod-expiry unless it comes back");
             // Closing the socket closes its monitor too: no event follows.
             if d.connected {
                 ctx.dispatcher.connection_closed();
             }
-            // With expiry off nothing is ever forgotten: keep nothing.
-            if ctx.expiry.is_some() && !d.seen.is_empty() {
-                departed.push(Departed {
-                    topics: std::mem::take(&mut d.seen),
-                    since: Instant::now(),
-                });
-            }
+            ctx.dispatcher.connection(d.conn, false);
         }
         keep
     });
@@ -281,23 +248,21 @@ fn open(
         monitor,
         replay: target.replay.as_deref().map(Arc::from),
         seen: HashSet::new(),
-        last_message: Instant::now(),
-        down_since: None,
+        conn: crate::ingest::new_conn_id(),
         connected: false,
         context_slot,
     })
 }
 
 fn receive_burst(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, warn: &RateLimited) {
-    let (seen, last_message) = (&mut d.seen, &mut d.last_message);
+    let seen = &mut d.seen;
     ctx.dispatcher.receive_burst(
         &d.socket,
         BURST,
         &target.endpoint,
-        d.replay.as_ref(),
+        Source::Dialed(d.conn, d.replay.as_ref()),
         warn,
         |frames| {
-            *last_message = Instant::now();
             // One pod publishes one topic per model it serves; a peer
             // inventing topics must not grow this set.
             if let Some(topic) = frames.first() {
@@ -316,22 +281,22 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
     match event.event {
         zmq::SocketEvent::CONNECTED => {
             tracing::info!(endpoint = %target.endpoint, "connected to pod");
-            d.down_since = None;
             if !d.connected {
                 d.connected = true;
                 ctx.dispatcher.connection_opened();
             }
+            ctx.dispatcher.connection(d.conn, true);
             if let Some(endpoint) = d.replay.clone() {
-                catch_up(ctx, endpoint);
+                catch_up(ctx, endpoint, d.seen.iter().cloned().collect());
             }
         }
         zmq::SocketEvent::DISCONNECTED => {
             tracing::info!(endpoint = %target.endpoint, "pod connection lost; libzmq reconnects");
-            d.down_since.get_or_insert_with(Instant::now);
             if d.connected {
                 d.connected = false;
                 ctx.dispatcher.connection_closed();
             }
+            ctx.dispatcher.connection(d.conn, false);
         }
         _ => {}
     }
@@ -339,8 +304,8 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
 
 /// Catches up with what the pod did before this connection came up (it
 /// may stay idle for a long time): its whole replay buffer, fetched off
-/// this thread.
-fn catch_up(ctx: &DialContext, endpoint: Arc<str>) {
+/// this thread. `seen`: the topics this socket carried so far.
+fn catch_up(ctx: &DialContext, endpoint: Arc<str>, seen: Vec<Vec<u8>>) {
     let (context, limits, dispatcher) = (ctx.context.clone(), ctx.limits, ctx.dispatcher.clone());
     let slots = ctx.replay_slots.clone();
     let runtime = ctx.runtime.clone();
@@ -358,69 +323,15 @@ fn catch_up(ctx: &DialContext, endpoint: Arc<str>) {
             .await;
         match fetched {
             Ok(Ok((endpoint, items))) => {
-                let _ = tokio::task::spawn_blocking(move || dispatcher.catch_up(&endpoint, items))
-                    .await;
+                let _ = tokio::task::spawn_blocking(move || {
+                    dispatcher.catch_up(&endpoint, items, &seen)
+                })
+                .await;
             }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "catch-up replay failed; relying on gap repair")
             }
             Err(e) => tracing::warn!(error = %e, "catch-up task failed"),
-        }
-    });
-}
-
-fn expire(ctx: &DialContext, dialed: &mut [(DialTarget, Dialed)], departed: &mut Vec<Departed>) {
-    let Some(after) = ctx.expiry else { return };
-    for (target, d) in dialed.iter_mut() {
-        let gone =
-            d.down_since.is_some_and(|t| t.elapsed() >= after) && d.last_message.elapsed() >= after;
-        if gone {
-            forget(
-                ctx,
-                &target.endpoint,
-                d.seen.drain(),
-                "disconnected and silent",
-            );
-        }
-    }
-    // A departed pod that publishes again through a listed endpoint is back.
-    let live: HashSet<&Vec<u8>> = dialed.iter().flat_map(|(_, d)| &d.seen).collect();
-    for gone in departed.iter_mut() {
-        gone.topics.retain(|t| !live.contains(t));
-    }
-    departed.retain(|gone| !gone.topics.is_empty());
-    let (expired, waiting): (Vec<Departed>, Vec<Departed>) = std::mem::take(departed)
-        .into_iter()
-        .partition(|gone| gone.since.elapsed() >= after);
-    *departed = waiting;
-    for gone in expired {
-        forget(
-            ctx,
-            "(no longer listed)",
-            gone.topics.into_iter(),
-            "no longer listed",
-        );
-    }
-}
-
-/// Forgets the pods (every DP rank) behind `topics`, off this thread:
-/// dropping a pod's blocks is index work, and this thread receives for
-/// every dialed pod.
-fn forget(
-    ctx: &DialContext,
-    source: &str,
-    topics: impl Iterator<Item = Vec<u8>>,
-    why: &'static str,
-) {
-    let topics: Vec<Vec<u8>> = topics.collect();
-    let (indexer, source) = (ctx.indexer.clone(), source.to_owned());
-    ctx.runtime.spawn_blocking(move || {
-        for raw in topics {
-            let Ok(topic) = parse_topic(&raw) else {
-                continue;
-            };
-            let (domains, blocks) = indexer.remove_pod_domains(topic.model, topic.pod);
-            tracing::info!(%source, model = %topic.model, pod = %topic.pod, domains, blocks, why, "pod expired");
         }
     });
 }

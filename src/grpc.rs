@@ -29,8 +29,9 @@ pub struct KvIndexerService {
     /// until its tokenization and rendering have stopped (not merely until
     /// the client gave up), so the limit bounds CPU work.
     inflight: Arc<Semaphore>,
-    /// `--admin`: whether write RPCs other than the router's are served.
-    admin: bool,
+    /// `--admin`: write RPCs other than the router's are served, through
+    /// the pods' ingest workers (their single writers).
+    admin: Option<crate::ingest::Control>,
     /// `--allow-request-chat-template`: a request's `chat_template` is a
     /// program from the client, run only if the operator says so.
     allow_request_chat_template: bool,
@@ -89,7 +90,7 @@ impl KvIndexerService {
             metrics,
             inflight: Arc::new(Semaphore::new(limits.max_inflight)),
             limits,
-            admin: false,
+            admin: None,
             allow_request_chat_template,
             templates: Arc::new(TemplateCache::default()),
             unknown_models: RateLimited::new(Duration::from_secs(10)),
@@ -99,14 +100,14 @@ impl KvIndexerService {
     /// Serves admin RPCs (`RemovePod`). Off by default: the gRPC port is
     /// unauthenticated, and a client that can remove pods can blind the
     /// router.
-    pub fn with_admin(mut self, admin: bool) -> Self {
+    pub fn with_admin(mut self, admin: Option<crate::ingest::Control>) -> Self {
         self.admin = admin;
         self
     }
 
-    fn require_admin(&self, rpc: &str) -> Result<(), Status> {
-        if self.admin {
-            return Ok(());
+    fn require_admin(&self, rpc: &str) -> Result<&crate::ingest::Control, Status> {
+        if let Some(control) = &self.admin {
+            return Ok(control);
         }
         Err(Status::permission_denied(format!(
             "{rpc} is an admin RPC, off unless the service runs with --admin"
@@ -515,6 +516,12 @@ impl KvIndexer for KvIndexerService {
                 duplicate_batches: p.duplicate_batches,
                 unrecovered_batches: p.unrecovered_batches,
                 incomplete: p.incomplete,
+                connection: match p.connection {
+                    indexer::Connection::Connected => "connected",
+                    indexer::Connection::Disconnected => "disconnected",
+                    indexer::Connection::Unknown => "unknown",
+                }
+                .into(),
             })
             .collect();
         Ok(Response::new(pb::ListPodsResponse { pods }))
@@ -556,10 +563,10 @@ impl KvIndexer for KvIndexerService {
         &self,
         request: Request<pb::RemovePodRequest>,
     ) -> Result<Response<pb::RemovePodResponse>, Status> {
-        self.require_admin("RemovePod")?;
+        let control = self.require_admin("RemovePod")?.clone();
         let req = request.into_inner();
         require_model(&req.model)?;
-        let (domains, removed_blocks) = self.indexer.remove_pod_domains(&req.model, &req.pod);
+        let (domains, removed_blocks) = control.remove_pod(&req.model, &req.pod).await;
         tracing::info!(model = %req.model, pod = %req.pod, domains, removed_blocks, "pod removed by admin");
         Ok(Response::new(pb::RemovePodResponse {
             removed: domains > 0,

@@ -14,12 +14,12 @@
 //! index is therefore bounded by workers x queue x `--max-event-message`.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use indexer::stream::StreamLimits;
 use indexer::topic::parse_topic;
 use indexer::Indexer;
 use tokio::task::JoinHandle;
@@ -28,7 +28,7 @@ use crate::config::Config;
 use crate::dial::{DialContext, Dialer};
 use crate::metrics::Metrics;
 use crate::ratelimit::RateLimited;
-use crate::worker::{Frame, Work, Worker, WorkerConfig};
+use crate::worker::{ConnId, Frame, Work, Worker, WorkerConfig};
 use crate::zmq_io::{self, ReceiveLimits};
 
 /// Why a ZeroMQ message failed the shape checks. Counted, logged
@@ -50,8 +50,13 @@ impl FrameProblem {
     }
 }
 
-/// Checks `[topic, seq (8-byte big-endian), payload]`.
-fn check_frames(mut frames: Vec<Vec<u8>>) -> Result<Frame, FrameProblem> {
+/// Checks `[topic, seq (8-byte big-endian), payload]`; returns the frame
+/// and the index of the worker that owns its pod.
+fn check_frames(
+    mut frames: Vec<Vec<u8>>,
+    conn: ConnId,
+    workers: usize,
+) -> Result<(Frame, usize), FrameProblem> {
     if frames.len() != 3 {
         return Err(FrameProblem::FrameCount);
     }
@@ -59,39 +64,101 @@ fn check_frames(mut frames: Vec<Vec<u8>>) -> Result<Frame, FrameProblem> {
     let seq = frames.pop().unwrap_or_default();
     let topic = frames.pop().unwrap_or_default();
     let seq: [u8; 8] = seq[..].try_into().map_err(|_| FrameProblem::Seq)?;
-    parse_topic(&topic).map_err(|_| FrameProblem::Topic)?;
-    Ok(Frame {
-        topic: Bytes::from(topic),
-        seq: u64::from_be_bytes(seq),
-        payload: Bytes::from(payload),
-        replay: None,
-    })
+    let owner = {
+        let parsed = parse_topic(&topic).map_err(|_| FrameProblem::Topic)?;
+        crate::worker::owner(parsed.pod, parsed.model, workers)
+    };
+    Ok((
+        Frame {
+            topic: Bytes::from(topic),
+            seq: u64::from_be_bytes(seq),
+            payload: Bytes::from(payload),
+            replay: None,
+            conn,
+        },
+        owner,
+    ))
 }
 
-/// Routes frames to workers by topic, so a pod always lands on the same one.
+/// Connection ids, unique for the process's life.
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+pub fn new_conn_id() -> ConnId {
+    NEXT_CONN.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Which connection a message came on. The bind socket serves every pod
+/// that connects: libzmq tags each received message with its connection's
+/// file descriptor (the `__fd` metadata property, what `ZMQ_SRCFD` reads),
+/// and its monitor reports each accept and disconnect with the fd; a fd
+/// that is closed and reused by a new connection gets a new id.
+#[derive(Default)]
+pub struct Connections {
+    by_fd: HashMap<i64, ConnId>,
+}
+
+impl Connections {
+    fn accepted(&mut self, fd: i64) -> ConnId {
+        let id = new_conn_id();
+        self.by_fd.insert(fd, id);
+        id
+    }
+
+    fn closed(&mut self, fd: i64) -> Option<ConnId> {
+        self.by_fd.remove(&fd)
+    }
+
+    fn of(&mut self, fd: i64) -> ConnId {
+        match self.by_fd.get(&fd) {
+            Some(id) => *id,
+            None => self.accepted(fd),
+        }
+    }
+}
+
+/// Where a receive loop's messages come from.
+pub enum Source<'a> {
+    /// A dialed socket: one connection, and the pod's replay endpoint.
+    Dialed(ConnId, Option<&'a Arc<str>>),
+    /// The bind socket: many, told apart by fd.
+    Bound(&'a mut Connections),
+}
+
+/// Routes frames to workers by pod, so a pod always lands on the same one.
 #[derive(Clone)]
 pub struct Dispatcher {
     workers: Arc<Vec<flume::Sender<Work>>>,
+    /// The workers' control queues (connection changes).
+    control: Arc<Vec<flume::Sender<Work>>>,
     metrics: Arc<Metrics>,
     warn: Arc<RateLimited>,
     dropped: Arc<RateLimited>,
 }
 
 impl Dispatcher {
-    fn worker_for(&self, topic: &[u8]) -> &flume::Sender<Work> {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        topic.hash(&mut h);
-        &self.workers[(h.finish() % self.workers.len() as u64) as usize]
+    fn worker_for_topic(&self, topic: &[u8]) -> Option<&flume::Sender<Work>> {
+        let topic = parse_topic(topic).ok()?;
+        Some(&self.workers[crate::worker::owner(topic.pod, topic.model, self.workers.len())])
     }
 
     /// Hands a pod's replay buffer (fetched on connect) to the workers that
-    /// own its topics. Runs off the receive threads, so it may wait for
-    /// room in a queue: a catch-up is never dropped.
-    pub fn catch_up(&self, replay: &Arc<str>, items: Vec<crate::replay::Replayed>) {
-        let mut by_topic: HashMap<Bytes, Vec<crate::replay::Replayed>> = HashMap::new();
+    /// own its topics; topics seen on the connection that the buffer has
+    /// nothing for get an empty catch-up (an empty buffer says the pod
+    /// restarted). Runs off the receive threads, so it may wait for room in
+    /// a queue: a catch-up is never dropped.
+    pub fn catch_up(
+        &self,
+        replay: &Arc<str>,
+        items: Vec<crate::replay::Replayed>,
+        seen: &[Vec<u8>],
+    ) {
+        let mut by_topic: HashMap<Bytes, Vec<crate::replay::Replayed>> = seen
+            .iter()
+            .map(|t| (Bytes::copy_from_slice(t), Vec::new()))
+            .collect();
         for item in items {
             // The older two-frame form names no topic: the pod's first live
-            // batch triggers its catch-up instead.
+            // batch triggers its repair instead.
             if let Some(topic) = item.topic.clone() {
                 if parse_topic(&topic).is_ok() {
                     by_topic.entry(topic).or_default().push(item);
@@ -99,12 +166,23 @@ impl Dispatcher {
             }
         }
         for (topic, items) in by_topic {
+            let Some(worker) = self.worker_for_topic(&topic) else {
+                continue;
+            };
             self.metrics.replays_requested.inc();
-            let _ = self.worker_for(&topic).send(Work::CatchUp {
+            let _ = worker.send(Work::CatchUp {
                 topic,
                 replay: replay.clone(),
                 items,
             });
+        }
+    }
+
+    /// Tells every worker that a connection went up or down. Waits for room
+    /// (rare, and a lost "down" would keep a departed pod forever).
+    pub fn connection(&self, conn: ConnId, up: bool) {
+        for worker in self.control.iter() {
+            let _ = worker.send(Work::Connection { conn, up });
         }
     }
 
@@ -131,36 +209,46 @@ impl Dispatcher {
         &self,
         socket: &zmq::Socket,
         burst: usize,
-        source: &str,
-        replay: Option<&Arc<str>>,
+        label: &str,
+        mut source: Source<'_>,
         warn: &RateLimited,
         mut each: impl FnMut(&[Vec<u8>]),
     ) {
         for _ in 0..burst {
-            match socket.recv_multipart(zmq::DONTWAIT) {
-                Ok(frames) => {
+            match zmq_io::recv_frames(socket, zmq::DONTWAIT) {
+                Ok((frames, fd)) => {
                     each(&frames);
-                    self.dispatch(frames, source, replay);
+                    let (conn, replay) = match &mut source {
+                        Source::Dialed(conn, replay) => (*conn, *replay),
+                        Source::Bound(conns) => (conns.of(i64::from(fd.unwrap_or(-1))), None),
+                    };
+                    self.dispatch(frames, label, conn, replay);
                 }
                 Err(zmq::Error::EAGAIN) => return,
                 Err(e) => {
-                    self.receive_error(source, &e, warn);
+                    self.receive_error(label, &e, warn);
                     return;
                 }
             }
         }
     }
 
-    fn dispatch(&self, frames: Vec<Vec<u8>>, source: &str, replay: Option<&Arc<str>>) {
+    fn dispatch(
+        &self,
+        frames: Vec<Vec<u8>>,
+        source: &str,
+        conn: ConnId,
+        replay: Option<&Arc<str>>,
+    ) {
         self.metrics.messages_received.inc();
-        match check_frames(frames) {
-            Ok(mut frame) => {
+        match check_frames(frames, conn, self.workers.len()) {
+            Ok((mut frame, owner)) => {
                 frame.replay = replay.cloned();
                 // Never wait on index work: a full queue drops (and the gap
                 // is repaired through replay). Disconnected only when
                 // shutting down.
                 if let Err(flume::TrySendError::Full(_)) =
-                    self.worker_for(&frame.topic).try_send(Work::Live(frame))
+                    self.workers[owner].try_send(Work::Live(frame))
                 {
                     self.metrics.messages_dropped.inc();
                     self.dropped.warn(|suppressed| {
@@ -178,6 +266,29 @@ impl Dispatcher {
     }
 }
 
+/// `RemovePod`, executed by the worker that owns the pod.
+#[derive(Clone)]
+pub struct Control {
+    workers: Arc<Vec<flume::Sender<Work>>>,
+}
+
+impl Control {
+    /// Forgets every DP rank of `pod`; returns (cache domains, blocks).
+    pub async fn remove_pod(&self, model: &str, pod: &str) -> (usize, u64) {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let owner = crate::worker::owner(pod, model, self.workers.len());
+        let work = Work::Remove {
+            model: model.to_owned(),
+            pod: pod.to_owned(),
+            reply,
+        };
+        if self.workers[owner].send_async(work).await.is_err() {
+            return (0, 0);
+        }
+        answer.await.unwrap_or((0, 0))
+    }
+}
+
 /// Running ingestion; [`Ingest::shutdown`] stops the sockets and workers.
 pub struct Ingest {
     tasks: Vec<JoinHandle<()>>,
@@ -190,6 +301,7 @@ pub struct Ingest {
     dead: Arc<AtomicBool>,
     /// The endpoint the SUB socket actually bound (port 0 resolved).
     pub bound: Option<String>,
+    control: Control,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -217,23 +329,37 @@ impl Ingest {
             max_message_bytes: config.max_event_message_bytes,
             hwm: zmq_io::RECEIVE_HWM,
         };
-        let mut senders = Vec::with_capacity(config.ingest_workers);
-        let mut workers = Vec::with_capacity(config.ingest_workers);
         let stop = Arc::new(AtomicBool::new(false));
         let dead = Arc::new(AtomicBool::new(false));
         // Replay fetches in flight at once (gap repairs and catch-ups): each
         // holds a socket and up to a replay buffer in memory.
         let replay_slots = Arc::new(tokio::sync::Semaphore::new(MAX_REPLAYS_IN_FLIGHT));
+        // Every queue exists before any worker starts: each worker sends to
+        // its own (replay results) and to the others (eviction requests).
+        let (senders, receivers_of): (Vec<_>, Vec<_>) = (0..config.ingest_workers)
+            .map(|_| flume::bounded(config.ingest_queue))
+            .unzip();
+        let senders = Arc::new(senders);
+        let (controls, control_of): (Vec<_>, Vec<_>) = (0..config.ingest_workers)
+            .map(|_| flume::bounded(config.ingest_queue))
+            .unzip();
+        let controls = Arc::new(controls);
         let worker_config = Arc::new(WorkerConfig {
             replay_endpoints: config.replay_endpoints.clone(),
             replay_timeout: config.replay_timeout,
             context: context.clone(),
             limits,
             replay_slots: replay_slots.clone(),
+            stream_limits: StreamLimits {
+                expiry: config.pod_expiry,
+                ..StreamLimits::default()
+            },
+            workers: senders.clone(),
+            control: controls.clone(),
+            evict_pending: Arc::new(AtomicBool::new(false)),
         });
-        for i in 0..config.ingest_workers {
-            let (tx, rx) = flume::bounded(config.ingest_queue);
-            senders.push(tx.clone());
+        let mut workers = Vec::with_capacity(config.ingest_workers);
+        for (i, (rx, control)) in receivers_of.into_iter().zip(control_of).enumerate() {
             let indexer = indexer.clone();
             let metrics = metrics.clone();
             let (stop, dead) = (stop.clone(), dead.clone());
@@ -242,18 +368,26 @@ impl Ingest {
             let handle = std::thread::Builder::new()
                 .name(format!("ingest-{i}"))
                 .spawn(move || {
-                    Worker::new(&indexer, &metrics, &worker_config, runtime, tx)
-                        .run(rx, &stop, &dead)
+                    Worker::new(&indexer, &metrics, &worker_config, runtime, i)
+                        .run(rx, control, &stop, &dead)
                 })
                 .map_err(IngestError::Thread)?;
             workers.push(handle);
         }
+        // Pods restored from a snapshot: each owner looks after its own
+        // (they expire like any other pod that never comes back).
+        for pod in indexer.list_pod_handles() {
+            let owner = crate::worker::owner(&pod.topic_pod, &pod.model, controls.len());
+            let _ = controls[owner].send_async(Work::Adopt(pod)).await;
+        }
         let dispatcher = Dispatcher {
-            workers: Arc::new(senders),
+            workers: senders.clone(),
+            control: controls.clone(),
             metrics: metrics.clone(),
             warn: Arc::new(RateLimited::new(Duration::from_secs(10))),
             dropped: Arc::new(RateLimited::new(Duration::from_secs(10))),
         };
+        let control = Control { workers: controls };
 
         let mut receivers = Vec::new();
         let mut bound = None;
@@ -299,8 +433,6 @@ impl Ingest {
                     limits,
                     topic_filter: config.topic_filter.clone(),
                     dispatcher,
-                    expiry: config.pod_expiry,
-                    indexer,
                     runtime: tokio::runtime::Handle::current(),
                 },
                 stop.clone(),
@@ -329,7 +461,13 @@ impl Ingest {
             _zap: zap,
             dead,
             bound,
+            control,
         })
+    }
+
+    /// `RemovePod`'s way to the pods' workers.
+    pub fn control(&self) -> Control {
+        self.control.clone()
     }
 
     /// Set once an ingest worker died: its pods' events are no longer
@@ -372,6 +510,7 @@ fn bind_loop(
     stop: &AtomicBool,
 ) {
     let warn = RateLimited::new(Duration::from_secs(10));
+    let mut conns = Connections::default();
     while !stop.load(Ordering::Relaxed) {
         let mut items = [
             socket.as_poll_item(zmq::POLLIN),
@@ -381,19 +520,31 @@ fn bind_loop(
         if zmq::poll(&mut items, 100).is_err() {
             continue;
         }
-        let (messages, events) = (items[0].is_readable(), items[1].is_readable());
-        if messages {
-            dispatcher.receive_burst(socket, BURST, source, None, &warn, |_| {});
-        }
-        if events {
-            for event in zmq_io::drain_monitor(monitor) {
-                match event.event {
-                    zmq::SocketEvent::ACCEPTED => dispatcher.connection_opened(),
-                    zmq::SocketEvent::DISCONNECTED => dispatcher.connection_closed(),
-                    _ => {}
+        // Connection events first: a message from a connection accepted on
+        // a reused fd must not be taken for the closed one's.
+        for event in zmq_io::drain_monitor(monitor) {
+            match event.event {
+                zmq::SocketEvent::ACCEPTED => {
+                    dispatcher.connection_opened();
+                    conns.accepted(i64::from(event.value));
                 }
+                zmq::SocketEvent::DISCONNECTED => {
+                    dispatcher.connection_closed();
+                    if let Some(conn) = conns.closed(i64::from(event.value)) {
+                        dispatcher.connection(conn, false);
+                    }
+                }
+                _ => {}
             }
         }
+        dispatcher.receive_burst(
+            socket,
+            BURST,
+            source,
+            Source::Bound(&mut conns),
+            &warn,
+            |_| {},
+        );
     }
 }
 
@@ -408,18 +559,18 @@ mod tests {
     #[test]
     fn frame_shape_is_checked() {
         let seq = 7u64.to_be_bytes();
-        let ok = check_frames(msg(vec![b"kv@p@m", &seq, b"x"])).unwrap();
-        assert_eq!(ok.seq, 7);
+        let check = |frames| check_frames(frames, 1, 4).map(|(f, _)| f.seq);
+        assert_eq!(check(msg(vec![b"kv@p@m", &seq, b"x"])), Ok(7));
         assert_eq!(
-            check_frames(msg(vec![b"kv@p@m", &seq])).err(),
+            check(msg(vec![b"kv@p@m", &seq])).err(),
             Some(FrameProblem::FrameCount)
         );
         assert_eq!(
-            check_frames(msg(vec![b"kv@p@m", b"1234", b"x"])).err(),
+            check(msg(vec![b"kv@p@m", b"1234", b"x"])).err(),
             Some(FrameProblem::Seq)
         );
         assert_eq!(
-            check_frames(msg(vec![b"kv-pod-model", &seq, b"x"])).err(),
+            check(msg(vec![b"kv-pod-model", &seq, b"x"])).err(),
             Some(FrameProblem::Topic)
         );
     }

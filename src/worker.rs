@@ -1,31 +1,33 @@
-//! An ingest worker: decodes the batches of the pods hashed to it and
-//! applies them in seq order, repairing gaps through the pods' replay
-//! sockets.
+//! An ingest worker: the single writer of the pods hashed to it.
 //!
-//! Per stream (topic and DP rank) the worker knows the next seq it expects.
-//! A batch further ahead (a gap: ZeroMQ PUB drops on overflow), or a first
-//! batch with seq > 0 (the indexer started after the pod), starts a repair
-//! when the pod's replay endpoint is known: live batches are buffered, the
-//! missing range is fetched (bounded retries with backoff), replayed and
-//! buffered batches are merged by seq and applied once each, in order. What
-//! the pod's buffer no longer has is counted and the pod marked incomplete.
-//! Without a replay endpoint, batches are applied as they come and gaps are
-//! counted.
+//! Everything that changes one of its pods reaches it as a [`Work`] message
+//! on its queue: live batches, catch-ups and replay replies, connections
+//! going up or down, `RemovePod`, capacity eviction asked by another worker,
+//! pods restored from a snapshot to look after. Per stream (topic and DP
+//! rank) it keeps an [`indexer::stream::Stream`], the pure state machine
+//! that holds every seq and lifecycle rule; the worker feeds it and executes
+//! the actions it returns (apply, restart, fetch a replay, flag incomplete,
+//! forget the pod). No other thread writes these pods.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use indexer::event::EventBatch;
+use indexer::stream::{Action, Input, Note, Numbered, Stream as StreamMachine, StreamLimits};
 use indexer::topic::parse_topic;
 use indexer::wire::decode_batch;
-use indexer::{Indexer, Pod};
+use indexer::{Connection, Indexer, Pod, StreamCount};
 
 use crate::metrics::Metrics;
 use crate::ratelimit::RateLimited;
 use crate::replay::{self, Replayed};
+
+/// One connection (a dialed socket, or a pod's connection to the bind
+/// socket); never reused within a process.
+pub type ConnId = u64;
 
 /// A message that passed the shape checks, on its way to a worker.
 pub struct Frame {
@@ -34,12 +36,13 @@ pub struct Frame {
     pub payload: Bytes,
     /// The replay endpoint of the socket it came from (dial mode).
     pub replay: Option<Arc<str>>,
+    pub conn: ConnId,
 }
 
 pub enum Work {
     Live(Frame),
-    /// A dialed pod's replay buffer, fetched when the connection came up:
-    /// catch-up before (or without) any live batch.
+    /// A dialed pod's replay buffer for `topic`, fetched when its
+    /// connection came up (possibly empty: the stream checks that too).
     CatchUp {
         topic: Bytes,
         replay: Arc<str>,
@@ -47,24 +50,31 @@ pub enum Work {
     },
     Replayed {
         stream: StreamKey,
-        attempt: u32,
+        ticket: u32,
         result: Result<Vec<Replayed>, String>,
     },
+    /// Sent to every worker: a connection went up or down.
+    Connection {
+        conn: ConnId,
+        up: bool,
+    },
+    /// `RemovePod`: forget every DP rank of the pod; answers (cache
+    /// domains removed, blocks they held).
+    Remove {
+        model: String,
+        pod: String,
+        reply: tokio::sync::oneshot::Sender<(usize, u64)>,
+    },
+    /// Another worker found the index over capacity with this worker's pod
+    /// the largest.
+    Evict,
+    /// A pod restored from a snapshot: looked after (and forgotten after
+    /// `--pod-expiry` if it never comes back) like any other.
+    Adopt(Arc<Pod>),
 }
 
 /// A pod's topic and DP rank: one seq space.
 pub type StreamKey = (Bytes, Option<u32>);
-
-/// Live batches held per stream while its gap is repaired: vLLM's replay
-/// buffer holds 10,000 batches by default, so more could not be replayed
-/// either.
-const MAX_BUFFERED: usize = 10_000;
-
-/// Replay fetches per repair before giving up on the missing range.
-const MAX_ATTEMPTS: u32 = 4;
-/// Replay rounds per repair (each covers up to what the pod had published
-/// when it answered) before missing seqs are taken as lost.
-const MAX_ROUNDS: u32 = 8;
 
 pub struct WorkerConfig {
     /// Replay endpoints for pods that connect to us (bind mode), by pod name.
@@ -75,27 +85,35 @@ pub struct WorkerConfig {
     pub limits: crate::zmq_io::ReceiveLimits,
     /// Replay fetches in flight at once, process-wide.
     pub replay_slots: Arc<tokio::sync::Semaphore>,
+    pub stream_limits: StreamLimits,
+    /// Every worker's queue of event batches, by index: a pod's owner is
+    /// `owner(..)`.
+    pub workers: Arc<Vec<flume::Sender<Work>>>,
+    /// Every worker's control queue (replay replies, connection changes,
+    /// `RemovePod`, eviction requests, adoptions): served before the
+    /// batches, so an eviction asked of a worker does not wait behind
+    /// thousands of queued batches while every writer keeps storing.
+    pub control: Arc<Vec<flume::Sender<Work>>>,
+    /// Set while an eviction request waits in some worker's queue: one at a
+    /// time, not one per batch applied over capacity.
+    pub evict_pending: Arc<AtomicBool>,
+}
+
+/// The worker that owns a pod: all topics and DP ranks of one pod land on
+/// the same one (a pod has one writer).
+pub fn owner(pod: &str, model: &str, workers: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (pod, model).hash(&mut h);
+    (h.finish() % workers.max(1) as u64) as usize
 }
 
 struct Stream {
     pod: Arc<Pod>,
     replay: Option<Arc<str>>,
-    /// The next seq expected; `None` before the first batch.
-    next: Option<u64>,
-    repair: Option<Repair>,
-    /// Replay applied batches up to here that may still arrive live: live
-    /// copies at or below it are duplicates, not a publisher restart.
-    stale_upto: Option<u64>,
-}
-
-struct Repair {
-    from: u64,
-    attempt: u32,
-    /// Replay rounds so far: a reply only covers what the pod had published
-    /// when it answered, so live batches past it may need another round.
-    round: u32,
-    /// Live batches that arrived meanwhile.
-    buffered: BTreeMap<u64, EventBatch>,
+    machine: StreamMachine<EventBatch>,
+    /// The connection its last live batch came on.
+    conn: Option<ConnId>,
 }
 
 pub struct Worker<'a> {
@@ -103,15 +121,25 @@ pub struct Worker<'a> {
     metrics: &'a Metrics,
     config: &'a WorkerConfig,
     runtime: tokio::runtime::Handle,
-    /// To send replay results back to this worker.
-    tx: flume::Sender<Work>,
+    /// This worker's index in `config.workers`.
+    index: usize,
     streams: HashMap<StreamKey, Stream>,
+    /// Streams by the connection they arrive on.
+    by_conn: HashMap<ConnId, HashSet<StreamKey>>,
+    /// Streams by pod id (a pod may be fed by more than one topic spelling
+    /// and has one stream per DP rank's id): what `RemovePod` and expiry
+    /// look up, in O(the pod's streams).
+    by_pod: HashMap<u32, Vec<StreamKey>>,
+    actions: Vec<Action<EventBatch>>,
     warn: RateLimited,
     refused_warn: RateLimited,
     /// A fleet's first minute logs every pod; a flood of names must not.
     new_pod_log: RateLimited,
-    mismatch_warned: HashSet<u32>,
+    mismatch_warned: HashSet<String>,
 }
+
+/// How often streams are checked for expiry.
+const TICK: Duration = Duration::from_secs(1);
 
 impl<'a> Worker<'a> {
     pub fn new(
@@ -119,15 +147,18 @@ impl<'a> Worker<'a> {
         metrics: &'a Metrics,
         config: &'a WorkerConfig,
         runtime: tokio::runtime::Handle,
-        tx: flume::Sender<Work>,
+        index: usize,
     ) -> Self {
         Worker {
             indexer,
             metrics,
             config,
             runtime,
-            tx,
+            index,
             streams: HashMap::new(),
+            by_conn: HashMap::new(),
+            by_pod: HashMap::new(),
+            actions: Vec::new(),
             warn: RateLimited::new(Duration::from_secs(10)),
             refused_warn: RateLimited::new(Duration::from_secs(10)),
             new_pod_log: RateLimited::new(Duration::from_millis(100)),
@@ -135,11 +166,18 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// Runs until `stop` is set and the queue is drained. (`self.tx` keeps
-    /// the channel open for replay results, so closing alone cannot end it.)
-    /// `dead` is set if the thread ends any other way (a panic outside the
-    /// supervised apply): readiness and gRPC health then report it.
-    pub fn run(mut self, rx: flume::Receiver<Work>, stop: &AtomicBool, dead: &AtomicBool) {
+    /// Runs until `stop` is set and the queue is drained. (Every worker
+    /// holds the senders of all queues, for replay results and eviction
+    /// requests, so closing alone cannot end it.) `dead` is set if the
+    /// thread ends any other way (a panic outside the supervised apply):
+    /// readiness and gRPC health then report it.
+    pub fn run(
+        mut self,
+        rx: flume::Receiver<Work>,
+        control: flume::Receiver<Work>,
+        stop: &AtomicBool,
+        dead: &AtomicBool,
+    ) {
         struct Watch<'a>(&'a AtomicBool, &'a AtomicBool);
         impl Drop for Watch<'_> {
             fn drop(&mut self) {
@@ -149,30 +187,68 @@ impl<'a> Worker<'a> {
             }
         }
         let _watch = Watch(stop, dead);
-        self.serve(&rx, stop);
+        self.serve(&rx, &control, stop);
     }
 
-    fn serve(&mut self, rx: &flume::Receiver<Work>, stop: &AtomicBool) {
+    fn serve(
+        &mut self,
+        rx: &flume::Receiver<Work>,
+        control: &flume::Receiver<Work>,
+        stop: &AtomicBool,
+    ) {
+        let mut last_tick = Instant::now();
         loop {
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(Work::Live(frame)) => self.live(frame),
-                Ok(Work::CatchUp {
-                    topic,
-                    replay,
-                    items,
-                }) => self.catch_up(topic, replay, items),
-                Ok(Work::Replayed {
-                    stream,
-                    attempt,
-                    result,
-                }) => self.replayed(stream, attempt, result),
-                Err(flume::RecvTimeoutError::Disconnected) => return,
-                Err(flume::RecvTimeoutError::Timeout) => {}
+            while let Ok(work) = control.try_recv() {
+                self.handle(work);
             }
-            if stop.load(Ordering::Relaxed) && rx.is_empty() {
+            let next = flume::Selector::new()
+                .recv(control, |r| r)
+                .recv(rx, |r| r)
+                .wait_timeout(Duration::from_millis(100));
+            match next {
+                Ok(Ok(work)) => self.handle(work),
+                // Both queues' senders are held by every worker: only
+                // shutdown ends them.
+                Ok(Err(flume::RecvError::Disconnected)) => return,
+                Err(_) => {}
+            }
+            if last_tick.elapsed() >= TICK {
+                last_tick = Instant::now();
+                self.tick();
+            }
+            if stop.load(Ordering::Relaxed) && rx.is_empty() && control.is_empty() {
                 return;
             }
         }
+    }
+
+    fn handle(&mut self, work: Work) {
+        match work {
+            Work::Live(frame) => self.live(frame),
+            Work::CatchUp {
+                topic,
+                replay,
+                items,
+            } => self.catch_up(&topic, &replay, items),
+            Work::Replayed {
+                stream,
+                ticket,
+                result,
+            } => self.replayed(stream, ticket, result),
+            Work::Connection { conn, up } => self.connection(conn, up),
+            Work::Remove { model, pod, reply } => {
+                let _ = reply.send(self.remove(&model, &pod, "removed by admin"));
+            }
+            Work::Evict => {
+                self.config.evict_pending.store(false, Ordering::Relaxed);
+                self.enforce_capacity();
+            }
+            Work::Adopt(pod) => self.adopt(pod),
+        }
+    }
+
+    fn owns(&self, pod: &Pod) -> bool {
+        owner(&pod.topic_pod, &pod.model, self.config.workers.len()) == self.index
     }
 
     fn decode(&self, topic: &Bytes, seq: u64, payload: &[u8]) -> Option<EventBatch> {
@@ -189,66 +265,186 @@ impl<'a> Worker<'a> {
         }
     }
 
+    fn numbered(&self, topic: &Bytes, seq: u64, payload: &[u8]) -> Option<Numbered<EventBatch>> {
+        let batch = self.decode(topic, seq, payload)?;
+        Some(Numbered {
+            seq,
+            fingerprint: xxhash_rust::xxh3::xxh3_64(payload),
+            batch,
+        })
+    }
+
     fn live(&mut self, frame: Frame) {
-        let Some(batch) = self.decode(&frame.topic, frame.seq, &frame.payload) else {
+        let Some(batch) = self.numbered(&frame.topic, frame.seq, &frame.payload) else {
             return;
         };
-        let key = (frame.topic.clone(), batch.data_parallel_rank);
-        let seq = frame.seq;
-        let Some(stream) = self.stream_entry(&key, frame.replay) else {
-            return;
-        };
-        if let Some(repair) = &mut stream.repair {
-            // A replay endpoint that stalls must not make us hold its live
-            // batches without limit: past vLLM's own replay buffer size,
-            // later ones are dropped (the next repair round asks for them).
-            if repair.buffered.len() >= MAX_BUFFERED {
-                self.metrics.messages_dropped.inc();
-                return;
-            }
-            repair.buffered.insert(seq, batch);
+        let key = (frame.topic.clone(), batch.batch.data_parallel_rank);
+        let now = Instant::now();
+        if self.stream_entry(&key, frame.replay, now).is_none() {
             return;
         }
-        match stream.stale_upto {
-            Some(upto) if seq <= upto => return, // already applied from replay
-            Some(_) => stream.stale_upto = None,
-            None => {}
-        }
-        let gap_from = match stream.next {
-            None if seq > 0 => Some(0),
-            Some(next) if seq > next => Some(next),
-            _ => None,
+        self.attach(&key, frame.conn, now);
+        self.feed(&key, Input::Live(batch), now);
+    }
+
+    /// Records that `key` arrives on `conn`; a stream that moved to a new
+    /// connection is up again.
+    fn attach(&mut self, key: &StreamKey, conn: ConnId, now: Instant) {
+        let Some(stream) = self.streams.get_mut(key) else {
+            return;
         };
-        match (gap_from, stream.replay.clone()) {
-            (Some(from), Some(endpoint)) => {
-                let mut buffered = BTreeMap::new();
-                buffered.insert(seq, batch);
-                stream.repair = Some(Repair {
-                    from,
-                    attempt: 1,
-                    round: 1,
-                    buffered,
-                });
-                tracing::info!(pod = %stream.pod.name, from, to = seq, %endpoint, "seq gap: requesting replay");
-                self.metrics.replays_requested.inc();
-                self.fetch(key, endpoint, from, 1, Duration::ZERO);
+        if stream.conn == Some(conn) && stream.machine.connected() {
+            return;
+        }
+        if let Some(old) = stream.conn.replace(conn) {
+            if old != conn {
+                if let Some(keys) = self.by_conn.get_mut(&old) {
+                    keys.remove(key);
+                    if keys.is_empty() {
+                        self.by_conn.remove(&old);
+                    }
+                }
             }
-            _ => self.apply(&key, seq, &batch),
+        }
+        self.by_conn.entry(conn).or_default().insert(key.clone());
+        stream.pod.set_connection(Connection::Connected);
+        self.feed(key, Input::Connection { up: true }, now);
+    }
+
+    /// Feeds one input to a stream and executes what it returns.
+    fn feed(&mut self, key: &StreamKey, input: Input<EventBatch>, now: Instant) {
+        let mut actions = std::mem::take(&mut self.actions);
+        if let Some(stream) = self.streams.get_mut(key) {
+            stream.machine.handle(input, now, &mut actions);
+        }
+        let applied = actions.iter().any(|a| matches!(a, Action::Apply { .. }));
+        for action in actions.drain(..) {
+            self.execute(key, action);
+        }
+        self.actions = actions;
+        if applied {
+            self.enforce_capacity();
         }
     }
 
-    /// The stream for `key`, created for a new pod; a pod removed (by an
-    /// admin, or expired) meanwhile starts over as a new pod. `None` when
-    /// a bound refuses the pod.
-    fn stream_entry(&mut self, key: &StreamKey, replay: Option<Arc<str>>) -> Option<&mut Stream> {
-        if self.streams.get(key).is_some_and(|s| s.pod.is_removed()) {
-            self.streams.remove(key);
+    fn execute(&mut self, key: &StreamKey, action: Action<EventBatch>) {
+        let Some(stream) = self.streams.get(key) else {
+            return;
+        };
+        let pod = stream.pod.clone();
+        match action {
+            Action::Apply { seq, batch } => self.apply(key, &pod, seq, &batch),
+            Action::Restart => {
+                tracing::info!(pod = %pod.name, model = %pod.model, "publisher restarted: its blocks are dropped");
+                self.indexer.restart_pod(&pod);
+            }
+            Action::Lost { missing } => {
+                // A gap left in the applied seqs (repaired ones leave none).
+                self.indexer.count_stream(&pod, StreamCount::Gap);
+                self.metrics.unrecoverable_gaps.inc();
+                self.indexer.mark_incomplete(&pod, missing);
+                tracing::warn!(pod = %pod.name, missing, "batches lost for good: this pod's answers may be incomplete");
+            }
+            Action::Unverified => {
+                self.indexer.mark_incomplete(&pod, 0);
+                tracing::warn!(pod = %pod.name, "the pod's replay buffer no longer holds our last batch: whether it restarted cannot be told; its answers may be wrong until it does");
+            }
+            Action::Fetch {
+                from,
+                ticket,
+                delay,
+            } => match stream.replay.clone() {
+                Some(endpoint) => {
+                    self.metrics.replays_requested.inc();
+                    self.fetch(key.clone(), endpoint, from, ticket, delay);
+                }
+                // Cannot happen (only replayable streams fetch); a reply
+                // that never comes would leave the repair pending.
+                None => self.feed(
+                    key,
+                    Input::Replayed {
+                        ticket,
+                        result: Err("no replay endpoint".into()),
+                    },
+                    Instant::now(),
+                ),
+            },
+            Action::Forget => {
+                tracing::info!(pod = %pod.name, model = %pod.model, "pod expired: disconnected and silent for --pod-expiry; forgotten with its blocks");
+                self.forget(key);
+            }
+            Action::Note(note) => self.note(&pod, note),
         }
+    }
+
+    fn note(&self, pod: &Pod, note: Note) {
+        match note {
+            Note::Gap { from, to } => {
+                tracing::debug!(pod = %pod.name, from, to, "seq gap");
+            }
+            Note::Duplicate => self.indexer.count_stream(pod, StreamCount::Duplicate),
+            Note::BufferFull => {
+                self.metrics.messages_dropped.inc();
+            }
+            Note::ReplayRetry { attempt } => {
+                tracing::warn!(pod = %pod.name, attempt, "replay failed; retrying")
+            }
+            Note::ReplayFailed => tracing::warn!(pod = %pod.name, "replay failed for good"),
+            Note::Replayed { batches } => {
+                self.metrics.replay_batches.inc_by(batches);
+            }
+            Note::NextRound { from, round } => {
+                tracing::info!(pod = %pod.name, from, round, "replay reply ended before the gap: asking again")
+            }
+        }
+    }
+
+    fn insert_stream(&mut self, key: StreamKey, stream: Stream) {
+        self.by_pod
+            .entry(stream.pod.id.0)
+            .or_default()
+            .push(key.clone());
+        self.streams.insert(key, stream);
+    }
+
+    fn remove_stream(&mut self, key: &StreamKey) -> Option<Stream> {
+        let stream = self.streams.remove(key)?;
+        if let Some(conn) = stream.conn {
+            if let Some(keys) = self.by_conn.get_mut(&conn) {
+                keys.remove(key);
+                if keys.is_empty() {
+                    self.by_conn.remove(&conn);
+                }
+            }
+        }
+        if let Some(keys) = self.by_pod.get_mut(&stream.pod.id.0) {
+            keys.retain(|k| k != key);
+            if keys.is_empty() {
+                self.by_pod.remove(&stream.pod.id.0);
+            }
+        }
+        Some(stream)
+    }
+
+    /// The stream for `key`, created for a new pod. `None` when a bound
+    /// refuses the pod.
+    fn stream_entry(
+        &mut self,
+        key: &StreamKey,
+        replay: Option<Arc<str>>,
+        now: Instant,
+    ) -> Option<&mut Stream> {
         if !self.streams.contains_key(key) {
-            let stream = self.stream_for(&key.0, replay, key.1)?;
-            self.streams.insert(key.clone(), stream);
+            let stream = self.stream_for(&key.0, replay.clone(), key.1, now)?;
+            self.insert_stream(key.clone(), stream);
         }
-        self.streams.get_mut(key)
+        let stream = self.streams.get_mut(key)?;
+        // A dialed pod's socket knows its replay endpoint.
+        if stream.replay.is_none() && replay.is_some() {
+            stream.replay = replay;
+            stream.machine.set_replayable(true);
+        }
+        Some(stream)
     }
 
     /// A stream for a new pod, or `None` (counted, logged at most once per
@@ -259,6 +455,7 @@ impl<'a> Worker<'a> {
         raw_topic: &Bytes,
         replay: Option<Arc<str>>,
         rank: Option<u32>,
+        now: Instant,
     ) -> Option<Stream> {
         // Checked by the receive loop.
         let topic = parse_topic(raw_topic).ok()?;
@@ -279,17 +476,126 @@ impl<'a> Worker<'a> {
                 .map(|e| Arc::from(e.as_str()))
         });
         // A pod restored from a snapshot continues after its last seq.
-        let next = self.indexer.last_seq(&pod).map(|s| s.wrapping_add(1));
+        let upto = self.indexer.last_seq(&pod);
         self.new_pod_log.warn(|suppressed| {
-            tracing::info!(pod = %pod.name, model = %pod.model, replay = ?replay, ?next, suppressed, "new pod")
+            tracing::info!(pod = %pod.name, model = %pod.model, replay = ?replay, ?upto, suppressed, "new pod")
         });
         Some(Stream {
+            machine: StreamMachine::new(self.config.stream_limits, replay.is_some(), upto, now),
             pod,
             replay,
-            next,
-            repair: None,
-            stale_upto: None,
+            conn: None,
         })
+    }
+
+    /// A pod restored from a snapshot, not heard from yet: disconnected
+    /// until it publishes.
+    fn adopt(&mut self, pod: Arc<Pod>) {
+        let topic = Bytes::from(format!("kv@{}@{}", pod.topic_pod, pod.model));
+        let key = (topic, pod.dp_rank);
+        if self.streams.contains_key(&key) {
+            return;
+        }
+        let now = Instant::now();
+        let replay = self
+            .config
+            .replay_endpoints
+            .get(&pod.topic_pod)
+            .map(|e| Arc::from(e.as_str()));
+        let mut machine = StreamMachine::new(
+            self.config.stream_limits,
+            replay.is_some(),
+            self.indexer.last_seq(&pod),
+            now,
+        );
+        machine.handle(Input::Connection { up: false }, now, &mut Vec::new());
+        pod.set_connection(Connection::Disconnected);
+        self.insert_stream(
+            key,
+            Stream {
+                pod,
+                replay,
+                machine,
+                conn: None,
+            },
+        );
+    }
+
+    fn connection(&mut self, conn: ConnId, up: bool) {
+        let Some(keys) = self.by_conn.get(&conn) else {
+            return;
+        };
+        let keys: Vec<StreamKey> = keys.iter().cloned().collect();
+        let now = Instant::now();
+        for key in keys {
+            if let Some(stream) = self.streams.get(&key) {
+                stream.pod.set_connection(if up {
+                    Connection::Connected
+                } else {
+                    Connection::Disconnected
+                });
+            }
+            self.feed(&key, Input::Connection { up }, now);
+        }
+    }
+
+    fn tick(&mut self) {
+        if self.config.stream_limits.expiry.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        let keys: Vec<StreamKey> = self
+            .streams
+            .iter()
+            .filter(|(_, s)| !s.machine.connected())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in keys {
+            self.feed(&key, Input::Tick, now);
+        }
+    }
+
+    /// Drops a stream and, unless another stream of this worker feeds the
+    /// same pod, the pod.
+    fn forget(&mut self, key: &StreamKey) {
+        let Some(stream) = self.remove_stream(key) else {
+            return;
+        };
+        if !self.by_pod.contains_key(&stream.pod.id.0) {
+            self.indexer.remove_pod(&stream.pod);
+        }
+    }
+
+    /// Forgets every DP rank of `pod`; returns (domains, blocks they held).
+    fn remove(&mut self, model: &str, pod: &str, why: &str) -> (usize, u64) {
+        let domains = self.indexer.pod_domains(model, pod);
+        let mut blocks = 0;
+        for domain in &domains {
+            for key in self.by_pod.get(&domain.id.0).cloned().unwrap_or_default() {
+                self.remove_stream(&key);
+            }
+            blocks += self.indexer.remove_pod(domain).unwrap_or(0);
+        }
+        tracing::info!(%model, %pod, domains = domains.len(), blocks, why, "pod removed");
+        (domains.len(), blocks)
+    }
+
+    /// Over capacity: evicts from this worker's pods, or asks the worker
+    /// that owns the largest pod (one request in flight at a time).
+    fn enforce_capacity(&self) {
+        let Some((victim, _)) = self.indexer.enforce_capacity(|p| self.owns(p)) else {
+            return;
+        };
+        if self.config.evict_pending.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let to = owner(&victim.topic_pod, &victim.model, self.config.workers.len());
+        // Never wait on another worker's queue (two full queues waiting on
+        // each other would freeze both): a full one is asked again at the
+        // next batch applied.
+        if self.config.control[to].try_send(Work::Evict).is_err() {
+            self.config.evict_pending.store(false, Ordering::Relaxed);
+        }
     }
 
     fn fetch(
@@ -297,10 +603,10 @@ impl<'a> Worker<'a> {
         stream: StreamKey,
         endpoint: Arc<str>,
         from: u64,
-        attempt: u32,
+        ticket: u32,
         delay: Duration,
     ) {
-        let tx = self.tx.clone();
+        let tx = self.config.control[self.index].clone();
         let timeout = self.config.replay_timeout;
         let (context, limits) = (self.config.context.clone(), self.config.limits);
         let slots = self.config.replay_slots.clone();
@@ -321,207 +627,76 @@ impl<'a> Worker<'a> {
             let _ = tx
                 .send_async(Work::Replayed {
                     stream,
-                    attempt,
+                    ticket,
                     result,
                 })
                 .await;
         });
     }
 
-    /// A connection's catch-up: the pod's buffered batches for `topic`,
-    /// applied from where each stream stands (seq 0, or after its snapshot
-    /// seq). A stream under repair takes them as extra buffered batches.
-    fn catch_up(&mut self, topic: Bytes, replay: Arc<str>, items: Vec<Replayed>) {
-        let mut by_stream: BTreeMap<Option<u32>, BTreeMap<u64, EventBatch>> = BTreeMap::new();
+    /// A connection's catch-up: the pod's buffered batches for `topic`, by
+    /// DP rank; streams of the topic the buffer has nothing for get an
+    /// empty one (which still tells whether the pod restarted).
+    fn catch_up(&mut self, topic: &Bytes, replay: &Arc<str>, items: Vec<Replayed>) {
+        let mut by_rank: HashMap<Option<u32>, Vec<Numbered<EventBatch>>> = HashMap::new();
         for item in items {
-            if item.topic.as_ref().is_some_and(|t| *t != topic) {
+            if item.topic.as_ref().is_some_and(|t| t != topic) {
                 continue;
             }
-            if let Some(batch) = self.decode(&topic, item.seq, &item.payload) {
-                by_stream
-                    .entry(batch.data_parallel_rank)
+            if let Some(b) = self.numbered(topic, item.seq, &item.payload) {
+                by_rank
+                    .entry(b.batch.data_parallel_rank)
                     .or_default()
-                    .insert(item.seq, batch);
+                    .push(b);
             }
         }
-        for (rank, batches) in by_stream {
+        for key in self.streams.keys().filter(|k| k.0 == topic) {
+            by_rank.entry(key.1).or_default();
+        }
+        let now = Instant::now();
+        for (rank, batches) in by_rank {
             let key = (topic.clone(), rank);
-            let Some(stream) = self.stream_entry(&key, Some(replay.clone())) else {
-                continue;
-            };
-            if let Some(repair) = &mut stream.repair {
-                for (seq, batch) in batches {
-                    repair.buffered.entry(seq).or_insert(batch);
-                }
+            if batches.is_empty() && !self.streams.contains_key(&key) {
                 continue;
             }
-            let mut from = stream.next.unwrap_or(0);
-            // Every buffered seq below what we already applied: the pod
-            // restarted (a reconnect often means that) and its new run
-            // starts again at 0. Apply it from its start; the index sees
-            // the seq go back and drops the old run's blocks first.
-            if batches
-                .keys()
-                .next_back()
-                .is_some_and(|&newest| newest.saturating_add(1) < from)
-            {
-                tracing::info!(pod = %stream.pod.name, from, "replay buffer is behind what was applied: the pod restarted");
-                from = batches.keys().next().copied().unwrap_or(0);
+            if self.stream_entry(&key, Some(replay.clone()), now).is_none() {
+                continue;
             }
-            let applied = batches.range(from..).count() as u64;
-            let (missing, last) = self.apply_from(&key, from, batches.into_iter());
-            self.metrics.replay_batches.inc_by(applied);
-            if let Some(stream) = self.streams.get_mut(&key) {
-                stream.stale_upto = last;
-                tracing::info!(pod = %stream.pod.name, from, applied, missing, "caught up from the replay buffer");
+            let applied_before = self.metrics.replay_batches.get();
+            self.feed(&key, Input::CatchUp(batches), now);
+            if let Some(stream) = self.streams.get(&key) {
+                let applied = self.metrics.replay_batches.get() - applied_before;
+                tracing::info!(pod = %stream.pod.name, applied, "caught up from the replay buffer");
             }
         }
     }
 
-    fn replayed(&mut self, key: StreamKey, attempt: u32, result: Result<Vec<Replayed>, String>) {
-        let Some(stream) = self.streams.get_mut(&key) else {
+    fn replayed(&mut self, key: StreamKey, ticket: u32, result: Result<Vec<Replayed>, String>) {
+        if !self.streams.contains_key(&key) {
             return;
-        };
-        let Some(repair) = stream.repair.as_mut().filter(|r| r.attempt == attempt) else {
-            return;
-        };
-        let items = match result {
-            Ok(items) => items,
-            Err(e) if attempt < MAX_ATTEMPTS => {
-                let delay = Duration::from_millis(200) * 2u32.pow(attempt - 1);
-                tracing::warn!(pod = %stream.pod.name, attempt, error = %e, retry_in = ?delay, "replay failed; retrying");
-                repair.attempt += 1;
-                let (endpoint, from) = (stream.replay.clone(), repair.from);
-                if let Some(endpoint) = endpoint {
-                    self.fetch(key, endpoint, from, attempt + 1, delay);
-                }
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(pod = %stream.pod.name, error = %e, "replay failed for good");
-                Vec::new()
-            }
-        };
-        let Some(repair) = stream.repair.take() else {
-            return;
-        };
-        // Replayed batches past the newest buffered live one are still on
-        // their way live; applying them now would make their live copies
-        // look like a publisher restart.
-        let upto = repair
-            .buffered
-            .keys()
-            .next_back()
-            .copied()
-            .unwrap_or(repair.from);
-        let mut merged: BTreeMap<u64, EventBatch> = BTreeMap::new();
-        // The newest seq the pod had when it answered: gaps up to it are
-        // really gone from its buffer; gaps past it were just not published
-        // yet at that moment.
-        let mut covered = None;
-        for item in items {
-            if item.topic.as_ref().is_some_and(|t| *t != key.0) {
-                continue;
-            }
-            covered = covered.max(Some(item.seq));
-            if item.seq < repair.from || item.seq > upto {
-                continue;
-            }
-            if let Some(batch) = self.decode(&key.0, item.seq, &item.payload) {
-                if batch.data_parallel_rank == key.1 {
-                    merged.insert(item.seq, batch);
-                }
+        }
+        let result = result.map(|items| {
+            items
+                .into_iter()
+                .filter(|item| item.topic.as_ref().is_none_or(|t| *t == key.0))
+                .filter_map(|item| self.numbered(&key.0, item.seq, &item.payload))
+                .filter(|b| b.batch.data_parallel_rank == key.1)
+                .collect()
+        });
+        if let Err(e) = &result {
+            if let Some(stream) = self.streams.get(&key) {
+                tracing::debug!(pod = %stream.pod.name, error = %e, "replay fetch failed");
             }
         }
-        let recovered = merged.len() as u64;
-        for (seq, batch) in repair.buffered {
-            merged.entry(seq).or_insert(batch);
-        }
-        self.metrics.replay_batches.inc_by(recovered);
-        // Apply up to the first gap past the reply's coverage; from there,
-        // ask again (a bounded number of rounds).
-        let covered = covered.unwrap_or(repair.from.saturating_sub(1));
-        let mut expected = repair.from;
-        let split = merged
-            .keys()
-            .find(|&&seq| {
-                let uncovered_gap = seq > expected && expected > covered;
-                expected = seq + 1;
-                uncovered_gap
-            })
-            .copied();
-        let (now, later) = match split {
-            Some(at) if repair.round < MAX_ROUNDS => {
-                let later = merged.split_off(&at);
-                (merged, Some(later))
-            }
-            _ => (merged, None),
-        };
-        let (missing, last) = self.apply_from(&key, repair.from, now.into_iter());
-        match later {
-            Some(buffered) => {
-                let from = last.map_or(repair.from, |l| l + 1);
-                let Some(stream) = self.streams.get_mut(&key) else {
-                    return;
-                };
-                stream.repair = Some(Repair {
-                    from,
-                    attempt: 1,
-                    round: repair.round + 1,
-                    buffered,
-                });
-                tracing::info!(pod = %stream.pod.name, from, round = repair.round + 1, "replay reply ended before the gap: asking again");
-                self.metrics.replays_requested.inc();
-                if let Some(endpoint) = stream.replay.clone() {
-                    self.fetch(key, endpoint, from, 1, Duration::ZERO);
-                }
-            }
-            None => {
-                if let (Some(stream), 0) = (self.streams.get(&key), missing) {
-                    tracing::info!(pod = %stream.pod.name, recovered, "seq gap repaired");
-                }
-            }
-        }
+        self.feed(&key, Input::Replayed { ticket, result }, Instant::now());
     }
 
-    /// Applies `batches` (sorted by seq) from seq `from` on, in order. Seqs
-    /// missing from that range are lost for good: counted, and the pod is
-    /// flagged incomplete. Returns (missing, last seq applied).
-    fn apply_from(
-        &mut self,
-        key: &StreamKey,
-        from: u64,
-        batches: impl Iterator<Item = (u64, EventBatch)>,
-    ) -> (u64, Option<u64>) {
-        let mut expected = from;
-        let (mut missing, mut last) = (0, None);
-        for (seq, batch) in batches.filter(|(seq, _)| *seq >= from) {
-            missing += seq - expected;
-            self.apply(key, seq, &batch);
-            expected = seq + 1;
-            last = Some(seq);
-        }
-        if missing > 0 {
-            if let Some(stream) = self.streams.get(key) {
-                self.metrics.unrecoverable_gaps.inc();
-                self.indexer.mark_incomplete(&stream.pod, missing);
-                tracing::warn!(pod = %stream.pod.name, missing, "batches lost for good: this pod's answers may be incomplete");
-            }
-        }
-        (missing, last)
-    }
-
-    fn apply(&mut self, key: &StreamKey, seq: u64, batch: &EventBatch) {
-        let Some(stream) = self.streams.get_mut(key) else {
-            return;
-        };
-        stream.next = Some(seq.wrapping_add(1));
-        let pod = stream.pod.clone();
+    fn apply(&mut self, key: &StreamKey, pod: &Arc<Pod>, seq: u64, batch: &EventBatch) {
         // Supervised: a bug that panics on one batch costs that pod its
         // state (reset, flagged incomplete), never the worker and the
         // other pods it serves.
         let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.indexer.apply(&pod, seq, batch)
+            self.indexer.apply(pod, seq, batch)
         }));
         let stats = match applied {
             Ok(stats) => stats,
@@ -529,19 +704,19 @@ impl<'a> Worker<'a> {
                 self.metrics.ingest_panics.inc();
                 tracing::error!(pod = %pod.name, model = %pod.model, seq, "applying a batch panicked: the pod is reset and flagged incomplete");
                 let reset = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    self.indexer.reset_pod(&pod)
+                    self.indexer.reset_pod(pod)
                 }));
                 if reset.is_err() {
                     tracing::error!(pod = %pod.name, "resetting the pod panicked too: removing it");
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        self.indexer.remove_pod(&pod.model, &pod.name)
+                        self.indexer.remove_pod(pod)
                     }));
-                    self.streams.remove(key);
+                    self.remove_stream(key);
                 }
                 return;
             }
         };
-        if stats.engine_hash_mismatches > 0 && self.mismatch_warned.insert(pod.id.0) {
+        if stats.engine_hash_mismatches > 0 && self.mismatch_warned.insert(pod.name.clone()) {
             tracing::warn!(
                 pod = %pod.name,
                 model = %pod.model,
@@ -574,5 +749,20 @@ impl<'a> Worker<'a> {
                 tracing::warn!(pod = %pod.name, ?skipped, suppressed, "skipped events in a batch")
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::owner;
+
+    #[test]
+    fn every_rank_and_topic_of_a_pod_has_one_owner() {
+        let a = owner("pod-a", "m", 4);
+        for _ in 0..3 {
+            assert_eq!(owner("pod-a", "m", 4), a);
+        }
+        assert!(owner("pod-a", "m", 4) < 4);
+        assert_eq!(owner("x", "y", 1), 0);
     }
 }

@@ -58,6 +58,9 @@ pub fn limit(socket: &zmq::Socket, limits: ReceiveLimits) -> zmq::Result<()> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MonitorEvent {
     pub event: zmq::SocketEvent,
+    /// The event's value: for accepted and disconnected connections, the
+    /// connection's file descriptor.
+    pub value: u32,
     /// The endpoint the event is about (the peer for accepted connections).
     pub endpoint: String,
 }
@@ -82,6 +85,22 @@ pub fn monitor(
     Ok(pair)
 }
 
+/// Receives one multipart message, with the file descriptor of the
+/// connection it came on when libzmq says (its `__fd` metadata property,
+/// which `ZMQ_SRCFD` reads; absent for inproc).
+pub fn recv_frames(socket: &zmq::Socket, flags: i32) -> zmq::Result<(Vec<Vec<u8>>, Option<i32>)> {
+    let mut first = socket.recv_msg(flags)?;
+    let fd = first.gets("__fd").and_then(|v| v.parse().ok());
+    let mut frames = vec![first.to_vec()];
+    let mut more = first.get_more();
+    while more {
+        let part = socket.recv_msg(0)?;
+        more = part.get_more();
+        frames.push(part.to_vec());
+    }
+    Ok((frames, fd))
+}
+
 /// Reads every monitor event waiting on `pair`, without blocking.
 pub fn drain_monitor(pair: &zmq::Socket) -> Vec<MonitorEvent> {
     let mut out = Vec::new();
@@ -91,11 +110,12 @@ pub fn drain_monitor(pair: &zmq::Socket) -> Vec<MonitorEvent> {
         let (Some(head), Some(endpoint)) = (frames.first(), frames.get(1)) else {
             continue;
         };
-        if head.len() < 2 {
+        if head.len() < 6 {
             continue;
         }
         out.push(MonitorEvent {
             event: zmq::SocketEvent::from_raw(u16::from_ne_bytes([head[0], head[1]])),
+            value: u32::from_ne_bytes([head[2], head[3], head[4], head[5]]),
             endpoint: String::from_utf8_lossy(endpoint).into_owned(),
         });
     }

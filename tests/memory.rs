@@ -123,8 +123,14 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
         rss_at_10x * 100 <= rss_at_capacity * 102,
         "{rss_at_capacity} -> {rss_at_10x} KiB: more than 2% growth at capacity"
     );
+    // The first turnover costs more than the tables' slots: each pod is
+    // evicted by its own ingest worker (its single writer), and while an
+    // owner is asked, its pod's share runs a little ahead, growing that
+    // pod's own tables once (measured: +13% over first-full with eviction
+    // by owners, +4% when any thread evicted any pod). Bounded, and flat
+    // from there (the 2% check above).
     assert!(
-        rss_at_10x * 10 <= rss_first_full * 11,
+        rss_at_10x * 100 <= rss_first_full * 118,
         "{rss_first_full} -> {rss_at_10x} KiB"
     );
     // Each pod keeps a fair share: no pod was evicted to nothing.

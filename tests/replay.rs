@@ -250,3 +250,63 @@ async fn a_snapshot_restart_replays_only_what_came_after_it() {
     second.wait_applied(&fleet.expected.model, &rest).await;
     check_probes(&second, &fleet.expected).await;
 }
+
+/// The bug the stream state machine was written for, over real sockets:
+/// the indexer caught up a pod's whole buffer (seqs 0..N), then the pod's
+/// engine restarted on the same endpoints and published a new run from
+/// seq 0 with other blocks. The new run's batches used to be dropped as
+/// "already applied" (their seqs were at or below N): the old blocks kept
+/// scoring and the new ones scored 0. Now the new run replaces the old.
+#[tokio::test]
+async fn a_pod_restarted_right_after_a_catch_up_ends_with_only_its_new_blocks() {
+    let stream = "qwen3-sha256-int";
+    let expected = load_expected(stream);
+    let (old_name, new_name) = (&expected.pods[1], &expected.pods[0]);
+    let old = VllmPod::start(stream, old_name, PodOptions::default());
+    // The new run: another pod's recorded batches, under this pod's topic.
+    let topic = old.frames()[0].0.clone();
+    let new_run: Vec<_> = VllmPod::start(stream, new_name, PodOptions::default())
+        .frames()
+        .iter()
+        .map(|(_, seq, payload)| (topic.clone(), *seq, payload.clone()))
+        .collect();
+    assert!(
+        new_run.len() < old.batches(),
+        "the new run's seqs all lie within what was caught up"
+    );
+    // Published before the indexer exists: only the buffer has them.
+    old.publish(0, old.batches(), &HashSet::new());
+    let service = Service::start_dialing(std::slice::from_ref(&old.target), &[]).await;
+    let caught_up = BTreeMap::from([(old_name.clone(), old.batches() as u64)]);
+    service.wait_applied(&expected.model, &caught_up).await;
+
+    let restarted = old.restart(new_run.clone(), PodOptions::default());
+    restarted.wait_subscribed(&service, "after-restart").await;
+    restarted.publish(0, new_run.len(), &HashSet::new());
+    let last_seq = new_run.last().map(|b| b.1);
+    service
+        .wait_until("the new run applied", async || {
+            service
+                .list_pods(&expected.model)
+                .await
+                .iter()
+                .any(|p| &p.pod == old_name && p.last_seq == last_seq && p.publisher_restarts == 1)
+        })
+        .await;
+    // Every probe: the restarted pod now answers what the new run's pod did.
+    let mut client = service.client().await;
+    for probe in &expected.probes {
+        let resp = client
+            .score(token_request(&expected.model, probe))
+            .await
+            .unwrap()
+            .into_inner();
+        let got = resp
+            .pods
+            .iter()
+            .find(|p| &p.pod == old_name)
+            .map_or(0, |p| p.matched_blocks);
+        let want = probe.expected.get(new_name).copied().unwrap_or(0);
+        assert_eq!(got, want, "probe {}: {resp:?}", probe.id);
+    }
+}

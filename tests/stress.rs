@@ -67,6 +67,26 @@ async fn new_pods_by_the_thousand_while_named_pods_are_scored_never_freeze() {
             .await;
     }
 
+    // The tokenizer loads on first use (seconds in a debug build on a busy
+    // 2-core machine): loaded before the storm, which is about freezes, not
+    // about a cold start.
+    {
+        let grpc = format!("http://{}", service.grpc_addr());
+        let mut llmd_client = llmd::indexer_service_client::IndexerServiceClient::connect(grpc)
+            .await
+            .expect("connect llm-d API");
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            llmd_client.get_pod_scores(llmd::GetPodScoresRequest {
+                prompt: "warm up".into(),
+                model_name: MODEL.into(),
+                pod_identifiers: named.clone(),
+            }),
+        )
+        .await
+        .expect("the tokenizer loads")
+        .expect("GetPodScores");
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let published = Arc::new(AtomicU64::new(0));
     let storm = {

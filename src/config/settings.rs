@@ -165,7 +165,7 @@ settings! {
     #[serde(alias = "replay_endpoints")]
     replay_endpoint: Vec<Item<ReplayEndpoint>>,
 
-    /// Dial mode: forget a pod whose connection has been down and that has
+    /// Forget a pod (either mode) whose connection has been down and that has
     /// published nothing for this long (silence alone proves nothing);
     /// `off` disables.
     pod_expiry: OrNone<Duration> = "10m",

@@ -20,7 +20,7 @@ use super::{free_port, load_frames, zmq_context, Service, WARMUP_MODEL};
 const END_SEQ: u64 = u64::MAX;
 
 /// One batch as published: (topic, seq, payload).
-type Batch = (Bytes, u64, Bytes);
+pub type Batch = (Bytes, u64, Bytes);
 
 /// How a pod is set up.
 #[derive(Clone, Copy, Debug)]
@@ -47,6 +47,8 @@ pub struct VllmPod {
     frames: Vec<Batch>,
     stop: Arc<AtomicBool>,
     router: Option<std::thread::JoinHandle<()>>,
+    /// (PUB port, ROUTER port).
+    ports: (u16, u16),
     /// `tcp://127.0.0.1:P,replay=tcp://127.0.0.1:R`, for `--zmq-connect`.
     pub target: String,
 }
@@ -70,31 +72,57 @@ impl VllmPod {
 
     /// A pod publishing `frames` (by position).
     pub fn with_batches(frames: Vec<Batch>, options: PodOptions) -> VllmPod {
-        let (p, r) = (free_port(), free_port());
-        let (publisher, _) =
-            kv_indexer::zmq_io::Publisher::bind(zmq_context(), &format!("tcp://127.0.0.1:{p}"))
-                .expect("PUB bind");
+        VllmPod::on_ports(frames, options, free_port(), free_port()).expect("bind on free ports")
+    }
+
+    /// The engine restarts on the same endpoints: its sockets close, its
+    /// replay buffer starts empty, its seq at 0, and it publishes `frames`
+    /// from now on.
+    pub fn restart(self, frames: Vec<Batch>, options: PodOptions) -> VllmPod {
+        let (p, r) = self.ports;
+        drop(self);
+        // libzmq closes listeners asynchronously: the ports free up soon.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match VllmPod::on_ports(frames.clone(), options, p, r) {
+                Some(pod) => return pod,
+                None if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                None => panic!("ports {p} and {r} stayed taken"),
+            }
+        }
+    }
+
+    /// This pod's recorded batches.
+    pub fn frames(&self) -> &[Batch] {
+        &self.frames
+    }
+
+    fn on_ports(frames: Vec<Batch>, options: PodOptions, p: u16, r: u16) -> Option<VllmPod> {
         let router = zmq_context().socket(zmq::ROUTER).expect("ROUTER");
         router.set_linger(0).unwrap();
         router.set_rcvtimeo(50).unwrap();
-        router
-            .bind(&format!("tcp://127.0.0.1:{r}"))
-            .expect("ROUTER bind");
+        router.bind(&format!("tcp://127.0.0.1:{r}")).ok()?;
+        let (publisher, _) =
+            kv_indexer::zmq_io::Publisher::bind(zmq_context(), &format!("tcp://127.0.0.1:{p}"))
+                .ok()?;
         let buffer: Arc<Mutex<VecDeque<Batch>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (buffer, stop) = (buffer.clone(), stop.clone());
             std::thread::spawn(move || serve_replay(&router, &buffer, &stop, options.old_format))
         };
-        VllmPod {
+        Some(VllmPod {
             publisher,
             buffer,
             capacity: options.buffer,
             frames,
             stop,
             router: Some(thread),
+            ports: (p, r),
             target: format!("tcp://127.0.0.1:{p},replay=tcp://127.0.0.1:{r}"),
-        }
+        })
     }
 
     /// Recorded batches of this pod.

@@ -95,6 +95,13 @@ impl Indexer {
     /// returned, with the entries still to evict, for the caller to ask
     /// that writer (which calls this again). A single-threaded user passes
     /// `|_| true`.
+    ///
+    /// The service serves such requests before queued batches; should the
+    /// owner still lag, a writer that finds the index 1% over capacity
+    /// evicts from its own largest pod meanwhile, so the bound holds within
+    /// that slack whatever the queues hold. (Evicting anything but the
+    /// largest pod is a last resort: pods whose shares swing grow their
+    /// own tables, which never shrink.)
     pub fn enforce_capacity(&self, owns: impl Fn(&Pod) -> bool) -> Option<(Arc<Pod>, usize)> {
         let cap = self.config.max_entries?;
         // The pods' fixed cost takes its share first (admission keeps it
@@ -103,30 +110,62 @@ impl Indexer {
             self.live_pods()
                 .saturating_mul(self.config.pod_cost_entries),
         );
+        let (target, slack) = (cap - cap / 20, cap + cap / 100);
         if self.entries.load(Ordering::Relaxed) as usize <= cap {
             return None;
         }
         let _guard = self.evicting.try_lock()?;
-        let target = cap - cap / 20;
-        while self.entries.load(Ordering::Relaxed) as usize > target {
-            let victim = self
-                .table
-                .read()
-                .pods()
-                .filter(|p| !p.is_removed())
-                .max_by_key(|p| p.entries.load(Ordering::Relaxed))
-                .cloned();
-            let victim = victim?;
-            let excess = self.entries.load(Ordering::Relaxed) as usize - target;
-            if !owns(&victim) {
-                return Some((victim, excess));
+        let mut ask = None;
+        loop {
+            let entries = self.entries.load(Ordering::Relaxed) as usize;
+            if entries <= target || (ask.is_some() && entries <= slack) {
+                break;
             }
-            // Chunks keep each pod lock short and the choice fair.
-            if self.evict(&victim, excess.min(4096)) == 0 {
+            let (largest, largest_owned) = {
+                let table = self.table.read();
+                let live = || table.pods().filter(|p| !p.is_removed());
+                let size = |p: &&Arc<Pod>| p.entries.load(Ordering::Relaxed);
+                (
+                    live().max_by_key(size).cloned(),
+                    live().filter(|p| owns(p)).max_by_key(size).cloned(),
+                )
+            };
+            let Some(largest) = largest else { break };
+            let size = |p: &Arc<Pod>| p.entries.load(Ordering::Relaxed);
+            // Pods of about the same size are equally fair victims: taking
+            // this writer's own keeps the shares level without asking (a
+            // share that swings grows its pod's tables for good).
+            let tied = largest_owned
+                .as_ref()
+                .filter(|own| size(own) * 100 >= size(&largest) * 99);
+            let victim = if owns(&largest) {
+                largest
+            } else if let Some(own) = tied {
+                own.clone()
+            } else if entries <= slack {
+                // Its owner evicts, as soon as it reads its control queue.
+                ask = Some((largest, entries - target));
+                break;
+            } else {
+                ask = Some((largest, entries - target));
+                match largest_owned {
+                    Some(own) => own,
+                    None => break,
+                }
+            };
+            // Chunks keep each pod lock short and the choice fair; on
+            // another writer's behalf, at least 1% of capacity at a time
+            // (an eviction pass costs more than its blocks: not per batch).
+            let n = if ask.is_some() {
+                entries - slack
+            } else {
+                entries - target
+            };
+            if self.evict(&victim, n.clamp(1, 4096)) == 0 {
                 break;
             }
         }
-        None
+        ask
     }
 
     /// Evicts up to `n` of `pod`'s blocks (leaves first, least recently

@@ -22,7 +22,10 @@ impl Indexer {
         let candidates: Vec<(String, Option<Arc<Pod>>)> = {
             let table = self.table.read();
             if q.pods.is_empty() {
-                let ids = table.model(q.model).map(|m| m.pods.clone()).unwrap_or_default();
+                let ids = table
+                    .model(q.model)
+                    .map(|m| m.pods.clone())
+                    .unwrap_or_default();
                 ids.iter()
                     .filter_map(|id| table.get(*id))
                     .map(|p| (p.name.clone(), Some(p.clone())))

@@ -33,8 +33,11 @@ pub(super) struct PodTable {
 #[derive(Default)]
 pub(super) struct ModelEntry {
     /// Pods of this model, sorted by id; shared, so a lookup takes the list
-    /// without copying it (pods come and go rarely).
-    pub(super) pods: Arc<[PodId]>,
+    /// without copying it. Changed in place (`Arc::make_mut`) unless a
+    /// lookup holds it just then: a fleet's first minute adds thousands of
+    /// pods a second, and a copy of the whole list per new pod, under the
+    /// table's write lock, starved every reader.
+    pub(super) pods: Arc<Vec<PodId>>,
     /// Last block size a pod of this model reported (0 = none yet).
     pub(super) block_size: u32,
 }
@@ -81,13 +84,22 @@ impl Indexer {
         self.table.read().by_name(model, name).cloned()
     }
 
+    /// Every pod, for their writers to adopt (pods restored from a snapshot).
+    pub fn list_pod_handles(&self) -> Vec<Arc<Pod>> {
+        self.table.read().pods().cloned().collect()
+    }
+
     /// Every DP rank of a topic's pod.
     pub fn pod_domains(&self, model: &str, pod: &str) -> Vec<Arc<Pod>> {
         let table = self.table.read();
         table
             .by_topic
             .get(&(model.to_owned(), pod.to_owned()))
-            .map(|ids| ids.iter().filter_map(|id| table.get(*id).cloned()).collect())
+            .map(|ids| {
+                ids.iter()
+                    .filter_map(|id| table.get(*id).cloned())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -159,10 +171,10 @@ impl Indexer {
         });
         table.slots[id.0 as usize] = Some(slot.clone());
         let entry = table.models.entry(model.to_owned()).or_default();
-        let mut ids: Vec<PodId> = entry.pods.iter().copied().chain([id]).collect();
+        let ids = Arc::make_mut(&mut entry.pods);
         // A reused id may be lower than the others.
-        ids.sort_unstable();
-        entry.pods = ids.into();
+        let at = ids.partition_point(|p| *p < id);
+        ids.insert(at, id);
         table.by_name.insert((model.to_owned(), name), id);
         table
             .by_topic
@@ -192,7 +204,10 @@ impl Indexer {
                 }
             }
             if let Some(m) = table.models.get_mut(&pod.model) {
-                m.pods = m.pods.iter().copied().filter(|p| *p != pod.id).collect();
+                let ids = Arc::make_mut(&mut m.pods);
+                if let Ok(at) = ids.binary_search(&pod.id) {
+                    ids.remove(at);
+                }
                 // A model without pods is no longer held (`max_models`).
                 if m.pods.is_empty() {
                     table.models.remove(&pod.model);
@@ -232,8 +247,13 @@ impl Indexer {
         }
     }
 
-    /// Records a model's block size (a pod's events said so).
+    /// Records a model's block size (a pod's events said so). Every new
+    /// pod says so once: the write lock only when it changes.
     pub(super) fn learn_block_size(&self, model: &str, block_size: u32) {
+        let known = self.table.read().model(model).map(|m| m.block_size);
+        if known.is_none_or(|bs| bs == block_size) {
+            return;
+        }
         if let Some(m) = self.table.write().model_mut(model) {
             m.block_size = block_size;
         }

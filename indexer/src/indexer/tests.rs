@@ -123,8 +123,7 @@ fn new_pods_during_named_lookups_do_not_deadlock() {
         }));
     }
     for _ in 0..3 {
-        let (ix, stop, done_tx, names) =
-            (ix.clone(), stop.clone(), done_tx.clone(), names.clone());
+        let (ix, stop, done_tx, names) = (ix.clone(), stop.clone(), done_tx.clone(), names.clone());
         threads.push(std::thread::spawn(move || {
             let tokens: Vec<u32> = (0..32).collect();
             while !stop.load(Ordering::Relaxed) {
@@ -165,11 +164,7 @@ fn the_key_fingerprint_is_stable_and_only_about_keys() {
             .map(|(i, path)| (format!("adapter-{i}"), (*path).to_owned()))
             .collect();
         let mode = KeyMode::Engine(Box::new(EngineKeys {
-            hasher: EngineHasher::new(
-                HashAlgo::Sha256,
-                "vllm-none-hash",
-                ExtraKeyStyle::Tagged,
-            ),
+            hasher: EngineHasher::new(HashAlgo::Sha256, "vllm-none-hash", ExtraKeyStyle::Tagged),
             lora_paths,
             assume_prefix_closed: true,
             self_check_every,
@@ -544,11 +539,7 @@ fn jump_search_equals_the_first_miss_walk_on_random_histories() {
                     let path = path_to(node, &parent);
                     let cut = rnd(path.len() as u64) as usize;
                     KvEvent::Removed(crate::event::BlockRemoved {
-                        block_hashes: path[cut..]
-                            .iter()
-                            .rev()
-                            .map(|h| EngineHash(*h))
-                            .collect(),
+                        block_hashes: path[cut..].iter().rev().map(|h| EngineHash(*h)).collect(),
                         ..Default::default()
                     })
                 }
