@@ -38,7 +38,7 @@ pub struct ScoreCost {
 
 enum Target {
     Local {
-        indexer: Indexer,
+        indexer: Box<Indexer>,
         pods: Vec<Arc<Pod>>,
         /// Batches published and not yet applied: (due, pod, seq, payload),
         /// due in order (one delay for all).
@@ -73,10 +73,10 @@ impl Feed {
     /// A fresh in-process index for `pods` pods of `model`, applying each
     /// batch `delay` virtual seconds after it was published.
     pub fn local(model: &str, pods: usize, block_size: usize, delay: f64) -> Feed {
-        let indexer = Indexer::new(IndexerConfig {
+        let indexer = Box::new(Indexer::new(IndexerConfig {
             default_block_size: block_size as u32,
             ..IndexerConfig::default()
-        });
+        }));
         let names = pod_names(pods);
         let handles = names.iter().map(|n| indexer.pod(model, n, None)).collect();
         let mut feed = Feed::new(

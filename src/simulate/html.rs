@@ -34,10 +34,10 @@ pub fn page(report: &Report, title: &str) -> String {
         esc(title),
         esc(title)
     );
-    let _ = write!(
+    let _ = writeln!(
         s,
         "<p>Every policy saw the same {} requests in the same order. Curves are by arrival time \
-         (virtual seconds): each point is the requests that arrived in that interval.</p>\n",
+         (virtual seconds): each point is the requests that arrived in that interval.</p>",
         results.first().map_or(0, |r| r.requests)
     );
     s.push_str(&legend(results));

@@ -256,7 +256,7 @@ impl PodCache {
         decode: usize,
     ) -> Option<Admission> {
         debug_assert_eq!(hashes.len(), tokens.len() / self.block_size);
-        let hit_blocks = self.holds(&hashes);
+        let hit_blocks = self.holds(hashes);
         // The last prompt token is recomputed for its logits.
         let capped = hit_blocks.min(tokens.len().saturating_sub(1) / self.block_size);
         let hit: Vec<u32> = hashes[..capped].iter().map(|h| self.cached[h][0]).collect();
