@@ -4,13 +4,14 @@
 //! replays through an independent model of vLLM's block pool with the same
 //! hit counts.
 
+mod common;
+
+use common::Service;
 use kv_indexer::config::{Args, Command};
 use kv_indexer::simulate::{self, Options, PolicyResult};
 
 /// Small sizes: a debug build runs each race in well under a second.
 const SMALL: &[&str] = &[
-    "--requests",
-    "160",
     "--pod-blocks",
     "400",
     "--rate",
@@ -34,6 +35,7 @@ const SMALL: &[&str] = &[
 fn options(extra: &[&str]) -> Options {
     let mut argv = vec!["kv-indexer", "simulate"];
     argv.extend_from_slice(SMALL);
+    argv.extend_from_slice(&["--requests", "160"]);
     if !extra.contains(&"--pods") {
         argv.extend_from_slice(&["--pods", "4"]);
     }
@@ -208,24 +210,78 @@ fn a_fully_cached_block_aligned_prompt_replays_with_vllms_cap() {
     ]
     .concat();
     std::fs::write(&trace, text).unwrap();
-    let stdout = replay_ops(&[
+    let args = [
         "--trace",
         trace.to_str().unwrap(),
         "--policies",
         "precise",
         "--pods",
         "1",
-    ]);
+    ];
+    let stdout = replay_ops(&args);
     assert!(stdout.starts_with("4 admits match"), "{stdout}");
-    let results = race(&[
-        "--trace",
-        trace.to_str().unwrap(),
-        "--policies",
-        "precise",
-        "--pods",
-        "1",
-    ]);
+    let results = race(&args);
     // Nothing, then 3 of 4 blocks twice (capped), then all 4 of 5.
     assert_eq!(results[0].cached_tokens, 48 + 48 + 64);
     assert_eq!(results[0].prompt_tokens, 64 * 3 + 80);
+}
+
+/// The binary's `simulate --json` results, with `extra` flags.
+fn simulate_binary(extra: &[&str]) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .arg("simulate")
+        .args(SMALL)
+        .args([
+            "--requests",
+            "60",
+            "--pods",
+            "3",
+            "--policies",
+            "precise,round-robin",
+        ])
+        .args(["--event-delay", "0", "--json", json.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .expect("run simulate");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("precise"));
+    serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+}
+
+#[tokio::test]
+async fn against_a_running_service_the_race_comes_out_as_in_process() {
+    let service = Service::start(&[]).await;
+    let zmq = service.zmq_bind.clone().unwrap();
+    let grpc = service.grpc_addr();
+    let remote =
+        tokio::task::spawn_blocking(move || simulate_binary(&["--against", &grpc, "--zmq", &zmq]))
+            .await
+            .unwrap();
+    let local = tokio::task::spawn_blocking(|| simulate_binary(&[]))
+        .await
+        .unwrap();
+    assert_eq!(remote["parameters"]["index"], "remote");
+    for i in 0..2 {
+        let (r, l) = (&remote["results"][i], &local["results"][i]);
+        for field in [
+            "policy",
+            "cached_tokens",
+            "reprefilled_tokens",
+            "ttft_p90",
+            "score_calls",
+        ] {
+            assert_eq!(r[field], l[field], "{field} of {}", l["policy"]);
+        }
+    }
+    // Each policy's pods are their own model in the service.
+    let pods = service.list_pods("sim/model/precise").await;
+    assert_eq!(pods.len(), 3);
+    assert!(pods.iter().all(|p| p.batches > 1));
 }
