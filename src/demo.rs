@@ -221,38 +221,52 @@ async fn announce(
     fake: &mut [FakePod],
     client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
 ) -> anyhow::Result<()> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        for pod in fake.iter() {
-            publisher.send(&vllm_wire::frames(
-                &pod.name,
-                MODEL,
-                0,
-                vllm_wire::encode_batch(&[]),
-            ))?;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        if listed(client).await?.len() >= fake.len() {
-            break;
-        }
-        anyhow::ensure!(
-            std::time::Instant::now() < deadline,
-            "the fake pods' events never reached the indexer"
-        );
-    }
+    let names: Vec<String> = fake.iter().map(|p| p.name.clone()).collect();
+    announce_pods(publisher, MODEL, &names, client).await?;
     for pod in fake {
         pod.seq = 1;
     }
     Ok(())
 }
 
-/// The demo model's pods as the indexer lists them.
-async fn listed(
+/// Publishes an empty batch (seq 0) for each of `pods` until the indexer
+/// lists them all: a fresh PUB socket drops messages until the
+/// subscription reached it ("slow joiner"). The pods' next seq is 1.
+pub(crate) async fn announce_pods(
+    publisher: &crate::zmq_io::Publisher,
+    model: &str,
+    pods: &[String],
     client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
+) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        for pod in pods {
+            publisher.send(&vllm_wire::frames(
+                pod,
+                model,
+                0,
+                vllm_wire::encode_batch(&[]),
+            ))?;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if listed(client, model).await?.len() >= pods.len() {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the pods' events never reached the indexer"
+        );
+    }
+}
+
+/// `model`'s pods as the indexer lists them.
+pub(crate) async fn listed(
+    client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
+    model: &str,
 ) -> anyhow::Result<Vec<pb::PodInfo>> {
     Ok(client
         .list_pods(pb::ListPodsRequest {
-            model: MODEL.into(),
+            model: model.into(),
         })
         .await?
         .into_inner()
@@ -266,7 +280,7 @@ async fn wait_applied(
 ) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(2);
     while std::time::Instant::now() < deadline {
-        if listed(client)
+        if listed(client, MODEL)
             .await?
             .iter()
             .any(|p| p.pod == pod.name && p.last_seq.is_some_and(|s| s + 1 >= pod.seq))

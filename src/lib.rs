@@ -35,6 +35,7 @@ pub mod metrics;
 pub mod publish;
 mod ratelimit;
 pub mod replay;
+pub mod simulate;
 pub mod snapshots;
 pub mod token_ids;
 pub mod vllm_wire;

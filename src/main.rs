@@ -7,7 +7,7 @@ fn main() -> std::process::ExitCode {
     let mut args = Args::parse_or_exit();
     let command = args.command.take();
     let publishing = matches!(command, Some(Command::Publish { .. }));
-    if publishing {
+    if publishing || matches!(command, Some(Command::Simulate(_))) {
         // A client: its output is the point.
         args.settings.log_level.get_or_insert_with(|| "warn".into());
     }
@@ -33,6 +33,17 @@ fn main() -> std::process::ExitCode {
     if matches!(command, Some(Command::Check)) {
         println!("configuration is valid:\n{config:#?}");
         return std::process::ExitCode::SUCCESS;
+    }
+    if let Some(Command::Simulate(options)) = &command {
+        // Virtual time, no service: runs before (and without) the runtime.
+        let block_size = config.indexer.default_block_size as usize;
+        return match kv_indexer::simulate::main(options, block_size) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kv-indexer simulate: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        };
     }
     init_logging(&config);
     raise_open_files_limit();

@@ -1,7 +1,8 @@
-//! vLLM's KV-event wire form, produced the way vLLM >= 0.24 produces it
-//! (msgspec maps tagged by `"type"`, batch `[ts, [event, ...], dp_rank]`,
-//! frames `[topic, seq (8 bytes BE), payload]`): for the demo's publisher and
-//! the load tool, never for the service itself.
+//! vLLM's KV-event wire form, produced the way vLLM 0.33 produces it
+//! (msgspec maps tagged by `"type"` with every field 0.33 writes, batch
+//! `[ts, [event, ...], dp_rank]`, frames `[topic, seq (8 bytes BE),
+//! payload]`): for the demo's publisher, the simulator and the load tool,
+//! never for the service itself.
 
 use bytes::Bytes;
 use serde::Serialize;
@@ -17,6 +18,10 @@ struct Stored<'a> {
     lora_id: Option<u32>,
     medium: &'static str,
     lora_name: Option<String>,
+    /// One entry per block; a text-only prompt without salt has none.
+    extra_keys: Vec<Option<()>>,
+    group_idx: u32,
+    kv_cache_spec_kind: &'static str,
 }
 
 #[derive(Serialize)]
@@ -25,6 +30,7 @@ struct Removed<'a> {
     ty: &'static str,
     block_hashes: &'a [u64],
     medium: &'static str,
+    group_idx: u32,
 }
 
 /// One event of a batch being built.
@@ -40,11 +46,17 @@ pub enum WireEvent<'a> {
     },
 }
 
-/// The msgpack payload of one batch.
+/// The msgpack payload of one batch, stamped now.
 pub fn encode_batch(events: &[WireEvent<'_>]) -> Vec<u8> {
     let ts = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
+    encode_batch_at(ts, events)
+}
+
+/// The msgpack payload of one batch stamped `ts` (seconds): the simulator
+/// stamps its virtual clock, so its streams are the same on every run.
+pub fn encode_batch_at(ts: f64, events: &[WireEvent<'_>]) -> Vec<u8> {
     let mut payload = Vec::new();
     // Writes into a Vec cannot fail.
     let _ = rmp::encode::write_array_len(&mut payload, 3);
@@ -68,6 +80,9 @@ pub fn encode_batch(events: &[WireEvent<'_>]) -> Vec<u8> {
                     lora_id: None,
                     medium: "GPU",
                     lora_name: None,
+                    extra_keys: vec![None; hashes.len()],
+                    group_idx: 0,
+                    kv_cache_spec_kind: "full_attention",
                 },
             ),
             WireEvent::Removed { hashes } => rmp_serde::encode::write_named(
@@ -76,6 +91,7 @@ pub fn encode_batch(events: &[WireEvent<'_>]) -> Vec<u8> {
                     ty: "BlockRemoved",
                     block_hashes: hashes,
                     medium: "GPU",
+                    group_idx: 0,
                 },
             ),
         };

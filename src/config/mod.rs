@@ -133,6 +133,9 @@ pub enum Command {
         #[arg(long, default_value = "http://127.0.0.1:50051")]
         grpc: String,
     },
+    /// Race routing policies over simulated vLLM pods whose events feed
+    /// our index; prints a table (the pods' block size is --block-size).
+    Simulate(Box<crate::simulate::Options>),
 }
 
 /// PEM material for gRPC TLS, read at start.

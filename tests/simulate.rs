@@ -1,0 +1,287 @@
+//! `kv-indexer simulate`: the race is deterministic, its batches are real
+//! vLLM batches our decoder reads, precise routing finds the histories
+//! round robin scatters, the page is XML with SVG charts, and the op log
+//! replays through an independent model of vLLM's block pool with the same
+//! hit counts.
+
+mod common;
+
+use common::Service;
+use kv_indexer::config::{Args, Command};
+use kv_indexer::simulate::{self, Options, PolicyResult};
+
+/// Small sizes: a debug build runs each race in well under a second.
+const SMALL: &[&str] = &[
+    "--pod-blocks",
+    "400",
+    "--rate",
+    "20",
+    "--system-tokens",
+    "300",
+    "--message-tokens",
+    "60",
+    "--output-tokens",
+    "30",
+    "--agent-context-tokens",
+    "400",
+    "--doc-tokens",
+    "2000",
+    "--unshared-tokens",
+    "200",
+    "--think-time",
+    "2",
+];
+
+fn options(extra: &[&str]) -> Options {
+    let mut argv = vec!["kv-indexer", "simulate"];
+    argv.extend_from_slice(SMALL);
+    argv.extend_from_slice(&["--requests", "160"]);
+    if !extra.contains(&"--pods") {
+        argv.extend_from_slice(&["--pods", "4"]);
+    }
+    argv.extend_from_slice(extra);
+    match Args::try_parse_named(argv).expect("valid flags").command {
+        Some(Command::Simulate(o)) => *o,
+        other => panic!("not simulate: {other:?}"),
+    }
+}
+
+fn race(extra: &[&str]) -> Vec<PolicyResult> {
+    simulate::race(&options(extra), 16, false)
+        .expect("the race runs")
+        .results
+}
+
+fn by_name<'a>(results: &'a [PolicyResult], name: &str) -> &'a PolicyResult {
+    results.iter().find(|r| r.policy == name).expect(name)
+}
+
+#[test]
+fn the_same_seed_gives_the_same_race() {
+    // Score latency is wall-clock; everything else is virtual.
+    let strip = |mut v: Vec<PolicyResult>| {
+        for r in &mut v {
+            r.score_us_mean = 0.0;
+            r.score_us_p99 = 0.0;
+        }
+        v
+    };
+    let a = strip(race(&["--seed", "3"]));
+    let b = strip(race(&["--seed", "3"]));
+    let c = strip(race(&["--seed", "4"]));
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    assert_eq!(a.len(), 8);
+}
+
+#[test]
+fn every_simulated_batch_decodes_through_our_decoder() {
+    for r in race(&["--policies", "precise,round-robin"]) {
+        let f = r.feed;
+        assert!(f.batches > 0 && f.events_encoded > f.batches, "{f:?}");
+        assert_eq!(f.decode_errors, 0, "{}: {f:?}", r.policy);
+        assert_eq!(f.events_skipped, 0, "{}: {f:?}", r.policy);
+        assert_eq!(f.events_decoded, f.events_encoded, "{}: {f:?}", r.policy);
+    }
+}
+
+#[test]
+fn precise_routing_beats_round_robin_on_multi_turn_chat() {
+    let results = race(&[
+        "--mix",
+        "chat=1",
+        "--policies",
+        "round-robin,precise,precise-load",
+    ]);
+    let rr = by_name(&results, "round-robin");
+    let precise = by_name(&results, "precise");
+    assert!(
+        precise.hit_rate > rr.hit_rate + 0.2,
+        "precise {} vs round robin {}",
+        precise.hit_rate,
+        rr.hit_rate
+    );
+    assert!(precise.reprefilled_tokens < rr.reprefilled_tokens / 4);
+    assert!(precise.score_calls == precise.requests as u64);
+    assert_eq!(rr.score_calls, 0);
+    assert!(by_name(&results, "precise-load").hit_rate > rr.hit_rate);
+}
+
+#[test]
+fn the_html_page_is_xml_with_one_svg_chart_per_measure() {
+    let dir = tempfile::tempdir().unwrap();
+    let html = dir.path().join("race.html");
+    let json = dir.path().join("race.json");
+    let o = options(&[
+        "--policies",
+        "random,precise",
+        "--html",
+        html.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    simulate::main(&o, 16).unwrap();
+    let page = std::fs::read_to_string(&html).unwrap();
+    let mut reader = quick_xml::Reader::from_str(&page);
+    let (mut svgs, mut polylines, mut rows) = (0, 0, 0);
+    loop {
+        match reader.read_event().expect("well-formed XML") {
+            quick_xml::events::Event::Start(e) | quick_xml::events::Event::Empty(e) => {
+                match e.name().as_ref() {
+                    b"svg" => {
+                        svgs += 1;
+                        let ns = e
+                            .try_get_attribute("xmlns")
+                            .unwrap()
+                            .map(|a| a.value.into_owned());
+                        assert_eq!(ns.as_deref(), Some(&b"http://www.w3.org/2000/svg"[..]));
+                    }
+                    b"polyline" => polylines += 1,
+                    b"tr" => rows += 1,
+                    b"script" | b"link" | b"img" => panic!("the page loads something"),
+                    _ => {}
+                }
+            }
+            quick_xml::events::Event::Eof => break,
+            _ => {}
+        }
+    }
+    assert_eq!(svgs, 3);
+    assert_eq!(polylines, 3 * 2);
+    assert_eq!(rows, 1 + 2);
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(report["results"][1]["policy"], "precise");
+    assert_eq!(report["parameters"]["pods"], 4);
+}
+
+/// Runs `simulate --ops-out` and replays the log through
+/// `tests/vllm_replay.py`, an independent model of vLLM's block pool.
+fn replay_ops(extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let ops = dir.path().join("ops.jsonl");
+    let mut args = vec!["--ops-out", ops.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    simulate::main(&options(&args), 16).unwrap();
+    let log = std::fs::read_to_string(&ops).unwrap();
+    let first: serde_json::Value = serde_json::from_str(log.lines().next().unwrap()).unwrap();
+    assert_eq!(first["capacity_blocks"], 400);
+    assert_eq!(first["block_size"], 16);
+    let out = std::process::Command::new("python3")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/vllm_replay.py"))
+        .arg(&ops)
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn the_op_log_replays_through_vllms_block_pool_with_the_same_hits() {
+    // A pod of 400 blocks under this load evicts all the time.
+    let stdout = replay_ops(&["--policies", "precise,round-robin"]);
+    let admits: usize = stdout.split(' ').next().unwrap().parse().unwrap();
+    assert!(admits >= 2 * 150, "{stdout}");
+}
+
+#[test]
+fn a_fully_cached_block_aligned_prompt_replays_with_vllms_cap() {
+    // The same 64-token prompt three times, then a longer one: vLLM caps a
+    // hit at len - 1 tokens and recomputes the last block into a duplicate.
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let ids: Vec<String> = (1..=64).map(|i: u32| i.to_string()).collect();
+    let more: Vec<String> = (1..=80).map(|i: u32| i.to_string()).collect();
+    let line = |at: f64, ids: &[String]| {
+        format!(
+            "{{\"arrival\": {at}, \"token_ids\": [{}], \"output_tokens\": 3}}\n",
+            ids.join(",")
+        )
+    };
+    let text = [
+        line(0.0, &ids),
+        line(10.0, &ids),
+        line(20.0, &ids),
+        line(30.0, &more),
+    ]
+    .concat();
+    std::fs::write(&trace, text).unwrap();
+    let args = [
+        "--trace",
+        trace.to_str().unwrap(),
+        "--policies",
+        "precise",
+        "--pods",
+        "1",
+    ];
+    let stdout = replay_ops(&args);
+    assert!(stdout.starts_with("4 admits match"), "{stdout}");
+    let results = race(&args);
+    // Nothing, then 3 of 4 blocks twice (capped), then all 4 of 5.
+    assert_eq!(results[0].cached_tokens, 48 + 48 + 64);
+    assert_eq!(results[0].prompt_tokens, 64 * 3 + 80);
+}
+
+/// The binary's `simulate --json` results, with `extra` flags.
+fn simulate_binary(extra: &[&str]) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .arg("simulate")
+        .args(SMALL)
+        .args([
+            "--requests",
+            "60",
+            "--pods",
+            "3",
+            "--policies",
+            "precise,round-robin",
+        ])
+        .args(["--event-delay", "0", "--json", json.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .expect("run simulate");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("precise"));
+    serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+}
+
+#[tokio::test]
+async fn against_a_running_service_the_race_comes_out_as_in_process() {
+    let service = Service::start(&[]).await;
+    let zmq = service.zmq_bind.clone().unwrap();
+    let grpc = service.grpc_addr();
+    let remote =
+        tokio::task::spawn_blocking(move || simulate_binary(&["--against", &grpc, "--zmq", &zmq]))
+            .await
+            .unwrap();
+    let local = tokio::task::spawn_blocking(|| simulate_binary(&[]))
+        .await
+        .unwrap();
+    assert_eq!(remote["parameters"]["index"], "remote");
+    for i in 0..2 {
+        let (r, l) = (&remote["results"][i], &local["results"][i]);
+        for field in [
+            "policy",
+            "cached_tokens",
+            "reprefilled_tokens",
+            "ttft_p90",
+            "score_calls",
+        ] {
+            assert_eq!(r[field], l[field], "{field} of {}", l["policy"]);
+        }
+    }
+    // Each policy's pods are their own model in the service.
+    let pods = service.list_pods("sim/model/precise").await;
+    assert_eq!(pods.len(), 3);
+    assert!(pods.iter().all(|p| p.batches > 1));
+}
