@@ -287,7 +287,7 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
             }
             ctx.dispatcher.connection(d.conn, true);
             if let Some(endpoint) = d.replay.clone() {
-                catch_up(ctx, endpoint, d.seen.iter().cloned().collect());
+                catch_up(ctx, endpoint, d.seen.iter().cloned().collect(), d.conn);
             }
         }
         zmq::SocketEvent::DISCONNECTED => {
@@ -305,7 +305,7 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
 /// Catches up with what the pod did before this connection came up (it
 /// may stay idle for a long time): its whole replay buffer, fetched off
 /// this thread. `seen`: the topics this socket carried so far.
-fn catch_up(ctx: &DialContext, endpoint: Arc<str>, seen: Vec<Vec<u8>>) {
+fn catch_up(ctx: &DialContext, endpoint: Arc<str>, seen: Vec<Vec<u8>>, conn: ConnId) {
     let (context, limits, dispatcher) = (ctx.context.clone(), ctx.limits, ctx.dispatcher.clone());
     let slots = ctx.replay_slots.clone();
     let runtime = ctx.runtime.clone();
@@ -324,7 +324,7 @@ fn catch_up(ctx: &DialContext, endpoint: Arc<str>, seen: Vec<Vec<u8>>) {
         match fetched {
             Ok(Ok((endpoint, items))) => {
                 let _ = tokio::task::spawn_blocking(move || {
-                    dispatcher.catch_up(&endpoint, items, &seen)
+                    dispatcher.catch_up(&endpoint, items, &seen, conn)
                 })
                 .await;
             }

@@ -151,6 +151,7 @@ impl Dispatcher {
         replay: &Arc<str>,
         items: Vec<crate::replay::Replayed>,
         seen: &[Vec<u8>],
+        conn: ConnId,
     ) {
         let mut by_topic: HashMap<Bytes, Vec<crate::replay::Replayed>> = seen
             .iter()
@@ -174,6 +175,7 @@ impl Dispatcher {
                 topic,
                 replay: replay.clone(),
                 items,
+                conn,
             });
         }
     }

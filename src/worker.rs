@@ -47,6 +47,8 @@ pub enum Work {
         topic: Bytes,
         replay: Arc<str>,
         items: Vec<Replayed>,
+        /// The dialed socket's connection it was fetched for.
+        conn: ConnId,
     },
     Replayed {
         stream: StreamKey,
@@ -229,7 +231,8 @@ impl<'a> Worker<'a> {
                 topic,
                 replay,
                 items,
-            } => self.catch_up(&topic, &replay, items),
+                conn,
+            } => self.catch_up(&topic, &replay, items, conn),
             Work::Replayed {
                 stream,
                 ticket,
@@ -637,7 +640,7 @@ impl<'a> Worker<'a> {
     /// A connection's catch-up: the pod's buffered batches for `topic`, by
     /// DP rank; streams of the topic the buffer has nothing for get an
     /// empty one (which still tells whether the pod restarted).
-    fn catch_up(&mut self, topic: &Bytes, replay: &Arc<str>, items: Vec<Replayed>) {
+    fn catch_up(&mut self, topic: &Bytes, replay: &Arc<str>, items: Vec<Replayed>, conn: ConnId) {
         let mut by_rank: HashMap<Option<u32>, Vec<Numbered<EventBatch>>> = HashMap::new();
         for item in items {
             if item.topic.as_ref().is_some_and(|t| t != topic) {
@@ -662,6 +665,9 @@ impl<'a> Worker<'a> {
             if self.stream_entry(&key, Some(replay.clone()), now).is_none() {
                 continue;
             }
+            // A pod that only ever catches up (idle since) still leaves
+            // with its socket.
+            self.attach(&key, conn, now);
             let applied_before = self.metrics.replay_batches.get();
             self.feed(&key, Input::CatchUp(batches), now);
             if let Some(stream) = self.streams.get(&key) {

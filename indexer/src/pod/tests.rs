@@ -1,0 +1,638 @@
+//! The per-pod rules: counts, links and orphans, eviction order, tiers,
+//! LoRA and salt keys, on hand-made and random histories.
+
+use std::collections::HashMap;
+
+use super::*;
+use crate::keys::{prompt_keys, request_root_seed};
+use crate::scheme::KeySchemes;
+
+const BS: usize = 4;
+
+impl PodState {
+    /// Token-mode store, for brevity.
+    fn store_t(&mut self, index: &BlockIndex, ev: &BlockStored, stats: &mut ApplyStats) {
+        self.store(index, ev, &KeyMode::Token, stats)
+    }
+}
+
+fn tokens(n: usize, base: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| base + i).collect()
+}
+
+fn store(hashes: &[u64], parent: Option<u64>, toks: &[u32]) -> BlockStored {
+    BlockStored {
+        block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+        parent_block_hash: parent.map(EngineHash),
+        token_ids: toks.to_vec(),
+        block_size: Some(BS as u32),
+        ..Default::default()
+    }
+}
+
+fn removed(hashes: &[u64]) -> BlockRemoved {
+    BlockRemoved {
+        block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+        ..Default::default()
+    }
+}
+
+fn held_keys(index: &BlockIndex, keys: &[BlockKey], pod: PodId) -> usize {
+    keys.iter()
+        .take_while(|k| {
+            index.with_holders(**k, |h| h.is_some_and(|h| h.iter().any(|x| x.pod() == pod)))
+        })
+        .count()
+}
+
+#[test]
+fn stored_blocks_match_request_keys_across_batches() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let t = tokens(12, 100);
+    pod.store_t(&index, &store(&[1, 2], None, &t[..8]), &mut stats);
+    pod.store_t(&index, &store(&[3], Some(2), &t[8..]), &mut stats);
+    let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
+    assert_eq!(held_keys(&index, &keys, PodId(0)), 3);
+    assert_eq!(stats.stored_blocks, 3);
+    assert_eq!(pod.block_size(), Some(BS as u32));
+}
+
+#[test]
+fn double_store_needs_double_remove() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let t = tokens(4, 0);
+    let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
+    pod.store_t(&index, &store(&[1], None, &t), &mut stats);
+    pod.store_t(&index, &store(&[1], None, &t), &mut stats);
+    pod.remove(&index, &removed(&[1]), &mut stats);
+    assert_eq!(held_keys(&index, &keys, PodId(0)), 1);
+    pod.remove(&index, &removed(&[1]), &mut stats);
+    assert_eq!(held_keys(&index, &keys, PodId(0)), 0);
+    pod.remove(&index, &removed(&[1]), &mut stats);
+    assert_eq!(stats.unknown_removals, 1);
+    assert!(index.is_empty());
+}
+
+#[test]
+fn eviction_drops_the_least_recently_stored_blocks_first() {
+    // Every block a prompt start, so every one a leaf: plain store order.
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m").bounded();
+    let mut stats = ApplyStats::default();
+    for h in 1..=5u64 {
+        pod.store_t(
+            &index,
+            &store(&[h], None, &tokens(4, h as u32 * 10)),
+            &mut stats,
+        );
+    }
+    // Re-storing 1 makes it the most recent.
+    pod.store_t(&index, &store(&[1], None, &tokens(4, 10)), &mut stats);
+    pod.remove(&index, &removed(&[3]), &mut stats);
+    assert_eq!(pod.evict_oldest(&index, 2), 2); // 2 and 4 (3 is gone)
+    let left: Vec<u64> = {
+        let mut v: Vec<u64> = pod.by_hash.keys().map(|h| h.0).collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(left, vec![1, 5]);
+    assert_eq!(index.len(), 2);
+    assert_eq!(pod.held_per_tier(), [2, 0, 0]);
+    // Many re-stores do not grow the order queue without bound.
+    for _ in 0..1000 {
+        pod.store_t(&index, &store(&[5], None, &tokens(4, 50)), &mut stats);
+    }
+    assert!(pod.order.len() <= 2 * pod.entries() + 64);
+}
+
+/// Children and orphans counted from scratch: what `adopt`, the links
+/// made in advance and `unlink` must keep.
+fn recount(pod: &PodState) -> (u64, HashMap<EngineHash, u32>) {
+    let mut orphans = 0;
+    let mut children: HashMap<EngineHash, u32> = HashMap::new();
+    for held in pod.by_hash.values() {
+        if !held.links.has_parent() {
+            continue;
+        }
+        match pod.by_hash.get(&held.parent) {
+            Some(up) if held.parent_born != 0 && up.born == held.parent_born => {
+                *children.entry(held.parent).or_default() += 1;
+            }
+            _ => orphans += 1,
+        }
+    }
+    (orphans, children)
+}
+
+#[test]
+fn child_and_orphan_counts_stay_exact_under_random_events() {
+    let index = BlockIndex::new();
+    let mut rnd = crate::test_rng::xorshift(0x5eed_0fc4_11d5);
+    let engine = crate::engine_hash::EngineHasher::new(
+        crate::engine_hash::HashAlgo::Sha256,
+        crate::engine_hash::DEFAULT_SEED,
+        crate::engine_hash::ExtraKeyStyle::Tagged,
+    );
+    let engine = KeySchemes::engine(engine, false, 0).default;
+    for mode in [KeyMode::Token, engine] {
+        // Bounded, so evictions take part too.
+        let mut pod = PodState::new(PodId(0), "m").bounded();
+        let mut stats = ApplyStats::default();
+        for step in 0..3000 {
+            // A small hash space: re-stores, repeats within an event,
+            // blocks that are their own parent, unknown parents.
+            let n = 1 + rnd(6) as usize;
+            let hashes: Vec<u64> = (0..n).map(|_| 1 + rnd(40)).collect();
+            match rnd(10) {
+                0..=5 => {
+                    let parent = (rnd(3) > 0).then(|| 1 + rnd(40));
+                    let mut ev = store(&hashes, parent, &tokens(n * BS, rnd(3) as u32));
+                    if rnd(8) == 0 {
+                        ev.token_ids.clear();
+                        ev.medium = Some("CPU".into());
+                    }
+                    pod.store(&index, &ev, &mode, &mut stats);
+                }
+                6..=7 => pod.remove(&index, &removed(&hashes), &mut stats),
+                8 => {
+                    pod.evict_oldest(&index, n);
+                }
+                _ if rnd(20) == 0 => pod.clear(&index, &mut stats),
+                _ => {}
+            }
+            let (orphans, children) = recount(&pod);
+            assert_eq!(pod.orphans, orphans, "step {step}");
+            for (hash, held) in pod.by_hash.iter() {
+                let want = children.get(hash).copied().unwrap_or(0);
+                assert_eq!(held.links.children(), want, "step {step}, block {hash:?}");
+            }
+        }
+        assert!(
+            stats.stored_blocks > 1000 && stats.removed_blocks > 300,
+            "{stats:?}"
+        );
+    }
+}
+
+/// A held block's incarnation and the parent (hash, incarnation) it is
+/// linked to, if it was stored under a held parent.
+type Linked = HashMap<EngineHash, (u32, Option<(EngineHash, u32)>)>;
+
+fn links_of(pod: &PodState) -> Linked {
+    pod.by_hash
+        .iter()
+        .map(|(h, b)| {
+            let parent =
+                (b.links.has_parent() && b.parent_born != 0).then_some((b.parent, b.parent_born));
+            (*h, (b.born, parent))
+        })
+        .collect()
+}
+
+/// What eviction must keep: a block still held that extended a held
+/// parent before still has that parent (so an evicted block only ever
+/// shortened a match from its end).
+fn assert_prefixes_kept(before: &Linked, pod: &PodState, what: &str) {
+    for (hash, (_, parent)) in links_of(pod) {
+        let Some((p, born)) = parent else { continue };
+        let held_before = before.get(&p).is_some_and(|(b, _)| *b == born);
+        let held_now = pod.by_hash.get(&p).is_some_and(|up| up.born == born);
+        assert!(
+            !held_before || held_now,
+            "{what}: {hash:?} kept, its parent {p:?} evicted"
+        );
+    }
+}
+
+#[test]
+fn eviction_takes_leaves_first_and_keeps_the_prefixes_a_pod_extends() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m").bounded();
+    let mut stats = ApplyStats::default();
+    let held = |pod: &PodState| -> Vec<u64> {
+        let mut v: Vec<u64> = pod.by_hash.keys().map(|h| h.0).collect();
+        v.sort_unstable();
+        v
+    };
+    // 1 <- 2 <- 3 first (the oldest blocks), 4 and 5 alone, 6 under 1.
+    pod.store_t(&index, &store(&[1, 2, 3], None, &tokens(12, 0)), &mut stats);
+    pod.store_t(&index, &store(&[4], None, &tokens(4, 40)), &mut stats);
+    pod.store_t(&index, &store(&[5], None, &tokens(4, 50)), &mut stats);
+    pod.store_t(&index, &store(&[6], Some(1), &tokens(4, 60)), &mut stats);
+    let before = links_of(&pod);
+    // 1 and 2 are the oldest, but 3 extends them: 3 goes, then 2 (a
+    // leaf now, and older than 4). 1 still has 6.
+    assert_eq!(pod.evict_oldest(&index, 2), 2);
+    assert_eq!(held(&pod), vec![1, 4, 5, 6]);
+    assert_prefixes_kept(&before, &pod, "first");
+    assert_eq!(pod.closed_tier(), Some(Tier::Gpu));
+    assert_eq!(pod.evict_oldest(&index, 2), 2);
+    assert_eq!(held(&pod), vec![1, 6]);
+    // 6, then 1 (its last child gone).
+    assert_eq!(pod.evict_oldest(&index, 1), 1);
+    assert_eq!(held(&pod), vec![1]);
+    assert_eq!(pod.evict_oldest(&index, 5), 1);
+    assert!(index.is_empty() && pod.entries() == 0);
+
+    // A parent eviction passed while it had a child is evicted once
+    // that child is removed by the pod itself.
+    pod.store_t(&index, &store(&[1, 2], None, &tokens(8, 0)), &mut stats);
+    pod.store_t(&index, &store(&[3], None, &tokens(4, 40)), &mut stats);
+    pod.store_t(&index, &store(&[2], Some(1), &tokens(4, 4)), &mut stats);
+    assert_eq!(pod.evict_oldest(&index, 1), 1);
+    assert_eq!(held(&pod), vec![1, 2], "3, the oldest leaf");
+    pod.remove(&index, &removed(&[2]), &mut stats);
+    pod.remove(&index, &removed(&[2]), &mut stats);
+    assert_eq!(held(&pod), vec![1]);
+    assert_eq!(pod.evict_oldest(&index, 1), 1);
+    assert!(index.is_empty() && pod.entries() == 0);
+}
+
+/// Random histories (prompts under held, unknown or no parents, repeated
+/// hashes, offloads, removals that leave holes, clears), evicting at
+/// random points: every eviction takes what it was asked for (a held
+/// set always has a leaf), makes no orphan, and keeps every prefix.
+#[test]
+fn eviction_keeps_every_prefix_under_random_histories() {
+    let engine = crate::engine_hash::EngineHasher::new(
+        crate::engine_hash::HashAlgo::Sha256,
+        crate::engine_hash::DEFAULT_SEED,
+        crate::engine_hash::ExtraKeyStyle::Tagged,
+    );
+    let engine = KeySchemes::engine(engine, false, 0).default;
+    let mut evictions = 0;
+    for seed in 1..=24u64 {
+        let mode = if seed % 2 == 0 {
+            &engine
+        } else {
+            &KeyMode::Token
+        };
+        let mut rnd = crate::test_rng::xorshift(0x9e37_79b9_7f4a_7c15 ^ seed);
+        let index = BlockIndex::new();
+        let mut pod = PodState::new(PodId(0), "m").bounded();
+        let mut stats = ApplyStats::default();
+        let mut fresh = 0u64;
+        for step in 0..600 {
+            let what = format!("seed {seed}, step {step}");
+            match rnd(12) {
+                0..=6 => {
+                    let n = 1 + rnd(5) as usize;
+                    let hashes: Vec<u64> = (0..n)
+                        .map(|_| match rnd(5) {
+                            0 => 1 + rnd(fresh + 1),
+                            _ => {
+                                fresh += 1;
+                                fresh
+                            }
+                        })
+                        .collect();
+                    let parent = (rnd(4) > 0).then(|| 1 + rnd(fresh + 1));
+                    let mut ev = store(&hashes, parent, &tokens(n * BS, rnd(3) as u32));
+                    if rnd(8) == 0 {
+                        ev.token_ids.clear();
+                        ev.medium = Some("CPU".into());
+                    }
+                    pod.store(&index, &ev, mode, &mut stats);
+                }
+                7..=8 => {
+                    let hashes: Vec<u64> = (0..1 + rnd(3)).map(|_| 1 + rnd(fresh + 1)).collect();
+                    pod.remove(&index, &removed(&hashes), &mut stats);
+                }
+                9..=10 => {
+                    let before = links_of(&pod);
+                    let orphans = pod.orphans;
+                    let n = 1 + rnd(8) as usize;
+                    let want = n.min(pod.entries());
+                    assert_eq!(pod.evict_oldest(&index, n), want, "{what}");
+                    assert!(pod.orphans <= orphans, "{what}: eviction made an orphan");
+                    assert_prefixes_kept(&before, &pod, &what);
+                    evictions += want;
+                }
+                _ if rnd(30) == 0 => pod.clear(&index, &mut stats),
+                _ => {}
+            }
+            assert!(pod.released.len() <= pod.entries() + 64, "{what}");
+        }
+    }
+    assert!(evictions > 5000, "{evictions}");
+}
+
+#[test]
+fn a_slot_is_forty_bytes() {
+    assert_eq!(std::mem::size_of::<(EngineHash, HeldBlock)>(), 40);
+}
+
+#[test]
+fn an_evicted_block_takes_its_extra_stores_with_it() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m").bounded();
+    let mut stats = ApplyStats::default();
+    let t = tokens(4, 0);
+    for _ in 0..3 {
+        pod.store_t(&index, &store(&[1], None, &t), &mut stats);
+    }
+    assert_eq!(
+        pod.export().blocks,
+        vec![(1, pod.by_hash[&EngineHash(1)].key.0, [3, 0, 0])]
+    );
+    assert_eq!(pod.evict_oldest(&index, 1), 1);
+    assert!(pod.extra.is_empty() && index.is_empty());
+    // Stored again: one removal takes it.
+    pod.store_t(&index, &store(&[1], None, &t), &mut stats);
+    pod.remove(&index, &removed(&[1]), &mut stats);
+    assert!(index.is_empty());
+    assert_eq!(pod.entries(), 0);
+}
+
+#[test]
+fn store_order_survives_the_32_bit_stamp_wrap_and_long_lived_blocks() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m").bounded();
+    let mut stats = ApplyStats::default();
+    let put = |pod: &mut PodState, h: u64, stats: &mut ApplyStats| {
+        pod.store_t(&index, &store(&[h], None, &tokens(4, h as u32 * 10)), stats)
+    };
+    let exported =
+        |pod: &PodState| -> Vec<u64> { pod.export().blocks.iter().map(|(h, _, _)| *h).collect() };
+    // The clock moved on by `n` stores of other blocks.
+    let skip = |pod: &mut PodState, n: u64| {
+        let target = pod.clock + n;
+        while pod.clock < target {
+            pod.clock = (target - 1).min((pod.clock / AGE_PASS + 1) * AGE_PASS - 1);
+            pod.tick();
+        }
+    };
+    // 9, 8, 7 stored around the wrap of the 32-bit stamps.
+    pod.clock = (1 << 32) - 2;
+    for h in [9, 8, 7] {
+        put(&mut pod, h, &mut stats);
+    }
+    assert_eq!(exported(&pod), vec![9, 8, 7]);
+    // 2^31 stores later, 6: the passes have clamped 9 and 8, not 7.
+    skip(&mut pod, (1 << 31) - 1);
+    put(&mut pod, 6, &mut stats);
+    assert_eq!(exported(&pod), vec![8, 9, 7, 6], "clamped ones by hash");
+    // 2^31 more: 7 is clamped too, 6 not yet, and all are older than 5
+    // (without the passes, 9's stamp would read as one store old).
+    skip(&mut pod, (1 << 31) - 1);
+    put(&mut pod, 5, &mut stats);
+    assert_eq!(exported(&pod), vec![7, 8, 9, 6, 5]);
+    assert_eq!(pod.evict_oldest(&index, 4), 4);
+    assert_eq!(exported(&pod), vec![5]);
+    assert_eq!(index.len(), 1);
+}
+
+#[test]
+fn unknown_parent_is_counted_and_touches_nothing() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    pod.store_t(&index, &store(&[5, 6], Some(99), &tokens(8, 0)), &mut stats);
+    assert_eq!(stats.parent_unknown_blocks, 2);
+    assert!(index.is_empty());
+    pod.remove(&index, &removed(&[5]), &mut stats);
+    assert_eq!(stats.unknown_removals, 1);
+}
+
+#[test]
+fn tier_only_store_adds_a_tier_to_known_hashes() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let t = tokens(4, 0);
+    let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
+    pod.store_t(&index, &store(&[1], None, &t), &mut stats);
+    let mut offload = store(&[1, 2], None, &[]);
+    offload.medium = Some("CPU".into());
+    pod.store_t(&index, &offload, &mut stats);
+    assert_eq!(stats.unkeyable_blocks, 1);
+    assert_eq!(pod.held_per_tier(), [1, 1, 0]);
+    pod.remove(&index, &removed(&[1]), &mut stats);
+    // Still on CPU.
+    assert_eq!(held_keys(&index, &keys, PodId(0)), 1);
+    index.with_holders(keys[0], |h| {
+        assert_eq!(
+            h.unwrap()[0].tiers().tiers().collect::<Vec<_>>(),
+            vec![Tier::Cpu]
+        )
+    });
+}
+
+#[test]
+fn clear_drops_only_this_pod() {
+    let index = BlockIndex::new();
+    let mut a = PodState::new(PodId(0), "m");
+    let mut b = PodState::new(PodId(1), "m");
+    let mut stats = ApplyStats::default();
+    let t = tokens(8, 0);
+    let keys = prompt_keys(request_root_seed("m", None, None), &t, BS);
+    a.store_t(&index, &store(&[1, 2], None, &t), &mut stats);
+    b.store_t(&index, &store(&[1, 2], None, &t), &mut stats);
+    a.clear(&index, &mut stats);
+    assert_eq!(held_keys(&index, &keys, PodId(0)), 0);
+    assert_eq!(held_keys(&index, &keys, PodId(1)), 2);
+    assert_eq!(a.held_per_tier(), [0; TIERS]);
+    // Stores after a clear start from scratch again.
+    a.store_t(&index, &store(&[3], Some(1), &t[4..]), &mut stats);
+    assert_eq!(stats.parent_unknown_blocks, 1);
+}
+
+#[test]
+fn non_full_attention_groups_are_ignored_including_their_removals() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let t = tokens(4, 0);
+    let mut full = store(&[1], None, &t);
+    full.group_idx = Some(0);
+    full.kv_cache_spec_kind = Some("full_attention".into());
+    let mut swa = full.clone();
+    swa.group_idx = Some(1);
+    swa.kv_cache_spec_kind = Some("sliding_window".into());
+    pod.store_t(&index, &full, &mut stats);
+    pod.store_t(&index, &swa, &mut stats);
+    let mut rm = removed(&[1]);
+    rm.group_idx = Some(1);
+    pod.remove(&index, &rm, &mut stats);
+    assert_eq!(stats.non_full_attention_events, 2);
+    assert_eq!(pod.held_per_tier(), [1, 0, 0]);
+}
+
+#[test]
+fn lora_and_salt_extra_keys_make_request_compatible_keys() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let t = tokens(8, 0);
+    // Bare form (as vLLM 0.33 events carry it): salt on block 0, LoRA on all.
+    let mut ev = store(&[1, 2], None, &t);
+    ev.lora_name = Some("sql".into());
+    ev.extra_keys = Some(vec![
+        Some(vec![
+            ExtraKey::Str("sql".into()),
+            ExtraKey::Str("tenant".into()),
+        ]),
+        Some(vec![ExtraKey::Str("sql".into())]),
+    ]);
+    pod.store_t(&index, &ev, &mut stats);
+    // Tagged form (0.31+ hashing tuples), no lora_name field.
+    let mut tagged = store(&[3, 4], None, &t);
+    let lora = ExtraKey::List(vec![
+        ExtraKey::Str("lora".into()),
+        ExtraKey::Str("chat".into()),
+        ExtraKey::Str("/p".into()),
+    ]);
+    tagged.extra_keys = Some(vec![
+        Some(vec![
+            lora.clone(),
+            ExtraKey::List(vec![
+                ExtraKey::Str("cache_salt".into()),
+                ExtraKey::Str("t2".into()),
+            ]),
+        ]),
+        Some(vec![lora]),
+    ]);
+    pod.store_t(&index, &tagged, &mut stats);
+    let want = |lora, salt| prompt_keys(request_root_seed("m", lora, salt), &t, BS);
+    assert_eq!(
+        held_keys(&index, &want(Some("sql"), Some("tenant")), PodId(0)),
+        2
+    );
+    assert_eq!(
+        held_keys(&index, &want(Some("chat"), Some("t2")), PodId(0)),
+        2
+    );
+    assert_eq!(held_keys(&index, &want(Some("sql"), None), PodId(0)), 0);
+    assert_eq!(held_keys(&index, &want(None, Some("tenant")), PodId(0)), 0);
+    assert_eq!(held_keys(&index, &want(None, None), PodId(0)), 0);
+}
+
+#[test]
+fn id_only_lora_never_matches_a_plain_prompt() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let t = tokens(4, 0);
+    let mut ev = store(&[1], None, &t);
+    ev.lora_id = Some(3);
+    pod.store_t(&index, &ev, &mut stats);
+    let plain = prompt_keys(request_root_seed("m", None, None), &t, BS);
+    assert_eq!(held_keys(&index, &plain, PodId(0)), 0);
+}
+
+#[test]
+fn malformed_token_counts_are_rejected() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    pod.store_t(&index, &store(&[1, 2], None, &tokens(7, 0)), &mut stats);
+    let mut zero = store(&[1], None, &tokens(4, 0));
+    zero.block_size = Some(0);
+    pod.store_t(&index, &zero, &mut stats);
+    assert_eq!(stats.malformed_stores, 2);
+    assert!(index.is_empty());
+}
+
+#[test]
+fn prefix_closure_is_tracked_through_holes_and_re_stores() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let remove = |pod: &mut PodState, h: u64, stats: &mut ApplyStats| {
+        pod.remove(
+            &index,
+            &BlockRemoved {
+                block_hashes: vec![EngineHash(h)],
+                ..Default::default()
+            },
+            stats,
+        )
+    };
+    // 1 <- 2 <- 3, one store.
+    pod.store_t(&index, &store(&[1, 2, 3], None, &tokens(12, 0)), &mut stats);
+    assert_eq!(pod.closed_tier(), Some(Tier::Gpu));
+    // A hole: 3 is an orphan now.
+    remove(&mut pod, 2, &mut stats);
+    assert_eq!(pod.closed_tier(), None);
+    // 2 comes back: a new incarnation; 3 stays counted as the orphan it
+    // was (conservative), until it goes.
+    pod.store_t(&index, &store(&[2], Some(1), &tokens(4, 4)), &mut stats);
+    assert_eq!(pod.closed_tier(), None);
+    remove(&mut pod, 3, &mut stats);
+    assert_eq!(pod.closed_tier(), Some(Tier::Gpu));
+    // The new 2's own children are counted against it, not the old one.
+    pod.store_t(&index, &store(&[9], Some(2), &tokens(4, 8)), &mut stats);
+    remove(&mut pod, 9, &mut stats);
+    remove(&mut pod, 2, &mut stats);
+    assert_eq!(pod.closed_tier(), Some(Tier::Gpu));
+    assert_eq!(pod.orphans, 0);
+    // A CPU copy makes two tiers: not the single-tier fast path.
+    let mut cpu = store(&[1], None, &[]);
+    cpu.medium = Some("CPU".into());
+    pod.store_t(&index, &cpu, &mut stats);
+    assert_eq!(pod.closed_tier(), None);
+}
+
+#[test]
+fn a_restored_pod_keeps_its_prefix_closure() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    pod.store_t(&index, &store(&[1, 2, 3], None, &tokens(12, 0)), &mut stats);
+    // Re-storing the root makes it newer than its children: the export
+    // lists children before their parent.
+    pod.store_t(&index, &store(&[1], None, &tokens(4, 0)), &mut stats);
+    pod.store_t(&index, &store(&[4], Some(3), &tokens(4, 5)), &mut stats);
+    pod.store_t(&index, &store(&[5], Some(1), &tokens(4, 9)), &mut stats);
+    // A hole: 2 goes, 3 (and through it 4) is cut off.
+    pod.remove(
+        &index,
+        &BlockRemoved {
+            block_hashes: vec![EngineHash(2)],
+            ..Default::default()
+        },
+        &mut stats,
+    );
+    assert_eq!(pod.orphans, 1);
+    let export = pod.export();
+
+    let restored_index = BlockIndex::new();
+    let mut restored = PodState::new(PodId(0), "m");
+    restored.import(
+        &restored_index,
+        &export.blocks,
+        &export.parents,
+        &export.non_full_groups,
+        Some(4),
+    );
+    assert_eq!(restored.orphans, 1, "3 is still the one orphan");
+    let remove = |pod: &mut PodState, index: &BlockIndex, h: u64| {
+        let mut stats = ApplyStats::default();
+        pod.remove(
+            index,
+            &BlockRemoved {
+                block_hashes: vec![EngineHash(h)],
+                ..Default::default()
+            },
+            &mut stats,
+        )
+    };
+    remove(&mut restored, &restored_index, 4);
+    remove(&mut restored, &restored_index, 3);
+    assert_eq!(restored.closed_tier(), Some(Tier::Gpu));
+    // 1 was stored twice: it goes on the second removal.
+    remove(&mut restored, &restored_index, 1);
+    assert_eq!(restored.closed_tier(), Some(Tier::Gpu));
+    remove(&mut restored, &restored_index, 1);
+    assert_eq!(restored.closed_tier(), None, "5 lost its parent");
+
+    // An old snapshot (no parents): every block is an orphan.
+    let mut old = PodState::new(PodId(1), "m");
+    old.import(&BlockIndex::new(), &export.blocks, &[], &[], Some(4));
+    assert_eq!(old.orphans, 4);
+    assert_eq!(old.closed_tier(), None);
+}
