@@ -702,6 +702,8 @@ impl<'a> Worker<'a> {
         // state (reset, flagged incomplete), never the worker and the
         // other pods it serves.
         let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            #[cfg(debug_assertions)]
+            fault::inject(&pod.name);
             self.indexer.apply(pod, seq, batch)
         }));
         let stats = match applied {
@@ -754,6 +756,22 @@ impl<'a> Worker<'a> {
             self.warn.warn(|suppressed| {
                 tracing::warn!(pod = %pod.name, ?skipped, suppressed, "skipped events in a batch")
             });
+        }
+    }
+}
+
+/// Fault injection for the supervision test (debug builds only): applying
+/// a batch of the pod named by `KV_INDEXER_TEST_PANIC_POD` panics, as a bug
+/// in the index would.
+#[cfg(debug_assertions)]
+mod fault {
+    use std::sync::OnceLock;
+
+    pub fn inject(pod: &str) {
+        static POD: OnceLock<Option<String>> = OnceLock::new();
+        let target = POD.get_or_init(|| std::env::var("KV_INDEXER_TEST_PANIC_POD").ok());
+        if target.as_deref() == Some(pod) {
+            panic!("injected fault while applying a batch of {pod}");
         }
     }
 }
