@@ -195,6 +195,10 @@ struct Repair<B> {
     round: u32,
     /// Live batches that arrived meanwhile, by seq.
     buffered: BTreeMap<u64, (Fingerprint, B)>,
+    /// Live batches up to this seq arrived but were not trusted (they came
+    /// before a restart was seen, so may be the old run's): the reply
+    /// supplies them, and their live copies will not come again.
+    seen: Option<u64>,
 }
 
 impl<B> Stream<B> {
@@ -271,7 +275,12 @@ impl<B> Stream<B> {
                     // The oldest batch not verified since wins: a second
                     // drop before any catch-up must not hide the first.
                     if self.replayable {
-                        self.verify = self.verify.or(self.recent.back().copied());
+                        // The newest batch received, applied or buffered.
+                        let buffered = self.repair.as_ref().and_then(|r| {
+                            r.buffered.iter().next_back().map(|(s, (fp, _))| (*s, *fp))
+                        });
+                        let newest = self.recent.back().copied().max(buffered);
+                        self.verify = self.verify.or(newest);
                     }
                 }
             }
@@ -335,7 +344,7 @@ impl<B> Stream<B> {
             if self.replayable {
                 let mut buffered = BTreeMap::new();
                 buffered.insert(b.seq, (b.fingerprint, b.batch));
-                self.start_repair(expected, 1, buffered, out);
+                self.start_repair(expected, 1, buffered, None, out);
                 return;
             }
             out.push(Action::Lost {
@@ -373,6 +382,7 @@ impl<B> Stream<B> {
         from: u64,
         round: u32,
         buffered: BTreeMap<u64, (Fingerprint, B)>,
+        seen: Option<u64>,
         out: &mut Vec<Action<B>>,
     ) {
         let check = self
@@ -386,6 +396,7 @@ impl<B> Stream<B> {
             attempt: 1,
             round,
             buffered,
+            seen,
         });
         self.fetch(Duration::ZERO, out);
     }
@@ -474,34 +485,29 @@ impl<B> Stream<B> {
         out: &mut Vec<Action<B>>,
     ) {
         self.restart(out);
-        let mut buffered = buffered.unwrap_or_default();
+        // Live batches buffered before the restart showed may be the old
+        // run's: not trusted. The pod's buffer is asked for their seqs.
+        let seen = buffered.and_then(|b| b.keys().next_back().copied());
         if items.first().is_some_and(|b| b.seq == 0) || !self.replayable {
-            // The new run from its start: applied now, the live batches
-            // past it follow as live ones.
+            // The new run from its start: applied now.
             let newest = items.last().map(|b| b.seq);
             self.catch_up(items, out);
-            for (seq, (fingerprint, batch)) in buffered {
-                if newest.is_none_or(|n| seq > n) {
-                    self.live(
-                        Numbered {
-                            seq,
-                            fingerprint,
-                            batch,
-                        },
-                        out,
-                    );
+            if self.replayable && seen.is_some_and(|s| newest.is_none_or(|n| s > n)) {
+                if let Some(from) = self.expected() {
+                    self.start_repair(from, 1, BTreeMap::new(), seen, out);
                 }
             }
             return;
         }
         // Only part of the new run: fetch it from its start.
-        for b in items {
-            buffered.insert(b.seq, (b.fingerprint, b.batch));
-        }
+        let mut buffered: BTreeMap<u64, (Fingerprint, B)> = items
+            .into_iter()
+            .map(|b| (b.seq, (b.fingerprint, b.batch)))
+            .collect();
         while buffered.len() > self.limits.max_buffered {
             buffered.pop_last();
         }
-        self.start_repair(0, 1, buffered, out);
+        self.start_repair(0, 1, buffered, seen, out);
     }
 
     /// Whether a replay buffer (sorted, `newest` last) belongs to a new
@@ -621,6 +627,7 @@ impl<B> Stream<B> {
             .keys()
             .next_back()
             .copied()
+            .max(repair.seen)
             .unwrap_or(repair.from);
         // The newest seq the pod had when it answered: gaps up to it are
         // really gone from its buffer; gaps past it were not published yet.
@@ -679,7 +686,13 @@ impl<B> Stream<B> {
                 .into_iter()
                 .map(|(seq, (fp, batch, _))| (seq, (fp, batch)))
                 .collect();
-            self.start_repair(from, round, buffered, out);
+            self.start_repair(
+                from,
+                round,
+                buffered,
+                repair.seen.filter(|s| *s >= from),
+                out,
+            );
         }
     }
 }
