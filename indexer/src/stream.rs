@@ -31,8 +31,12 @@
 //!   batches' live copies carry the same fingerprints; a restarted
 //!   publisher's do not). A restart the seq cannot show (the new run had
 //!   already passed the old seq when we heard from it again) is caught by
-//!   the replay reply: each repair asks from the last applied seq, and a
-//!   different batch there is a restart.
+//!   the pod's buffer: each repair asks from the last applied seq, and a
+//!   catch-up after a reconnect must still hold the newest batch received
+//!   before the connection dropped; a different batch there is a restart
+//!   ([`Action::Unverified`] when the buffer no longer reaches back that
+//!   far). Live batches buffered before a restart showed are not trusted:
+//!   the pod's buffer is asked for their seqs again.
 //! - **Bounded repair.** A failed fetch is retried `max_attempts` times
 //!   with backoff; a reply only covers what the pod had published when it
 //!   answered, so a range past it is asked again, `max_rounds` times at
