@@ -20,7 +20,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use indexer::stream::StreamLimits;
-use indexer::topic::parse_topic;
 use indexer::Indexer;
 use tokio::task::JoinHandle;
 
@@ -64,10 +63,7 @@ fn check_frames(
     let seq = frames.pop().unwrap_or_default();
     let topic = frames.pop().unwrap_or_default();
     let seq: [u8; 8] = seq[..].try_into().map_err(|_| FrameProblem::Seq)?;
-    let owner = {
-        let parsed = parse_topic(&topic).map_err(|_| FrameProblem::Topic)?;
-        crate::worker::owner(parsed.pod, parsed.model, workers)
-    };
+    let owner = crate::worker::owner_of_topic(&topic, workers).ok_or(FrameProblem::Topic)?;
     Ok((
         Frame {
             topic: Bytes::from(topic),
@@ -137,8 +133,8 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     fn worker_for_topic(&self, topic: &[u8]) -> Option<&flume::Sender<Work>> {
-        let topic = parse_topic(topic).ok()?;
-        Some(&self.workers[crate::worker::owner(topic.pod, topic.model, self.workers.len())])
+        self.workers
+            .get(crate::worker::owner_of_topic(topic, self.workers.len())?)
     }
 
     /// Hands a pod's replay buffer (fetched on connect) to the workers that
@@ -159,11 +155,10 @@ impl Dispatcher {
             .collect();
         for item in items {
             // The older two-frame form names no topic: the pod's first live
-            // batch triggers its repair instead.
+            // batch triggers its repair instead. Malformed topics find no
+            // worker below.
             if let Some(topic) = item.topic.clone() {
-                if parse_topic(&topic).is_ok() {
-                    by_topic.entry(topic).or_default().push(item);
-                }
+                by_topic.entry(topic).or_default().push(item);
             }
         }
         for (topic, items) in by_topic {

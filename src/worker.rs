@@ -101,6 +101,13 @@ pub struct WorkerConfig {
     pub evict_pending: Arc<AtomicBool>,
 }
 
+/// The worker that owns a topic's pod; `None` for a topic that is not
+/// `<prefix>@<pod>@<model>`.
+pub fn owner_of_topic(topic: &[u8], workers: usize) -> Option<usize> {
+    let topic = parse_topic(topic).ok()?;
+    Some(owner(topic.pod, topic.model, workers))
+}
+
 /// The worker that owns a pod: all topics and DP ranks of one pod land on
 /// the same one (a pod has one writer).
 pub fn owner(pod: &str, model: &str, workers: usize) -> usize {
@@ -299,35 +306,43 @@ impl<'a> Worker<'a> {
         if stream.conn == Some(conn) && stream.machine.connected() {
             return;
         }
-        if let Some(old) = stream.conn.replace(conn) {
-            if old != conn {
-                if let Some(keys) = self.by_conn.get_mut(&old) {
-                    keys.remove(key);
-                    if keys.is_empty() {
-                        self.by_conn.remove(&old);
-                    }
-                }
-            }
+        stream.pod.set_connection(Connection::Connected);
+        if let Some(old) = stream.conn.replace(conn).filter(|old| *old != conn) {
+            self.detach(key, old);
         }
         self.by_conn.entry(conn).or_default().insert(key.clone());
-        stream.pod.set_connection(Connection::Connected);
         self.feed(key, Input::Connection { up: true }, now);
     }
 
-    /// Feeds one input to a stream and executes what it returns.
-    fn feed(&mut self, key: &StreamKey, input: Input<EventBatch>, now: Instant) {
+    /// Takes `key` out of `conn`'s streams.
+    fn detach(&mut self, key: &StreamKey, conn: ConnId) {
+        if let Some(keys) = self.by_conn.get_mut(&conn) {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.by_conn.remove(&conn);
+            }
+        }
+    }
+
+    /// Feeds one input to a stream and executes what it returns; returns
+    /// the batches it applied.
+    fn feed(&mut self, key: &StreamKey, input: Input<EventBatch>, now: Instant) -> usize {
         let mut actions = std::mem::take(&mut self.actions);
         if let Some(stream) = self.streams.get_mut(key) {
             stream.machine.handle(input, now, &mut actions);
         }
-        let applied = actions.iter().any(|a| matches!(a, Action::Apply { .. }));
+        let applied = actions
+            .iter()
+            .filter(|a| matches!(a, Action::Apply { .. }))
+            .count();
         for action in actions.drain(..) {
             self.execute(key, action);
         }
         self.actions = actions;
-        if applied {
+        if applied > 0 {
             self.enforce_capacity();
         }
+        applied
     }
 
     fn execute(&mut self, key: &StreamKey, action: Action<EventBatch>) {
@@ -363,14 +378,16 @@ impl<'a> Worker<'a> {
                 }
                 // Cannot happen (only replayable streams fetch); a reply
                 // that never comes would leave the repair pending.
-                None => self.feed(
-                    key,
-                    Input::Replayed {
-                        ticket,
-                        result: Err("no replay endpoint".into()),
-                    },
-                    Instant::now(),
-                ),
+                None => {
+                    self.feed(
+                        key,
+                        Input::Replayed {
+                            ticket,
+                            result: Err("no replay endpoint".into()),
+                        },
+                        Instant::now(),
+                    );
+                }
             },
             Action::Forget => {
                 tracing::info!(pod = %pod.name, model = %pod.model, "pod expired: disconnected and silent for --pod-expiry; forgotten with its blocks");
@@ -413,12 +430,7 @@ impl<'a> Worker<'a> {
     fn remove_stream(&mut self, key: &StreamKey) -> Option<Stream> {
         let stream = self.streams.remove(key)?;
         if let Some(conn) = stream.conn {
-            if let Some(keys) = self.by_conn.get_mut(&conn) {
-                keys.remove(key);
-                if keys.is_empty() {
-                    self.by_conn.remove(&conn);
-                }
-            }
+            self.detach(key, conn);
         }
         if let Some(keys) = self.by_pod.get_mut(&stream.pod.id.0) {
             keys.retain(|k| k != key);
@@ -668,10 +680,8 @@ impl<'a> Worker<'a> {
             // A pod that only ever catches up (idle since) still leaves
             // with its socket.
             self.attach(&key, conn, now);
-            let applied_before = self.metrics.replay_batches.get();
-            self.feed(&key, Input::CatchUp(batches), now);
+            let applied = self.feed(&key, Input::CatchUp(batches), now);
             if let Some(stream) = self.streams.get(&key) {
-                let applied = self.metrics.replay_batches.get() - applied_before;
                 tracing::info!(pod = %stream.pod.name, applied, "caught up from the replay buffer");
             }
         }

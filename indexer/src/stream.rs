@@ -248,10 +248,6 @@ impl<B> Stream<B> {
         self.connected
     }
 
-    pub fn last_seen(&self) -> Instant {
-        self.last_seen
-    }
-
     /// Whether a replay endpoint is known; learning one later (a dialed
     /// pod's socket) makes future gaps repairable.
     pub fn set_replayable(&mut self, replayable: bool) {

@@ -121,17 +121,16 @@ impl Indexer {
             if entries <= target || (ask.is_some() && entries <= slack) {
                 break;
             }
+            let size = |p: &Pod| p.entries.load(Ordering::Relaxed);
             let (largest, largest_owned) = {
                 let table = self.table.read();
                 let live = || table.pods().filter(|p| !p.is_removed());
-                let size = |p: &&Arc<Pod>| p.entries.load(Ordering::Relaxed);
                 (
-                    live().max_by_key(size).cloned(),
-                    live().filter(|p| owns(p)).max_by_key(size).cloned(),
+                    live().max_by_key(|p| size(p)).cloned(),
+                    live().filter(|p| owns(p)).max_by_key(|p| size(p)).cloned(),
                 )
             };
             let Some(largest) = largest else { break };
-            let size = |p: &Arc<Pod>| p.entries.load(Ordering::Relaxed);
             // Pods of about the same size are equally fair victims: taking
             // this writer's own keeps the shares level without asking (a
             // share that swings grows its pod's tables for good).
