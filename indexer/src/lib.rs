@@ -13,6 +13,7 @@ mod indexer;
 pub mod keys;
 pub mod pod;
 pub mod repeats;
+pub mod routing;
 pub mod scheme;
 pub mod score;
 pub mod snapshot;

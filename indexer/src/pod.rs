@@ -265,6 +265,11 @@ impl PodState {
         self.block_size
     }
 
+    /// Our key of a block the pod holds, by its engine hash.
+    pub fn key_of(&self, hash: EngineHash) -> Option<BlockKey> {
+        self.by_hash.get(&hash).map(|held| held.key)
+    }
+
     /// Distinct engine hashes held, per tier.
     pub fn held_per_tier(&self) -> [u64; TIERS] {
         self.held_per_tier

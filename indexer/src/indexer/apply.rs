@@ -24,6 +24,7 @@ impl Indexer {
         if pod.is_removed() {
             return stats;
         }
+        let mut cleared = false;
         let mut inner = pod.inner.lock();
         let PodInner { state, progress } = &mut *inner;
         progress.last_seq = Some(seq);
@@ -37,7 +38,10 @@ impl Indexer {
             match event {
                 KvEvent::Stored(ev) => state.store(&self.blocks, ev, &pod.mode, &mut stats),
                 KvEvent::Removed(ev) => state.remove(&self.blocks, ev, &mut stats),
-                KvEvent::AllCleared => state.clear(&self.blocks, &mut stats),
+                KvEvent::AllCleared => {
+                    state.clear(&self.blocks, &mut stats);
+                    cleared = true;
+                }
             }
         }
         progress.applied.add(&stats);
@@ -45,6 +49,9 @@ impl Indexer {
         self.account(pod, state.entries());
         let learned = state.block_size();
         drop(inner);
+        if cleared {
+            self.drop_speculation(pod);
+        }
         if let Some(bs) = learned {
             if pod.block_size.swap(bs, Ordering::Relaxed) != bs {
                 self.learn_block_size(&pod.model, bs);
@@ -178,6 +185,7 @@ impl Indexer {
         debug_assert!(inner.state.closure_is_current());
         let now = inner.state.entries();
         drop(inner);
+        self.drop_speculation(pod);
         self.account(pod, now);
         self.evictions.fetch_add(evicted as u64, Ordering::Relaxed);
         evicted
@@ -191,6 +199,7 @@ impl Indexer {
         inner.state.clear(&self.blocks, &mut stats);
         drop(inner);
         self.account(pod, 0);
+        self.drop_speculation(pod);
         held
     }
 

@@ -25,6 +25,7 @@ use crate::event::{DecodeSkips, EventBatch, KvEvent, TIERS};
 use crate::index::{BlockIndex, PodId, TierMask, MAX_PODS};
 use crate::keys::BlockKey;
 use crate::pod::{ApplyStats, PodState};
+use crate::routing::speculative::Speculative;
 use crate::scheme::{KeyMode, KeySchemes};
 use crate::score::{extend_prefix_closed, holding, jump, walk, PrefixMatch, Scratch, TierWeights};
 use crate::snapshot::{PodSnapshot, SnapshotError, SnapshotReader, SnapshotWriter};
@@ -52,6 +53,10 @@ pub struct IndexerConfig {
     /// flood of pod names must not grow the process past it with the
     /// pods' fixed cost alone.
     pub pod_cost_entries: usize,
+    /// Most speculative entries (`RecordRouting`) held at once.
+    pub max_speculative_entries: usize,
+    /// Weight of a speculatively held block in `score` (0: exact only).
+    pub speculative_weight: f64,
 }
 
 /// Why a new pod was not admitted. Existing pods are never affected.
@@ -89,6 +94,8 @@ impl Default for IndexerConfig {
             max_pods: None,
             max_models: None,
             pod_cost_entries: 0,
+            max_speculative_entries: 1 << 20,
+            speculative_weight: 1.0,
         }
     }
 }
@@ -200,6 +207,9 @@ pub struct PodScore {
     pub total_blocks: u32,
     /// The pod lost events beyond repair; see `IndexerConfig::drop_incomplete`.
     pub incomplete: bool,
+    /// Leading blocks held exactly or speculatively (routed to the pod,
+    /// not yet stored): at least `matched.matched_blocks`.
+    pub speculative_blocks: u32,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -208,6 +218,8 @@ pub struct ScoreOutcome {
     pub total_blocks: u32,
     /// Every candidate, best first.
     pub pods: Vec<PodScore>,
+    /// The prompt's keys, per block size scored (for `RecordRouting`).
+    pub keys: Vec<(u32, Vec<BlockKey>)>,
 }
 
 /// Who holds one key.
@@ -246,6 +258,9 @@ pub struct Indexer {
     table: RwLock<PodTable>,
     /// Pods not removed, copied out of the table for lock-free reads.
     live_pods: AtomicUsize,
+    /// Routed-to blocks not stored yet, beside the exact index (see
+    /// `routing::speculative`).
+    speculative: Speculative,
 }
 
 /// Whether a pod's events arrive over a connection that is up.
@@ -280,6 +295,7 @@ impl Pod {
 
 impl Indexer {
     pub fn new(config: IndexerConfig) -> Self {
+        let config_max_spec = config.max_speculative_entries;
         let blocks = config
             .max_entries
             .map_or_else(BlockIndex::new, BlockIndex::with_max_keys);
@@ -291,6 +307,7 @@ impl Indexer {
             evicting: Mutex::new(()),
             table: RwLock::new(PodTable::default()),
             live_pods: AtomicUsize::new(0),
+            speculative: Speculative::new(config_max_spec),
         }
     }
 
@@ -327,6 +344,7 @@ mod apply;
 pub use apply::StreamCount;
 mod persist;
 mod query;
+mod speculate;
 mod table;
 #[cfg(test)]
 mod tests;

@@ -19,7 +19,7 @@ impl Indexer {
 
     pub fn score(&self, q: &ScoreQuery<'_>) -> ScoreOutcome {
         // (candidate name, pod if known)
-        let candidates: Vec<(String, Option<Arc<Pod>>)> = {
+        let mut candidates: Vec<(String, Option<Arc<Pod>>)> = {
             let table = self.table.read();
             if q.pods.is_empty() {
                 let ids = table
@@ -39,9 +39,21 @@ impl Indexer {
                     .collect()
             }
         };
+        let speculating = !self.speculative.is_empty();
+        if speculating && q.pods.is_empty() {
+            // A pod just picked may not have published yet: it is a
+            // candidate all the same.
+            let known: std::collections::HashSet<String> =
+                candidates.iter().map(|(n, _)| n.clone()).collect();
+            for name in self.speculative.pods_of(q.model) {
+                if !known.contains(&name) {
+                    candidates.push((name, None));
+                }
+            }
+        }
 
         // Pods of one model may run different block sizes: chunk per size.
-        let mut by_size: BTreeMap<u32, Vec<(PodId, usize)>> = BTreeMap::new();
+        let mut by_size: BTreeMap<u32, SizeGroup> = BTreeMap::new();
         let mut scores: Vec<PodScore> = Vec::with_capacity(candidates.len());
         for (pos, (name, pod)) in candidates.into_iter().enumerate() {
             let bs = self.pod_block_size(pod.as_deref(), q.model);
@@ -49,6 +61,17 @@ impl Indexer {
             let incomplete = pod
                 .as_ref()
                 .is_some_and(|p| p.incomplete.load(Ordering::Relaxed));
+            let dropped = incomplete && self.config.drop_incomplete;
+            let group = by_size.entry(bs).or_default();
+            if speculating && !dropped {
+                if let Some(spec) = self.speculative.pod(q.model, &name) {
+                    group.speculative.push((pos, pod.as_ref().map(|p| p.id), spec));
+                }
+            }
+            match pod {
+                Some(pod) if !dropped => group.exact.push((pod.id, pos)),
+                _ => {}
+            }
             scores.push(PodScore {
                 pod: name,
                 matched: PrefixMatch::default(),
@@ -56,29 +79,54 @@ impl Indexer {
                 block_size: bs,
                 total_blocks: total,
                 incomplete,
+                speculative_blocks: 0,
             });
-            match pod {
-                Some(_) if incomplete && self.config.drop_incomplete => {}
-                Some(pod) => by_size.entry(bs).or_default().push((pod.id, pos)),
-                None => {}
-            }
         }
+        let block_size = self.model_block_size(q.model);
+        by_size.entry(block_size).or_default();
         let mode = self.config.keys.for_model(q.model);
-        for (bs, mut group) in by_size {
-            group.sort_unstable();
+        let now = Instant::now();
+        let mut keys_out = Vec::with_capacity(by_size.len());
+        for (bs, group) in by_size {
+            let SizeGroup {
+                exact: mut group,
+                speculative,
+            } = group;
             let (keys, engine_keys) =
                 mode.request_keys(q.model, q.lora_name, q.cache_salt, q.tokens, bs as usize);
+            group.sort_unstable();
             let ids: Vec<PodId> = group.iter().map(|(id, _)| *id).collect();
             // Closure is only sound on engine keys: token keys of a block
             // whose parent was never seen do not exist at all.
             let closure = engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed);
             self.match_pods(&keys, &ids, closure, |at, m| {
-                let s = &mut scores[group[at].1];
-                s.matched = m;
-                if s.total_blocks > 0 {
-                    s.score = m.weighted_blocks / f64::from(s.total_blocks);
-                }
+                scores[group[at].1].matched = m;
             });
+            for (pos, id, spec) in speculative {
+                let spec = spec.read();
+                let from = scores[pos].matched.matched_blocks as usize;
+                let run = keys[from.min(keys.len())..]
+                    .iter()
+                    .take_while(|key| {
+                        spec.holds(**key, now)
+                            || id.is_some_and(|id| {
+                                self.blocks.with_holders(**key, |h| {
+                                    h.is_some_and(|h| h.binary_search_by_key(&id, |h| h.pod()).is_ok())
+                                })
+                            })
+                    })
+                    .count();
+                scores[pos].speculative_blocks = (from + run) as u32;
+            }
+            keys_out.push((bs, keys));
+        }
+        let weight = self.config.speculative_weight;
+        for s in &mut scores {
+            s.speculative_blocks = s.speculative_blocks.max(s.matched.matched_blocks);
+            if s.total_blocks > 0 {
+                let extra = f64::from(s.speculative_blocks - s.matched.matched_blocks);
+                s.score = (s.matched.weighted_blocks + weight * extra) / f64::from(s.total_blocks);
+            }
         }
         scores.sort_by(|a, b| {
             b.score
@@ -86,11 +134,11 @@ impl Indexer {
                 .then(b.matched.matched_blocks.cmp(&a.matched.matched_blocks))
                 .then_with(|| a.pod.cmp(&b.pod))
         });
-        let block_size = self.model_block_size(q.model);
         ScoreOutcome {
             block_size,
             total_blocks: (q.tokens.len() / block_size as usize) as u32,
             pods: scores,
+            keys: keys_out,
         }
     }
 
@@ -281,4 +329,12 @@ impl Indexer {
     pub fn indexed_keys(&self) -> usize {
         self.blocks.len()
     }
+}
+
+/// The candidates of one block size: those the exact index knows, and
+/// those with speculative entries (known or not yet).
+#[derive(Default)]
+struct SizeGroup {
+    exact: Vec<(PodId, usize)>,
+    speculative: Vec<(usize, Option<PodId>, Arc<RwLock<crate::routing::speculative::PodSpeculation>>)>,
 }
