@@ -100,7 +100,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         }
         None => None,
     };
-    let ingest = Ingest::start(&config, indexer.clone(), metrics.clone()).await?;
+    let feedback = Arc::new(crate::feedback::Feedback::new(
+        &config.routing,
+        config.ingest_workers,
+        metrics.clone(),
+    ));
+    let ingest = Ingest::start(&config, indexer.clone(), metrics.clone(), feedback.clone()).await?;
     let snapshotter = config.snapshot_dir.clone().map(|dir| {
         tokio::spawn(crate::snapshots::every(
             dir,
@@ -154,7 +159,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             config.limits.clone(),
             config.allow_request_chat_template,
         )
-        .with_admin(config.admin.then(|| ingest.control())),
+        .with_admin(config.admin.then(|| ingest.control()))
+        .with_feedback(feedback, ingest.control()),
     );
     let max_message = config.limits.max_message_bytes;
     let llmd = crate::llmd::LlmdIndexerService::new(service.clone());

@@ -51,6 +51,18 @@ pub enum ApiError {
     DeadlineExceeded(&'static str),
     #[error("internal error: {0}")]
     Internal(String),
+    /// `RecordRouting`'s prompt handle is unknown, expired, or another model's.
+    #[error(
+        "prompt_handle is unknown or expired (handles last 10 s, for the model they were \
+         scored for): send the prompt instead"
+    )]
+    HandleExpired,
+    /// The handle's Score did not key the prompt at the pod's block size.
+    #[error(
+        "the prompt_handle's Score did not key the prompt at this pod's block size {0} (the pod \
+         was not among its candidates): send the prompt instead"
+    )]
+    HandleBlockSize(u32),
 }
 
 impl From<LoadError> for ApiError {
@@ -98,7 +110,10 @@ impl ApiError {
             | ApiError::BadChat(_)
             | ApiError::RequestTemplateRefused => Code::InvalidArgument,
             ApiError::TokenizerNotFound(_) | ApiError::UnknownModel(_) => Code::NotFound,
-            ApiError::TokenizerUnusable(_) => Code::FailedPrecondition,
+            ApiError::TokenizerUnusable(_) | ApiError::HandleBlockSize(_) => {
+                Code::FailedPrecondition
+            }
+            ApiError::HandleExpired => Code::NotFound,
             ApiError::TooLarge { .. } => Code::InvalidArgument,
             ApiError::Overloaded(_) => Code::ResourceExhausted,
             ApiError::DeadlineExceeded(_) => Code::DeadlineExceeded,

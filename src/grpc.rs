@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 
 use crate::config::Limits;
 use crate::error::ApiError;
+use crate::feedback::{Feedback, PromptHandle};
 use crate::metrics::Metrics;
 use crate::proto::kvindexer::v1 as pb;
 use crate::ratelimit::RateLimited;
@@ -39,6 +40,9 @@ pub struct KvIndexerService {
     templates: Arc<TemplateCache>,
     /// Requests for models with no tokenizer to be had: one line per 10 s.
     unknown_models: RateLimited,
+    /// Routing feedback (`RecordRouting`, prompt handles, approximate
+    /// models) and the way to the pods' writers; `None` in unit tests.
+    feedback: Option<(Arc<Feedback>, crate::ingest::Control)>,
 }
 
 /// When a request stops being worth answering (`grpc-timeout`).
@@ -94,7 +98,19 @@ impl KvIndexerService {
             allow_request_chat_template,
             templates: Arc::new(TemplateCache::default()),
             unknown_models: RateLimited::new(Duration::from_secs(10)),
+            feedback: None,
         }
+    }
+
+    /// Serves `RecordRouting` and `Diagnose`, keeps prompt handles, answers
+    /// approximate models from routing history.
+    pub fn with_feedback(
+        mut self,
+        feedback: Arc<Feedback>,
+        control: crate::ingest::Control,
+    ) -> Self {
+        self.feedback = Some((feedback, control));
+        self
     }
 
     /// Serves admin RPCs (`RemovePod`). Off by default: the gRPC port is
@@ -255,6 +271,58 @@ impl KvIndexerService {
         Ok((out, permit))
     }
 
+    /// A prompt's tokens: token ids as given, text and chat tokenized.
+    /// `Unknown`: a text prompt for a model with no tokenizer to be had
+    /// (the text is handed back for approximate models' byte chunking).
+    async fn prompt_tokens(
+        &self,
+        model: &str,
+        input: PromptInput,
+        add_special_tokens: Option<bool>,
+        deadline: Deadline,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<(PromptTokens, Option<OwnedSemaphorePermit>), ApiError> {
+        let text = match input {
+            PromptInput::TokenIds(ids) => {
+                self.check_tokens(ids.len())?;
+                return Ok((PromptTokens::Ids(ids), Some(permit)));
+            }
+            PromptInput::Text(text) => text,
+        };
+        let approximate = self.approximate(model);
+        let fallback = approximate.then(|| text.text().to_owned());
+        match self
+            .tokenize_input(model, text, add_special_tokens, deadline, permit)
+            .await
+        {
+            Ok((t, permit)) => Ok((PromptTokens::Ids(t.ids), Some(permit))),
+            Err(ApiError::UnknownModel(_)) => Ok((PromptTokens::Unknown(fallback), None)),
+            Err(ApiError::TokenizerNotFound(_)) if approximate => {
+                Ok((PromptTokens::Unknown(fallback), None))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether `model` is answered from routing history.
+    fn approximate(&self, model: &str) -> bool {
+        self.feedback
+            .as_ref()
+            .is_some_and(|(f, _)| f.approximate.serves(model))
+    }
+
+    fn check_candidates(&self, n: usize) -> Result<(), ApiError> {
+        if n > self.limits.max_candidate_pods {
+            return Err(ApiError::TooLarge {
+                what: "the number of candidate pods",
+                got: n,
+                limit: self.limits.max_candidate_pods,
+                flag: "max-candidate-pods",
+            });
+        }
+        Ok(())
+    }
+
     /// Scores a request; also used by the llm-d API.
     ///
     /// A text or chat prompt for a model that is neither configured nor
@@ -265,49 +333,62 @@ impl KvIndexerService {
         req: pb::ScoreRequest,
         permit: OwnedSemaphorePermit,
         deadline: Deadline,
-    ) -> Result<(indexer::ScoreOutcome, usize), ApiError> {
+    ) -> Result<(indexer::ScoreOutcome, Scored), ApiError> {
         require_model(&req.model)?;
-        if req.pods.len() > self.limits.max_candidate_pods {
-            return Err(ApiError::TooLarge {
-                what: "the number of candidate pods",
-                got: req.pods.len(),
-                limit: self.limits.max_candidate_pods,
-                flag: "max-candidate-pods",
-            });
-        }
-        let text = match req.input {
-            Some(pb::score_request::Input::TokenIds(t)) => {
-                self.check_tokens(t.ids.len())?;
-                Err(t.ids)
-            }
-            Some(pb::score_request::Input::Prompt(text)) => Ok(TextInput::Prompt(text)),
-            Some(pb::score_request::Input::ChatCompletionJson(body)) => Ok(TextInput::Chat(body)),
-            None => {
-                return Err(ApiError::MissingInput(
-                    "`prompt`, `token_ids` or `chat_completion_json`",
-                ))
-            }
-        };
+        self.check_candidates(req.pods.len())?;
+        let input = PromptInput::from_score(req.input)?;
         // Held to the end of scoring (the tokenization hands it back).
-        let (tokens, _permit) = match text {
-            Err(ids) => (ids, Some(permit)),
-            Ok(input) => match self
-                .tokenize_input(&req.model, input, req.add_special_tokens, deadline, permit)
-                .await
-            {
-                Ok((t, permit)) => (t.ids, Some(permit)),
-                Err(ApiError::UnknownModel(_)) => (Vec::new(), None),
-                Err(e) => return Err(e),
-            },
-        };
+        let (tokens, _permit) = self
+            .prompt_tokens(&req.model, input, req.add_special_tokens, deadline, permit)
+            .await?;
         deadline.check("scoring")?;
-        let out = self.indexer.score(&ScoreQuery {
-            model: &req.model,
-            tokens: &tokens,
-            lora_name: non_empty(&req.lora_name),
-            cache_salt: non_empty(&req.cache_salt),
-            pods: &req.pods,
-        });
+        let approximate = self.approximate(&req.model);
+        let lora_name = non_empty(&req.lora_name);
+        let cache_salt = non_empty(&req.cache_salt);
+        let (out, tokens) = match tokens {
+            PromptTokens::Ids(tokens) if approximate => {
+                let bs = self.indexer.model_block_size(&req.model);
+                let keys = self
+                    .indexer
+                    .request_keys(&req.model, lora_name, cache_salt, &tokens, bs);
+                (
+                    self.approximate_outcome(&req.model, &req.pods, bs, keys),
+                    tokens,
+                )
+            }
+            PromptTokens::Unknown(Some(text)) if approximate => {
+                let keys = indexer::routing::approximate::text_block_keys(
+                    &req.model,
+                    cache_salt,
+                    text.as_bytes(),
+                );
+                let bs = (indexer::routing::approximate::TEXT_BLOCK_BYTES / 4) as u32;
+                (
+                    self.approximate_outcome(&req.model, &req.pods, bs, keys),
+                    Vec::new(),
+                )
+            }
+            PromptTokens::Ids(tokens) => (
+                self.indexer.score(&ScoreQuery {
+                    model: &req.model,
+                    tokens: &tokens,
+                    lora_name,
+                    cache_salt,
+                    pods: &req.pods,
+                }),
+                tokens,
+            ),
+            PromptTokens::Unknown(_) => (
+                self.indexer.score(&ScoreQuery {
+                    model: &req.model,
+                    tokens: &[],
+                    lora_name,
+                    cache_salt,
+                    pods: &req.pods,
+                }),
+                Vec::new(),
+            ),
+        };
         let span = tracing::Span::current();
         span.record("tokens", tokens.len());
         span.record("blocks", out.total_blocks);
@@ -315,7 +396,58 @@ impl KvIndexerService {
             "best",
             out.pods.first().map_or(0, |p| p.matched.matched_blocks),
         );
-        Ok((out, tokens.len()))
+        Ok((
+            out,
+            Scored {
+                tokens,
+                approximate,
+            },
+        ))
+    }
+
+    /// An approximate model's answer: leading blocks in each candidate's
+    /// routing history.
+    fn approximate_outcome(
+        &self,
+        model: &str,
+        pods: &[String],
+        block_size: u32,
+        keys: Vec<BlockKey>,
+    ) -> indexer::ScoreOutcome {
+        let Some((feedback, _)) = &self.feedback else {
+            unreachable!("approximate models need routing feedback")
+        };
+        let total = keys.len() as u32;
+        let mut scores: Vec<indexer::PodScore> = feedback
+            .approximate
+            .matches(model, &keys, pods)
+            .into_iter()
+            .map(|(pod, n)| indexer::PodScore {
+                pod,
+                matched: indexer::score::PrefixMatch {
+                    matched_blocks: n,
+                    blocks_per_tier: [n, 0, 0],
+                    best_tier_blocks: [n, 0, 0],
+                    weighted_blocks: f64::from(n),
+                },
+                score: if total > 0 {
+                    f64::from(n) / f64::from(total)
+                } else {
+                    0.0
+                },
+                block_size,
+                total_blocks: total,
+                incomplete: false,
+                speculative_blocks: n,
+            })
+            .collect();
+        scores.sort_by(|a, b| b.score.total_cmp(&a.score).then_with(|| a.pod.cmp(&b.pod)));
+        indexer::ScoreOutcome {
+            block_size,
+            total_blocks: total,
+            pods: scores,
+            keys: vec![(block_size, keys)],
+        }
     }
 
     async fn score_inner(
@@ -324,11 +456,29 @@ impl KvIndexerService {
         permit: OwnedSemaphorePermit,
         deadline: Deadline,
     ) -> Result<pb::ScoreResponse, ApiError> {
-        let (out, tokens) = self.score_outcome(req, permit, deadline).await?;
+        let model = req.model.clone();
+        let (mut out, scored) = self.score_outcome(req, permit, deadline).await?;
+        let prompt_tokens = scored.tokens.len() as u32;
+        let prompt_handle = match &self.feedback {
+            Some((feedback, _)) if !out.keys.is_empty() => {
+                let mut tokens = scored.tokens;
+                tokens.truncate(indexer::routing::tracker::KEPT_TOKENS);
+                feedback.handles.insert(PromptHandle {
+                    model,
+                    keys: std::mem::take(&mut out.keys)
+                        .into_iter()
+                        .map(|(bs, k)| (bs, Arc::from(k)))
+                        .collect(),
+                    tokens,
+                    approximate: scored.approximate,
+                })
+            }
+            _ => 0,
+        };
         Ok(pb::ScoreResponse {
             block_size: out.block_size,
             total_blocks: out.total_blocks,
-            prompt_tokens: tokens as u32,
+            prompt_tokens,
             pods: out
                 .pods
                 .into_iter()
@@ -342,10 +492,176 @@ impl KvIndexerService {
                     block_size: p.block_size,
                     total_blocks: p.total_blocks,
                     incomplete: p.incomplete,
+                    speculative_blocks: p.speculative_blocks,
                 })
                 .collect(),
+            prompt_handle,
+            approximate: scored.approximate,
         })
     }
+
+    /// `RecordRouting`: the prompt's keys for the pod's block size (from a
+    /// handle, or computed as `Score` does), recorded by the pod's writer.
+    async fn record_inner(
+        &self,
+        req: pb::RecordRoutingRequest,
+        permit: OwnedSemaphorePermit,
+        deadline: Deadline,
+    ) -> Result<pb::RecordRoutingResponse, ApiError> {
+        let Some((feedback, control)) = &self.feedback else {
+            return Err(ApiError::Internal("routing feedback is not running".into()));
+        };
+        require_model(&req.model)?;
+        if req.pod.is_empty() {
+            return Err(ApiError::MissingInput("`pod`"));
+        }
+        if req.pod.len() > MAX_POD_NAME {
+            return Err(ApiError::TooLarge {
+                what: "the pod name's length",
+                got: req.pod.len(),
+                limit: MAX_POD_NAME,
+                flag: "(fixed: 256 bytes)",
+            });
+        }
+        let approximate = feedback.approximate.serves(&req.model);
+        // Outcomes are counted per model: only models we hold (or serve
+        // approximately) get one, not any string a client sends.
+        if !approximate && !self.indexer.has_model(&req.model) {
+            return Err(ApiError::UnknownModel(shorten(&req.model).to_owned()));
+        }
+        let block_size = self.indexer.block_size_of(&req.model, &req.pod);
+        let (keys, tokens, block_size) = match req.input {
+            Some(pb::record_routing_request::Input::PromptHandle(id)) => {
+                let handle = feedback
+                    .handles
+                    .get(id)
+                    .filter(|h| h.model == req.model)
+                    .ok_or(ApiError::HandleExpired)?;
+                let (bs, keys) = if handle.approximate {
+                    handle.keys.first().cloned()
+                } else {
+                    handle
+                        .keys
+                        .iter()
+                        .find(|(bs, _)| *bs == block_size)
+                        .cloned()
+                }
+                .ok_or(ApiError::HandleBlockSize(block_size))?;
+                (keys, handle.tokens.clone(), bs)
+            }
+            input => {
+                let input = PromptInput::from_record(input)?;
+                let (tokens, _permit) = self
+                    .prompt_tokens(&req.model, input, req.add_special_tokens, deadline, permit)
+                    .await?;
+                let (lora, salt) = (non_empty(&req.lora_name), non_empty(&req.cache_salt));
+                match tokens {
+                    PromptTokens::Ids(mut tokens) => {
+                        let bs = if approximate {
+                            self.indexer.model_block_size(&req.model)
+                        } else {
+                            block_size
+                        };
+                        let keys = self
+                            .indexer
+                            .request_keys(&req.model, lora, salt, &tokens, bs);
+                        tokens.truncate(indexer::routing::tracker::KEPT_TOKENS);
+                        (Arc::from(keys), tokens, bs)
+                    }
+                    PromptTokens::Unknown(Some(text)) if approximate => {
+                        let keys = indexer::routing::approximate::text_block_keys(
+                            &req.model,
+                            salt,
+                            text.as_bytes(),
+                        );
+                        (Arc::from(keys), Vec::new(), 64)
+                    }
+                    PromptTokens::Unknown(_) => {
+                        return Err(ApiError::UnknownModel(shorten(&req.model).to_owned()))
+                    }
+                }
+            }
+        };
+        deadline.check("recording")?;
+        let total_blocks = keys.len() as u32;
+        let routing = indexer::routing::tracker::Routing {
+            model: req.model,
+            pod: req.pod,
+            keys,
+            tokens,
+            block_size,
+        };
+        let reply = control
+            .record(routing, approximate)
+            .await
+            .ok_or_else(|| ApiError::Internal("the ingest workers are gone".into()))?;
+        Ok(pb::RecordRoutingResponse {
+            total_blocks,
+            held_blocks: reply.held,
+            speculative_blocks: reply.speculative,
+            ttl_seconds: reply.ttl.as_secs_f64(),
+            outcome: if reply.confirmed {
+                "confirmed".into()
+            } else {
+                String::new()
+            },
+            approximate: reply.approximate,
+        })
+    }
+}
+
+/// Longest pod name `RecordRouting` accepts.
+const MAX_POD_NAME: usize = 256;
+
+/// What `Score` tokenized, for its response and prompt handle.
+#[derive(Debug)]
+pub(crate) struct Scored {
+    pub tokens: Vec<u32>,
+    pub approximate: bool,
+}
+
+/// A prompt as either RPC carries it.
+enum PromptInput {
+    TokenIds(Vec<u32>),
+    Text(TextInput),
+}
+
+impl PromptInput {
+    fn from_score(input: Option<pb::score_request::Input>) -> Result<PromptInput, ApiError> {
+        use pb::score_request::Input;
+        Ok(match input {
+            Some(Input::TokenIds(t)) => PromptInput::TokenIds(t.ids),
+            Some(Input::Prompt(text)) => PromptInput::Text(TextInput::Prompt(text)),
+            Some(Input::ChatCompletionJson(body)) => PromptInput::Text(TextInput::Chat(body)),
+            None => {
+                return Err(ApiError::MissingInput(
+                    "`prompt`, `token_ids` or `chat_completion_json`",
+                ))
+            }
+        })
+    }
+
+    fn from_record(
+        input: Option<pb::record_routing_request::Input>,
+    ) -> Result<PromptInput, ApiError> {
+        use pb::record_routing_request::Input;
+        Ok(match input {
+            Some(Input::TokenIds(t)) => PromptInput::TokenIds(t.ids),
+            Some(Input::Prompt(text)) => PromptInput::Text(TextInput::Prompt(text)),
+            Some(Input::ChatCompletionJson(body)) => PromptInput::Text(TextInput::Chat(body)),
+            Some(Input::PromptHandle(_)) | None => {
+                return Err(ApiError::MissingInput(
+                    "`prompt_handle`, `prompt`, `token_ids` or `chat_completion_json`",
+                ))
+            }
+        })
+    }
+}
+
+enum PromptTokens {
+    Ids(Vec<u32>),
+    /// No tokenizer for the model; the text, for approximate models.
+    Unknown(Option<String>),
 }
 
 enum TextInput {
@@ -354,6 +670,12 @@ enum TextInput {
 }
 
 impl TextInput {
+    fn text(&self) -> &str {
+        match self {
+            TextInput::Prompt(t) | TextInput::Chat(t) => t,
+        }
+    }
+
     fn kind(&self) -> &'static str {
         match self {
             TextInput::Prompt(_) => "prompt",
@@ -474,6 +796,56 @@ impl KvIndexer for KvIndexerService {
         };
         let result = self.observed(kind, span, work).await;
         result.map(Response::new).map_err(Status::from)
+    }
+
+    async fn record_routing(
+        &self,
+        request: Request<pb::RecordRoutingRequest>,
+    ) -> Result<Response<pb::RecordRoutingResponse>, Status> {
+        let admitted = self.admit(request.metadata());
+        let req = request.into_inner();
+        let (permit, deadline) = admitted.map_err(Status::from)?;
+        let work = std::panic::AssertUnwindSafe(self.record_inner(req, permit, deadline));
+        match work.catch_unwind().await {
+            Ok(result) => result.map(Response::new).map_err(Status::from),
+            Err(_) => {
+                self.metrics.handler_panics.inc();
+                tracing::error!("RecordRouting handler panicked");
+                Err(Status::internal("the request handler panicked"))
+            }
+        }
+    }
+
+    async fn diagnose(
+        &self,
+        request: Request<pb::DiagnoseRequest>,
+    ) -> Result<Response<pb::DiagnoseResponse>, Status> {
+        let req = request.into_inner();
+        let Some((feedback, _)) = &self.feedback else {
+            return Ok(Response::new(pb::DiagnoseResponse::default()));
+        };
+        let mismatches = feedback
+            .mismatches(non_empty(&req.model))
+            .into_iter()
+            .map(|d| {
+                let m = d.mismatch;
+                pb::RoutingMismatch {
+                    model: d.model,
+                    pod: d.pod,
+                    cause: m.cause.label().into(),
+                    fix: m.cause.fix().into(),
+                    block: m.block as u32,
+                    offset: m.offset as u32,
+                    window_start: m.window_start as u32,
+                    our_tokens: m.ours,
+                    pod_tokens: m.theirs,
+                    our_block_size: m.our_block_size,
+                    pod_block_size: m.their_block_size,
+                    age_seconds: d.at.elapsed().as_secs_f64(),
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::DiagnoseResponse { mismatches }))
     }
 
     async fn list_pods(

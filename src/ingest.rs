@@ -284,6 +284,26 @@ impl Control {
         }
         answer.await.unwrap_or((0, 0))
     }
+
+    /// `RecordRouting`: hands the routing to the pod's writer and waits for
+    /// it to be recorded (so the next `Score` sees it). `None` if the
+    /// ingest workers are gone.
+    pub async fn record(
+        &self,
+        routing: indexer::routing::tracker::Routing,
+        approximate: bool,
+    ) -> Option<crate::worker::RecordReply> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let pod = crate::feedback::topic_pod(&routing.pod);
+        let owner = crate::worker::owner(pod, &routing.model, self.workers.len());
+        let work = Work::Record {
+            routing,
+            approximate,
+            reply,
+        };
+        self.workers[owner].send_async(work).await.ok()?;
+        answer.await.ok()
+    }
 }
 
 /// Running ingestion; [`Ingest::shutdown`] stops the sockets and workers.
@@ -320,6 +340,7 @@ impl Ingest {
         config: &Config,
         indexer: Arc<Indexer>,
         metrics: Arc<Metrics>,
+        feedback: Arc<crate::feedback::Feedback>,
     ) -> Result<Ingest, IngestError> {
         let context = zmq::Context::new();
         let limits = ReceiveLimits {
@@ -354,6 +375,7 @@ impl Ingest {
             workers: senders.clone(),
             control: controls.clone(),
             evict_pending: Arc::new(AtomicBool::new(false)),
+            feedback,
         });
         let mut workers = Vec::with_capacity(config.ingest_workers);
         for (i, (rx, control)) in receivers_of.into_iter().zip(control_of).enumerate() {

@@ -28,6 +28,7 @@ pub mod demo;
 mod dial;
 pub mod discovery;
 pub mod error;
+pub mod feedback;
 pub mod grpc;
 pub mod ingest;
 pub mod llmd;

@@ -66,6 +66,14 @@ pub struct Metrics {
     pub handler_panics: Counter,
     /// Batches whose application panicked (the pod was reset).
     pub ingest_panics: Counter,
+    /// Recorded routings by how they ended (confirmed, mismatch, unconfirmed).
+    pub routing_outcomes: Family<Labels, Counter>,
+    /// Mismatched routings by cause (bos, block_size, lora_or_salt, tokens).
+    pub routing_mismatches: Family<Labels, Counter>,
+    /// From RecordRouting to the pod's store of the prompt's last block.
+    pub routing_confirm_seconds: Histogram,
+    /// Blocks of approximate routing history held.
+    pub approximate_entries: Gauge,
 }
 
 fn latency_buckets() -> Histogram {
@@ -99,6 +107,11 @@ impl Metrics {
             rejected_overload: Counter::default(),
             handler_panics: Counter::default(),
             ingest_panics: Counter::default(),
+            routing_outcomes: Family::default(),
+            routing_mismatches: Family::default(),
+            // 1 ms .. ~30 s.
+            routing_confirm_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 16)),
+            approximate_entries: Gauge::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -212,6 +225,28 @@ impl Metrics {
             "Event batches whose application panicked (that pod was reset and flagged incomplete)",
             m.ingest_panics.clone(),
         );
+        r.register(
+            "routing_outcomes",
+            "Recorded routings (RecordRouting) by outcome: confirmed (the pod stored or held the \
+             prompt as we keyed it), mismatch (it stored it under other keys), unconfirmed \
+             (nothing arrived before the TTL)",
+            m.routing_outcomes.clone(),
+        );
+        r.register(
+            "routing_mismatches",
+            "Mismatched routings by cause: bos, block_size, lora_or_salt, tokens",
+            m.routing_mismatches.clone(),
+        );
+        r.register(
+            "routing_confirm_seconds",
+            "Delay from RecordRouting to the pod's store of the prompt's last block",
+            m.routing_confirm_seconds.clone(),
+        );
+        r.register(
+            "approximate_entries",
+            "Blocks of routing history held for --approximate-model models",
+            m.approximate_entries.clone(),
+        );
         let build: Family<Labels, Gauge> = Family::default();
         build
             .get_or_create(&vec![("version", env!("CARGO_PKG_VERSION").to_owned())])
@@ -256,6 +291,24 @@ impl Metrics {
         self.score_seconds
             .get_or_create(&vec![("input", input.to_owned())])
             .observe(elapsed.as_secs_f64());
+    }
+
+    pub fn routing_outcome(&self, model: &str, outcome: &'static str) {
+        self.routing_outcomes
+            .get_or_create(&vec![
+                ("model", model.to_owned()),
+                ("outcome", outcome.to_owned()),
+            ])
+            .inc();
+    }
+
+    pub fn routing_mismatch(&self, model: &str, cause: &'static str) {
+        self.routing_mismatches
+            .get_or_create(&vec![
+                ("model", model.to_owned()),
+                ("cause", cause.to_owned()),
+            ])
+            .inc();
     }
 
     pub fn observe_tokenize(&self, input: &'static str, elapsed: Duration) {
@@ -364,6 +417,16 @@ impl Collector for StateCollector {
             "Distinct block keys held by at least one pod",
             MetricType::Gauge,
             vec![(vec![], ConstGauge::new(self.indexer.indexed_keys() as i64))],
+        )?;
+        family(
+            &mut encoder,
+            "speculative_entries",
+            "Speculative (pod, block) entries: routed to the pod, its store not arrived yet",
+            MetricType::Gauge,
+            vec![(
+                vec![],
+                ConstGauge::new(self.indexer.speculative().len() as i64),
+            )],
         )?;
         family(
             &mut encoder,

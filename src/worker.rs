@@ -16,11 +16,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use indexer::event::EventBatch;
+use indexer::routing::diagnose::{SeenParent, SeenStore, SEEN_TOKENS};
+use indexer::routing::tracker::{Ended, Outcome, Routing, Tracker};
 use indexer::stream::{Action, Input, Note, Numbered, Stream as StreamMachine, StreamLimits};
 use indexer::topic::parse_topic;
 use indexer::wire::decode_batch;
 use indexer::{Connection, Indexer, Pod, StreamCount};
 
+use crate::feedback::Feedback;
 use crate::metrics::Metrics;
 use crate::ratelimit::RateLimited;
 use crate::replay::{self, Replayed};
@@ -73,6 +76,24 @@ pub enum Work {
     /// A pod restored from a snapshot: looked after (and forgotten after
     /// `--pod-expiry` if it never comes back) like any other.
     Adopt(Arc<Pod>),
+    /// `RecordRouting`: the router sent this prompt to this pod.
+    Record {
+        routing: Routing,
+        /// The model is served from routing history (`--approximate-model`).
+        approximate: bool,
+        reply: tokio::sync::oneshot::Sender<RecordReply>,
+    },
+}
+
+/// What recording a routing did, for `RecordRoutingResponse`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RecordReply {
+    pub held: u32,
+    pub speculative: u32,
+    pub ttl: Duration,
+    /// The pod held the whole prompt already.
+    pub confirmed: bool,
+    pub approximate: bool,
 }
 
 /// A pod's topic and DP rank: one seq space.
@@ -99,6 +120,8 @@ pub struct WorkerConfig {
     /// Set while an eviction request waits in some worker's queue: one at a
     /// time, not one per batch applied over capacity.
     pub evict_pending: Arc<AtomicBool>,
+    /// Routing feedback's shared state (outcomes, approximate history).
+    pub feedback: Arc<Feedback>,
 }
 
 /// The worker that owns a topic's pod; `None` for a topic that is not
@@ -145,10 +168,18 @@ pub struct Worker<'a> {
     /// A fleet's first minute logs every pod; a flood of names must not.
     new_pod_log: RateLimited,
     mismatch_warned: HashSet<String>,
+    /// This worker's pods' recorded routings, until each ends.
+    tracker: Tracker,
+    /// (model, pod) with speculative entries written by this worker, swept
+    /// at each tick.
+    speculated: HashSet<(String, String)>,
 }
 
 /// How often streams are checked for expiry.
 const TICK: Duration = Duration::from_secs(1);
+/// How often routings are checked for their TTL: an outcome is counted
+/// this late at most (readers see a speculative entry end on time).
+const ROUTING_TICK: Duration = Duration::from_millis(50);
 
 impl<'a> Worker<'a> {
     pub fn new(
@@ -172,6 +203,12 @@ impl<'a> Worker<'a> {
             refused_warn: RateLimited::new(Duration::from_secs(10)),
             new_pod_log: RateLimited::new(Duration::from_millis(100)),
             mismatch_warned: HashSet::new(),
+            tracker: Tracker::new(
+                config.feedback.ttl,
+                config.feedback.tracked_bytes_per_worker,
+                crate::feedback::MAX_PENDING_PER_POD,
+            ),
+            speculated: HashSet::new(),
         }
     }
 
@@ -206,14 +243,20 @@ impl<'a> Worker<'a> {
         stop: &AtomicBool,
     ) {
         let mut last_tick = Instant::now();
+        let mut last_routing_tick = Instant::now();
         loop {
             while let Ok(work) = control.try_recv() {
                 self.handle(work);
             }
+            let wait = if self.tracker.tracked() > 0 {
+                ROUTING_TICK
+            } else {
+                Duration::from_millis(100)
+            };
             let next = flume::Selector::new()
                 .recv(control, |r| r)
                 .recv(rx, |r| r)
-                .wait_timeout(Duration::from_millis(100));
+                .wait_timeout(wait);
             match next {
                 Ok(Ok(work)) => self.handle(work),
                 // Both queues' senders are held by every worker: only
@@ -221,9 +264,15 @@ impl<'a> Worker<'a> {
                 Ok(Err(flume::RecvError::Disconnected)) => return,
                 Err(_) => {}
             }
+            if self.tracker.tracked() > 0 && last_routing_tick.elapsed() >= ROUTING_TICK {
+                last_routing_tick = Instant::now();
+                let ended = self.tracker.expire(last_routing_tick);
+                self.config.feedback.ended(&ended);
+            }
             if last_tick.elapsed() >= TICK {
                 last_tick = Instant::now();
                 self.tick();
+                self.sweep_speculation(last_tick);
             }
             if stop.load(Ordering::Relaxed) && rx.is_empty() && control.is_empty() {
                 return;
@@ -254,7 +303,134 @@ impl<'a> Worker<'a> {
                 self.enforce_capacity();
             }
             Work::Adopt(pod) => self.adopt(pod),
+            Work::Record {
+                routing,
+                approximate,
+                reply,
+            } => {
+                let _ = reply.send(self.record(routing, approximate));
+            }
         }
+    }
+
+    /// A routing to one of this worker's pods: its blocks become
+    /// speculative (or, for an approximate model, routing history).
+    fn record(&mut self, routing: Routing, approximate: bool) -> RecordReply {
+        let feedback = &self.config.feedback;
+        if approximate {
+            feedback
+                .approximate
+                .record(&routing.model, &routing.pod, &routing.keys);
+            self.metrics
+                .approximate_entries
+                .set(feedback.approximate.entries() as i64);
+            return RecordReply {
+                approximate: true,
+                ..RecordReply::default()
+            };
+        }
+        let now = Instant::now();
+        let pod = self.indexer.find_pod(&routing.model, &routing.pod);
+        let held = pod
+            .as_ref()
+            .map_or(0, |p| self.indexer.exact_run(p, &routing.keys, 0));
+        let keys = routing.keys.clone();
+        let (model, name) = (routing.model.clone(), routing.pod.clone());
+        let (recorded, ended) = self.tracker.record(routing, held, now);
+        feedback.ended(&ended);
+        let confirmed = matches!(recorded.ended, Some(Outcome::Confirmed { .. }));
+        let speculative = if confirmed {
+            0
+        } else {
+            self.speculated.insert((model.clone(), name.clone()));
+            self.indexer
+                .speculate(&model, &name, &keys[held..], recorded.until, now)
+        };
+        if let Some(outcome) = recorded.ended {
+            feedback.ended(&[Ended {
+                model,
+                pod: name,
+                outcome,
+            }]);
+        }
+        RecordReply {
+            held: held as u32,
+            speculative: speculative as u32,
+            ttl: recorded.ttl,
+            confirmed,
+            approximate: false,
+        }
+    }
+
+    /// After a batch of `pod` with routings waiting: what its stores say
+    /// about them (confirmed, or evidence of a mismatch).
+    fn routing_stores(&mut self, pod: &Pod, batch: &EventBatch) {
+        let stores: Vec<&indexer::event::BlockStored> = batch
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                indexer::event::KvEvent::Stored(s) if !s.block_hashes.is_empty() => Some(s),
+                _ => None,
+            })
+            .collect();
+        if stores.is_empty() {
+            return;
+        }
+        let mut hashes = Vec::with_capacity(stores.len() * 2);
+        for s in &stores {
+            hashes.push(s.parent_block_hash.unwrap_or(indexer::event::EngineHash(0)));
+            hashes.push(s.block_hashes[0]);
+        }
+        let keys = self.indexer.keys_of(pod, &hashes);
+        let seen: Vec<SeenStore> = stores
+            .iter()
+            .zip(keys.chunks_exact(2))
+            .filter(|(s, _)| !s.token_ids.is_empty())
+            .map(|(s, k)| SeenStore {
+                parent: match (s.parent_block_hash, k[0]) {
+                    (None, _) => SeenParent::Root,
+                    (Some(_), Some(key)) => SeenParent::Key(key),
+                    (Some(_), None) => SeenParent::Unknown,
+                },
+                first_key: k[1],
+                tokens: s.token_ids[..s.token_ids.len().min(SEEN_TOKENS)].to_vec(),
+                block_size: s
+                    .block_size
+                    .unwrap_or((s.token_ids.len() / s.block_hashes.len()) as u32),
+            })
+            .collect();
+        let stored = self.tracker.stored(
+            &pod.model,
+            &pod.name,
+            &seen,
+            |keys, from| self.indexer.exact_run(pod, keys, from),
+            Instant::now(),
+        );
+        if !stored.superseded.is_empty() {
+            self.indexer
+                .speculative()
+                .supersede(&pod.model, &pod.name, &stored.superseded);
+        }
+        self.config.feedback.ended(&stored.ended);
+    }
+
+    /// Frees expired speculative entries of this worker's pods.
+    fn sweep_speculation(&mut self, now: Instant) {
+        let spec = self.indexer.speculative();
+        self.speculated.retain(|(model, pod)| {
+            spec.sweep(model, pod, now);
+            spec.pod(model, pod).is_some()
+        });
+    }
+
+    /// A pod is gone: its routings end as they stand.
+    fn forget_routings(&mut self, pod: &Pod) {
+        let ended = self.tracker.forget_pod(&pod.model, &pod.name);
+        self.config.feedback.ended(&ended);
+        self.config
+            .feedback
+            .approximate
+            .forget_pod(&pod.model, &pod.name);
     }
 
     fn owns(&self, pod: &Pod) -> bool {
@@ -490,6 +666,14 @@ impl<'a> Worker<'a> {
                 .get(topic.pod)
                 .map(|e| Arc::from(e.as_str()))
         });
+        if self
+            .config
+            .feedback
+            .approximate
+            .switch_to_precise(&pod.model)
+        {
+            tracing::info!(model = %pod.model, pod = %pod.name, "an --approximate-model's pod publishes KV events: the model is served from the exact index from now on");
+        }
         // A pod restored from a snapshot continues after its last seq.
         let upto = self.indexer.last_seq(&pod);
         self.new_pod_log.warn(|suppressed| {
@@ -578,6 +762,7 @@ impl<'a> Worker<'a> {
         };
         if !self.by_pod.contains_key(&stream.pod.id.0) {
             self.indexer.remove_pod(&stream.pod);
+            self.forget_routings(&stream.pod);
         }
     }
 
@@ -590,6 +775,7 @@ impl<'a> Worker<'a> {
                 self.remove_stream(&key);
             }
             blocks += self.indexer.remove_pod(domain).unwrap_or(0);
+            self.forget_routings(domain);
         }
         tracing::info!(%model, %pod, domains = domains.len(), blocks, why, "pod removed");
         (domains.len(), blocks)
@@ -734,6 +920,9 @@ impl<'a> Worker<'a> {
                 return;
             }
         };
+        if self.tracker.watches(&pod.model, &pod.name) {
+            self.routing_stores(pod, batch);
+        }
         if stats.engine_hash_mismatches > 0 && self.mismatch_warned.insert(pod.name.clone()) {
             tracing::warn!(
                 pod = %pod.name,

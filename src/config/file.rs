@@ -71,6 +71,8 @@ from_file_by_from_str!(
     KeyModeName,
     HashAlgoName,
     ExtraKeys,
+    f64,
+    SpeculativeTtl,
 );
 
 impl<T: FromStr> FromFile for OrNone<T>

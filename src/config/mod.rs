@@ -220,6 +220,48 @@ pub struct Config {
     /// Most concurrent gRPC connections (and, separately, metrics HTTP
     /// connections).
     pub max_connections: usize,
+    /// Routing feedback (`RecordRouting`).
+    pub routing: RoutingConfig,
+}
+
+/// Routing feedback: speculative entries, outcomes, the approximate index.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoutingConfig {
+    pub ttl: indexer::routing::ttl::TtlPolicy,
+    pub approximate_models: Vec<String>,
+    pub approximate_capacity: usize,
+    /// Memory for all of it: speculative entries, routings awaiting their
+    /// outcome, prompt handles, approximate history.
+    pub budget_bytes: usize,
+}
+
+/// Of --max-memory, the share routing feedback may use (1/8).
+pub const ROUTING_SHARE: usize = 8;
+/// Without --max-memory.
+pub const DEFAULT_ROUTING_BYTES: usize = 256 << 20;
+/// What a speculative entry costs (key, end, map slot and overhead).
+pub const BYTES_PER_SPECULATIVE: usize = 48;
+/// What a block of approximate history costs (two maps' entries).
+pub const BYTES_PER_APPROXIMATE: usize = 96;
+
+impl RoutingConfig {
+    /// Budget split: speculative entries 3/8, routings awaiting their
+    /// outcome 1/4, prompt handles 1/8, approximate history 1/4.
+    pub fn speculative_entries(&self) -> usize {
+        (self.budget_bytes / 8 * 3 / BYTES_PER_SPECULATIVE).max(1)
+    }
+
+    pub fn tracked_bytes(&self) -> usize {
+        self.budget_bytes / 4
+    }
+
+    pub fn handle_bytes(&self) -> usize {
+        self.budget_bytes / 8
+    }
+
+    pub fn approximate_entries(&self) -> usize {
+        (self.budget_bytes / 4 / BYTES_PER_APPROXIMATE).max(1)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

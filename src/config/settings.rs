@@ -177,6 +177,29 @@ settings! {
     /// matches may be low) or `drop` them (score 0, flagged).
     incomplete_pods: IncompletePods = "score",
 
+    /// Weight of a speculatively held block (routed to the pod with
+    /// RecordRouting, its stores not arrived yet) in Score's `score`, in
+    /// [0, 1]; 0 scores exact blocks only.
+    speculative_weight: f64 = "1.0",
+
+    /// How long a routing's speculative entries last: `auto` (per pod, from
+    /// how long its stores take to follow a routing: 1.5x their 95th
+    /// percentile, within 100ms..10s, 2s until 8 are seen) or a duration,
+    /// e.g. `2s`.
+    speculative_ttl: SpeculativeTtl = "auto",
+
+    /// A model whose pods publish no KV events: its RecordRouting history
+    /// is its index (answers flagged `approximate`). It switches to the
+    /// exact index on its own once a pod publishes. Repeatable; in the
+    /// environment variable, separate them with spaces.
+    #[arg(value_delimiter = ' ')]
+    #[serde(alias = "approximate_models")]
+    approximate_model: Vec<Item<String>>,
+
+    /// Blocks of routing history kept per pod of an --approximate-model,
+    /// the least recently routed dropped first.
+    approximate_capacity: usize = "31250",
+
     /// Topic prefix to subscribe to.
     topic_filter: String = "kv@",
 

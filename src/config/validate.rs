@@ -16,7 +16,10 @@ use indexer::IndexerConfig;
 
 use super::settings::Resolved;
 use super::values::*;
-use super::{invalid, Config, ConfigError, Limits, TlsConfig, BYTES_PER_ENTRY, BYTES_PER_POD};
+use super::{
+    invalid, Config, ConfigError, Limits, RoutingConfig, TlsConfig, BYTES_PER_ENTRY, BYTES_PER_POD,
+    DEFAULT_ROUTING_BYTES, ROUTING_SHARE,
+};
 
 pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
     let tls = tls(s.tls_cert, s.tls_key, s.tls_client_ca)?;
@@ -59,7 +62,25 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
                 format!("want at least {BYTES_PER_ENTRY} bytes (one entry), e.g. 4GiB"),
             ))
         }
-        Some(Size(bytes)) => Some(bytes / BYTES_PER_ENTRY),
+        // Routing feedback's state takes its share first.
+        Some(Size(bytes)) => Some((bytes - bytes / ROUTING_SHARE) / BYTES_PER_ENTRY),
+    };
+    let routing_bytes = s
+        .max_memory
+        .map_or(DEFAULT_ROUTING_BYTES, |Size(b)| b / ROUTING_SHARE);
+    if !(0.0..=1.0).contains(&s.speculative_weight) {
+        return Err(invalid(
+            "speculative_weight",
+            s.speculative_weight.to_string(),
+            "must be a number in [0, 1]",
+        ));
+    }
+    let approximate_models = items(s.approximate_model);
+    let routing = RoutingConfig {
+        ttl: s.speculative_ttl.0,
+        approximate_capacity: at_least_one("approximate_capacity", s.approximate_capacity)?,
+        approximate_models,
+        budget_bytes: routing_bytes,
     };
     let max_entries = match (s.max_blocks, by_memory) {
         (Some(0), _) => return Err(invalid("max_blocks", "0", "must be at least 1")),
@@ -165,7 +186,10 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
             } else {
                 0
             },
+            max_speculative_entries: routing.speculative_entries(),
+            speculative_weight: s.speculative_weight,
         },
+        routing,
         log_format: s.log_format,
         log_level: s.log_level,
         ingest_workers,

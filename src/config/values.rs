@@ -59,6 +59,26 @@ impl<T: FromStr> FromStr for OrNone<T> {
     }
 }
 
+/// `--speculative-ttl`: `auto` or a duration longer than zero.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpeculativeTtl(pub indexer::routing::ttl::TtlPolicy);
+
+impl FromStr for SpeculativeTtl {
+    type Err = String;
+    fn from_str(raw: &str) -> Result<Self, String> {
+        use indexer::routing::ttl::TtlPolicy;
+        let s = raw.trim();
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(SpeculativeTtl(TtlPolicy::Auto));
+        }
+        match humantime::parse_duration(s) {
+            Ok(d) if !d.is_zero() => Ok(SpeculativeTtl(TtlPolicy::Fixed(d))),
+            Ok(_) => Err("must be longer than 0".into()),
+            Err(e) => Err(format!("want `auto` or a duration such as 2s ({e})")),
+        }
+    }
+}
+
 /// One entry of a repeatable setting. A blank entry (a trailing delimiter in
 /// an environment variable, an empty variable from a template) is no entry,
 /// as it always was, rather than an error.

@@ -65,7 +65,9 @@ impl Indexer {
             let group = by_size.entry(bs).or_default();
             if speculating && !dropped {
                 if let Some(spec) = self.speculative.pod(q.model, &name) {
-                    group.speculative.push((pos, pod.as_ref().map(|p| p.id), spec));
+                    group
+                        .speculative
+                        .push((pos, pod.as_ref().map(|p| p.id), spec));
                 }
             }
             match pod {
@@ -111,7 +113,9 @@ impl Indexer {
                         spec.holds(**key, now)
                             || id.is_some_and(|id| {
                                 self.blocks.with_holders(**key, |h| {
-                                    h.is_some_and(|h| h.binary_search_by_key(&id, |h| h.pod()).is_ok())
+                                    h.is_some_and(|h| {
+                                        h.binary_search_by_key(&id, |h| h.pod()).is_ok()
+                                    })
                                 })
                             })
                     })
@@ -336,5 +340,9 @@ impl Indexer {
 #[derive(Default)]
 struct SizeGroup {
     exact: Vec<(PodId, usize)>,
-    speculative: Vec<(usize, Option<PodId>, Arc<RwLock<crate::routing::speculative::PodSpeculation>>)>,
+    speculative: Vec<(
+        usize,
+        Option<PodId>,
+        Arc<RwLock<crate::routing::speculative::PodSpeculation>>,
+    )>,
 }

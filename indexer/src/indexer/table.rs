@@ -240,6 +240,13 @@ impl Indexer {
         }
     }
 
+    /// The block size a pod (by model and id; one not seen yet: the
+    /// model's) chunks prompts with.
+    pub fn block_size_of(&self, model: &str, name: &str) -> u32 {
+        let pod = self.find_pod(model, name);
+        self.pod_block_size(pod.as_deref(), model)
+    }
+
     pub(super) fn pod_block_size(&self, pod: Option<&Pod>, model: &str) -> u32 {
         match pod.map(|p| p.block_size.load(Ordering::Relaxed)) {
             Some(bs) if bs > 0 => bs,

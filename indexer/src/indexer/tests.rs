@@ -668,3 +668,107 @@ fn concurrent_reads_stay_between_the_states_they_overlap() {
         assert!(clean_reads >= total, "{clean_reads}");
     });
 }
+
+fn query<'a>(tokens: &'a [u32], pods: &'a [String]) -> ScoreQuery<'a> {
+    ScoreQuery {
+        model: "m",
+        tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods,
+    }
+}
+
+/// (pod, matched, speculative, score) per candidate, best first.
+fn spec_scores(ix: &Indexer, tokens: &[u32], pods: &[String]) -> Vec<(String, u32, u32, f64)> {
+    ix.score(&query(tokens, pods))
+        .pods
+        .into_iter()
+        .map(|p| {
+            (
+                p.pod,
+                p.matched.matched_blocks,
+                p.speculative_blocks,
+                p.score,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn speculative_entries_count_beside_exact_ones_and_never_in_them() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..64).collect();
+    let keys = ix.request_keys("m", None, None, &tokens, 16);
+    let a = ix.pod("m", "a", None);
+    ix.apply(&a, 0, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+    let now = Instant::now();
+    let later = now + Duration::from_secs(5);
+    // `a` holds block 0 and was sent the prompt; `new` has not published.
+    ix.speculate("m", "a", &keys[1..], later, now);
+    ix.speculate("m", "new", &keys[..2], later, now);
+    assert_eq!(
+        spec_scores(&ix, &tokens, &[]),
+        vec![("a".into(), 1, 4, 1.0), ("new".into(), 0, 2, 0.5),]
+    );
+    // Only an unbroken run counts: a hole ends it.
+    ix.speculate("m", "gap", &[keys[0], keys[2]], later, now);
+    let named = ["gap".to_string()];
+    assert_eq!(spec_scores(&ix, &tokens, &named)[0].2, 1);
+    // A block the pod holds exactly bridges its speculative ones.
+    ix.apply(
+        &a,
+        1,
+        &batch(vec![stored(&[2, 3, 4], Some(1), &tokens[16..], 16)]),
+    );
+    ix.speculative().supersede("m", "a", &keys[1..]);
+    assert_eq!(
+        spec_scores(&ix, &tokens, &["a".to_string()])[0],
+        ("a".into(), 4, 4, 1.0)
+    );
+    // The exact index never saw a speculative key.
+    assert!(ix
+        .lookup(&keys[..2])
+        .iter()
+        .all(|k| k.pods.iter().all(|(p, _)| p == "a")));
+}
+
+#[test]
+fn a_pods_cache_changing_drops_its_speculative_entries() {
+    let ix = Indexer::new(IndexerConfig {
+        speculative_weight: 0.5,
+        ..Default::default()
+    });
+    let tokens: Vec<u32> = (0..64).collect();
+    let keys = ix.request_keys("m", None, None, &tokens, 16);
+    let now = Instant::now();
+    let later = now + Duration::from_secs(5);
+    let a = ix.pod("m", "a", None);
+    ix.apply(&a, 0, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+    let named = ["a".to_string()];
+    let check = |what: &str, change: &dyn Fn()| {
+        ix.speculate("m", "a", &keys, later, now);
+        let (_, matched, spec, score) = spec_scores(&ix, &tokens, &named).remove(0);
+        assert_eq!(spec, 4, "{what}");
+        // Tier-weighted exact, plus half a block per speculative one.
+        assert_eq!(
+            score,
+            (f64::from(matched) + 0.5 * f64::from(4 - matched)) / 4.0
+        );
+        change();
+        let (_, matched, spec, _) = spec_scores(&ix, &tokens, &named).remove(0);
+        assert_eq!(spec, matched, "{what}");
+        assert_eq!(ix.speculative().len(), 0, "{what}");
+    };
+    check("AllBlocksCleared", &|| {
+        ix.apply(&a, 1, &batch(vec![KvEvent::AllCleared]));
+    });
+    check("publisher restart", &|| ix.restart_pod(&a));
+    check("eviction", &|| {
+        ix.apply(&a, 0, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+        ix.evict(&a, 1);
+    });
+    check("removal", &|| {
+        ix.remove_pod(&a);
+    });
+}

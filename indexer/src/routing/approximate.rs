@@ -65,7 +65,9 @@ impl Lru {
             self.by_use.insert(self.clock, *key);
         }
         while self.used.len() > capacity {
-            let Some((_, key)) = self.by_use.pop_first() else { break };
+            let Some((_, key)) = self.by_use.pop_first() else {
+                break;
+            };
             self.used.remove(&key);
         }
         self.used.len() as isize - before
@@ -81,14 +83,21 @@ struct ApproximateModel {
 /// Every approximate model's routing history.
 pub struct Approximate {
     models: HashMap<String, ApproximateModel>,
-    /// Blocks kept per pod.
+    /// Blocks kept per pod, and in all.
     capacity: usize,
+    max_entries: usize,
     entries: std::sync::atomic::AtomicIsize,
 }
 
 impl Approximate {
-    /// `models`: `--approximate-model`; `capacity`: `--approximate-capacity`.
-    pub fn new(models: impl IntoIterator<Item = String>, capacity: usize) -> Self {
+    /// `models`: `--approximate-model`; `capacity`: `--approximate-capacity`
+    /// (per pod); `max_entries`: over all pods (beyond it, a pod's history
+    /// only turns over, it does not grow).
+    pub fn new(
+        models: impl IntoIterator<Item = String>,
+        capacity: usize,
+        max_entries: usize,
+    ) -> Self {
         Approximate {
             models: models
                 .into_iter()
@@ -101,6 +110,7 @@ impl Approximate {
                 })
                 .collect(),
             capacity: capacity.max(1),
+            max_entries,
             entries: Default::default(),
         }
     }
@@ -134,14 +144,17 @@ impl Approximate {
         }
         let pods = std::mem::take(&mut *m.pods.write());
         let dropped: usize = pods.values().map(|p| p.read().used.len()).sum();
-        self.entries
-            .fetch_sub(dropped as isize, Ordering::Relaxed);
+        self.entries.fetch_sub(dropped as isize, Ordering::Relaxed);
         true
     }
 
     /// Writer (the pod's owner): `pod` was sent a prompt with these keys.
     pub fn record(&self, model: &str, pod: &str, keys: &[BlockKey]) {
-        let Some(m) = self.models.get(model).filter(|m| !m.precise.load(Ordering::Relaxed)) else {
+        let Some(m) = self
+            .models
+            .get(model)
+            .filter(|m| !m.precise.load(Ordering::Relaxed))
+        else {
             return;
         };
         let existing = m.pods.read().get(pod).cloned();
@@ -152,7 +165,10 @@ impl Approximate {
                 .or_insert_with(|| Arc::new(RwLock::new(Lru::new())))
                 .clone()
         });
-        let grown = lru.write().touch(keys, self.capacity);
+        let mut lru = lru.write();
+        let room = self.max_entries.saturating_sub(self.entries());
+        let capacity = self.capacity.min(lru.used.len() + room).max(1);
+        let grown = lru.touch(keys, capacity);
         self.entries.fetch_add(grown, Ordering::Relaxed);
     }
 
@@ -186,7 +202,10 @@ impl Approximate {
         let lrus: Vec<(String, Option<Arc<RwLock<Lru>>>)> = {
             let table = m.pods.read();
             if pods.is_empty() {
-                table.iter().map(|(p, l)| (p.clone(), Some(l.clone()))).collect()
+                table
+                    .iter()
+                    .map(|(p, l)| (p.clone(), Some(l.clone())))
+                    .collect()
             } else {
                 let mut seen = std::collections::HashSet::new();
                 pods.iter()
@@ -195,7 +214,10 @@ impl Approximate {
                     .collect()
             }
         };
-        let guards: Vec<_> = lrus.iter().map(|(_, l)| l.as_ref().map(|l| l.read())).collect();
+        let guards: Vec<_> = lrus
+            .iter()
+            .map(|(_, l)| l.as_ref().map(|l| l.read()))
+            .collect();
         let mut matched = vec![0u32; lrus.len()];
         let mut running: Vec<usize> = (0..lrus.len()).filter(|i| guards[*i].is_some()).collect();
         for key in keys {
@@ -208,10 +230,7 @@ impl Approximate {
             }
         }
         drop(guards);
-        lrus.into_iter()
-            .map(|(p, _)| p)
-            .zip(matched)
-            .collect()
+        lrus.into_iter().map(|(p, _)| p).zip(matched).collect()
     }
 }
 
@@ -238,7 +257,7 @@ mod tests {
 
     #[test]
     fn history_answers_with_a_first_miss_walk_and_a_global_break() {
-        let a = Approximate::new(["m".to_string()], 100);
+        let a = Approximate::new(["m".to_string()], 100, 1000);
         a.record("m", "p1", &keys(0..10));
         a.record("m", "p2", &keys(0..4));
         let mut got = a.matches("m", &keys(0..12), &[]);
@@ -251,7 +270,7 @@ mod tests {
 
     #[test]
     fn each_pod_keeps_its_most_recent_blocks_and_the_model_can_switch() {
-        let a = Approximate::new(["m".to_string()], 5);
+        let a = Approximate::new(["m".to_string()], 5, 1000);
         a.record("m", "p", &keys(0..4));
         a.record("m", "p", &keys(10..13));
         // 0 and 1 went first.

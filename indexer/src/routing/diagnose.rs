@@ -27,7 +27,12 @@ pub enum Cause {
 }
 
 impl Cause {
-    pub const ALL: [Cause; 4] = [Cause::Bos, Cause::BlockSize, Cause::LoraOrSalt, Cause::Tokens];
+    pub const ALL: [Cause; 4] = [
+        Cause::Bos,
+        Cause::BlockSize,
+        Cause::LoraOrSalt,
+        Cause::Tokens,
+    ];
 
     /// The metric label.
     pub fn label(self) -> &'static str {
@@ -155,12 +160,16 @@ pub fn diagnose(ours: Ours<'_>, seen: &SeenStore) -> Option<Mismatch> {
             agreement,
         })
     };
-    let shifted = |a: &[u32], b: &[u32]| a.len() > 1 && overlap >= 2 && a[1..].starts_with(&b[..overlap.min(a.len()) - 1]);
+    let shifted = |a: &[u32], b: &[u32]| {
+        a.len() > 1 && overlap >= 2 && a[1..].starts_with(&b[..overlap.min(a.len()) - 1])
+    };
     if seen.block_size != ours.block_size {
         // The same prompt cut differently: the tokens agree (perhaps but
         // for a BOS), the blocks do not.
         let resembles = common == overlap || shifted(theirs, mine) || shifted(mine, theirs);
-        return resembles.then(|| found(Cause::BlockSize, start, overlap)).flatten();
+        return resembles
+            .then(|| found(Cause::BlockSize, start, overlap))
+            .flatten();
     }
     if common == overlap {
         return found(Cause::LoraOrSalt, start, overlap);
@@ -252,15 +261,30 @@ mod tests {
     #[test]
     fn unrelated_or_agreeing_chains_are_not_mismatches() {
         // Another prompt altogether.
-        assert_eq!(check(&PROMPT, &seen(SeenParent::Root, &[7, 7, 7, 7], BS)), None);
+        assert_eq!(
+            check(&PROMPT, &seen(SeenParent::Root, &[7, 7, 7, 7], BS)),
+            None
+        );
         // Our own key: it agrees.
         let mut s = seen(SeenParent::Root, &PROMPT, BS);
         s.first_key = Some(BlockKey(1));
         assert_eq!(check(&PROMPT, &s), None);
         // After a block that is not ours, or that we cannot key.
-        assert_eq!(check(&PROMPT, &seen(SeenParent::Key(BlockKey(77)), &PROMPT, BS)), None);
-        assert_eq!(check(&PROMPT, &seen(SeenParent::Unknown, &PROMPT, BS)), None);
+        assert_eq!(
+            check(&PROMPT, &seen(SeenParent::Key(BlockKey(77)), &PROMPT, BS)),
+            None
+        );
+        assert_eq!(
+            check(&PROMPT, &seen(SeenParent::Unknown, &PROMPT, BS)),
+            None
+        );
         // Past our last full block.
-        assert_eq!(check(&PROMPT, &seen(SeenParent::Key(BlockKey(3)), &[1, 2, 3, 4], BS)), None);
+        assert_eq!(
+            check(
+                &PROMPT,
+                &seen(SeenParent::Key(BlockKey(3)), &[1, 2, 3, 4], BS)
+            ),
+            None
+        );
     }
 }

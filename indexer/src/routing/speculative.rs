@@ -213,7 +213,10 @@ mod tests {
     fn entries_end_at_their_ttl_and_are_freed_by_a_sweep() {
         let s = Speculative::new(100);
         let now = Instant::now();
-        assert_eq!(s.insert("m", "a", &keys(0..4), now + Duration::from_secs(1), now), 4);
+        assert_eq!(
+            s.insert("m", "a", &keys(0..4), now + Duration::from_secs(1), now),
+            4
+        );
         let pod = s.pod("m", "a").unwrap();
         assert!(pod.read().holds(BlockKey(3), now));
         assert!(!pod.read().holds(BlockKey(3), now + Duration::from_secs(1)));
@@ -243,16 +246,35 @@ mod tests {
     fn the_bound_holds_and_expired_entries_make_room() {
         let s = Speculative::new(10);
         let now = Instant::now();
-        assert_eq!(s.insert("m", "a", &keys(0..8), now + Duration::from_millis(10), now), 8);
+        assert_eq!(
+            s.insert("m", "a", &keys(0..8), now + Duration::from_millis(10), now),
+            8
+        );
         // Only 2 fit while the first 8 live.
-        assert_eq!(s.insert("m", "a", &keys(100..108), now + Duration::from_secs(1), now), 2);
+        assert_eq!(
+            s.insert("m", "a", &keys(100..108), now + Duration::from_secs(1), now),
+            2
+        );
         assert_eq!(s.len(), 10);
         // Once they expired, a sweep on insert makes room.
         let later = now + Duration::from_millis(20);
-        assert_eq!(s.insert("m", "a", &keys(200..208), later + Duration::from_secs(1), later), 8);
+        assert_eq!(
+            s.insert(
+                "m",
+                "a",
+                &keys(200..208),
+                later + Duration::from_secs(1),
+                later
+            ),
+            8
+        );
         assert_eq!(s.len(), 10);
         // A key written again keeps the later end, and costs nothing.
         assert_eq!(s.insert("m", "a", &keys(200..201), later, later), 1);
-        assert!(s.pod("m", "a").unwrap().read().holds(BlockKey(200), later + Duration::from_millis(500)));
+        assert!(s
+            .pod("m", "a")
+            .unwrap()
+            .read()
+            .holds(BlockKey(200), later + Duration::from_millis(500)));
     }
 }

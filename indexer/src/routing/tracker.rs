@@ -40,7 +40,9 @@ pub struct Routing {
 pub enum Outcome {
     /// `delay`: from the routing to the last block's store (`None` when the
     /// pod held them already, or only the leading ones arrived in time).
-    Confirmed { delay: Option<Duration> },
+    Confirmed {
+        delay: Option<Duration>,
+    },
     Mismatch(Mismatch),
     Unconfirmed,
 }
@@ -65,6 +67,7 @@ pub struct Ended {
 
 struct Pending {
     routing: Routing,
+    cost: usize,
     at: Instant,
     until: Instant,
     /// Leading blocks the pod holds exactly, as far as checked.
@@ -97,22 +100,36 @@ pub struct Tracker {
     pending: HashMap<PodKey, Vec<Pending>>,
     ttl: HashMap<PodKey, TtlEstimator>,
     tracked: usize,
-    max_tracked: usize,
+    /// Memory of the pending routings (`cost`), at most `max_bytes`.
+    bytes: usize,
+    max_bytes: usize,
     max_per_pod: usize,
 }
 
+/// What a pending routing holds in memory, roughly.
+fn cost(r: &Routing) -> usize {
+    r.keys.len() * 8 + r.tokens.len() * 4 + r.model.len() + r.pod.len() + 160
+}
+
 impl Tracker {
-    /// `max_tracked` routings at once; a pod's beyond `max_per_pod` end
-    /// its oldest (unconfirmed).
-    pub fn new(policy: TtlPolicy, max_tracked: usize, max_per_pod: usize) -> Self {
+    /// Routings in at most `max_bytes` at once (beyond, a new routing ends
+    /// at once, unconfirmed); a pod's beyond `max_per_pod` end its oldest
+    /// (unconfirmed).
+    pub fn new(policy: TtlPolicy, max_bytes: usize, max_per_pod: usize) -> Self {
         Tracker {
             policy,
             pending: HashMap::new(),
             ttl: HashMap::new(),
             tracked: 0,
-            max_tracked,
+            bytes: 0,
+            max_bytes,
             max_per_pod: max_per_pod.max(1),
         }
+    }
+
+    /// Memory the pending routings hold.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     /// Routings waiting for an outcome.
@@ -124,43 +141,79 @@ impl Tracker {
     pub fn ttl(&self, model: &str, pod: &str) -> Duration {
         self.ttl
             .get(&(model.to_owned(), pod.to_owned()))
-            .map_or_else(|| TtlEstimator::default().ttl(self.policy), |e| e.ttl(self.policy))
+            .map_or_else(
+                || TtlEstimator::default().ttl(self.policy),
+                |e| e.ttl(self.policy),
+            )
     }
 
     /// Whether stores of this pod concern any routing.
     pub fn watches(&self, model: &str, pod: &str) -> bool {
         // Allocation-free check first: most pods have nothing pending.
-        !self.pending.is_empty() && self.pending.contains_key(&(model.to_owned(), pod.to_owned()))
+        !self.pending.is_empty()
+            && self
+                .pending
+                .contains_key(&(model.to_owned(), pod.to_owned()))
     }
 
     /// A routing, of which the pod already holds the leading `held` blocks.
-    pub fn record(&mut self, routing: Routing, held: usize, now: Instant) -> (Recorded, Vec<Ended>) {
+    pub fn record(
+        &mut self,
+        routing: Routing,
+        held: usize,
+        now: Instant,
+    ) -> (Recorded, Vec<Ended>) {
         let ttl = self.ttl(&routing.model, &routing.pod);
         let until = now + ttl;
         let mut ended = Vec::new();
         if held >= routing.keys.len() {
             let outcome = Outcome::Confirmed { delay: None };
-            return (Recorded { until, ttl, ended: Some(outcome) }, ended);
+            return (
+                Recorded {
+                    until,
+                    ttl,
+                    ended: Some(outcome),
+                },
+                ended,
+            );
         }
-        if self.tracked >= self.max_tracked {
-            return (Recorded { until, ttl, ended: Some(Outcome::Unconfirmed) }, ended);
+        let cost = cost(&routing);
+        if self.bytes + cost > self.max_bytes {
+            return (
+                Recorded {
+                    until,
+                    ttl,
+                    ended: Some(Outcome::Unconfirmed),
+                },
+                ended,
+            );
         }
         let key = (routing.model.clone(), routing.pod.clone());
         let list = self.pending.entry(key).or_default();
         if list.len() >= self.max_per_pod {
             let oldest = list.remove(0);
             self.tracked -= 1;
+            self.bytes -= oldest.cost;
             ended.push(end(oldest, Outcome::Unconfirmed));
         }
+        self.bytes += cost;
         list.push(Pending {
             routing,
+            cost,
             at: now,
             until,
             held,
             evidence: None,
         });
         self.tracked += 1;
-        (Recorded { until, ttl, ended: None }, ended)
+        (
+            Recorded {
+                until,
+                ttl,
+                ended: None,
+            },
+            ended,
+        )
     }
 
     /// The pod's stores were applied: `held(keys, from)` counts the leading
@@ -191,9 +244,11 @@ impl Tracker {
             }
             if p.held >= p.routing.keys.len() {
                 let p = list.swap_remove(i);
+                self.bytes -= p.cost;
                 let delay = now.saturating_duration_since(p.at);
                 delays.push(delay);
-                out.ended.push(end(p, Outcome::Confirmed { delay: Some(delay) }));
+                out.ended
+                    .push(end(p, Outcome::Confirmed { delay: Some(delay) }));
                 continue;
             }
             for s in seen {
@@ -203,7 +258,10 @@ impl Tracker {
                     block_size: p.routing.block_size,
                 };
                 if let Some(m) = diagnose(ours, s) {
-                    if p.evidence.as_ref().is_none_or(|e| m.agreement > e.agreement) {
+                    if p.evidence
+                        .as_ref()
+                        .is_none_or(|e| m.agreement > e.agreement)
+                    {
                         p.evidence = Some(m);
                     }
                 }
@@ -226,11 +284,14 @@ impl Tracker {
     /// Routings whose TTL passed end.
     pub fn expire(&mut self, now: Instant) -> Vec<Ended> {
         let mut ended = Vec::new();
+        let mut freed = 0;
         self.pending.retain(|_, list| {
             let mut i = 0;
             while i < list.len() {
                 if list[i].until <= now {
-                    ended.push(conclude(list.swap_remove(i)));
+                    let p = list.swap_remove(i);
+                    freed += p.cost;
+                    ended.push(conclude(p));
                 } else {
                     i += 1;
                 }
@@ -238,6 +299,7 @@ impl Tracker {
             !list.is_empty()
         });
         self.tracked -= ended.len();
+        self.bytes -= freed;
         ended
     }
 
@@ -246,13 +308,9 @@ impl Tracker {
     pub fn forget_pod(&mut self, model: &str, pod: &str) -> Vec<Ended> {
         let key = (model.to_owned(), pod.to_owned());
         self.ttl.remove(&key);
-        let ended: Vec<Ended> = self
-            .pending
-            .remove(&key)
-            .unwrap_or_default()
-            .into_iter()
-            .map(conclude)
-            .collect();
+        let list = self.pending.remove(&key).unwrap_or_default();
+        self.bytes -= list.iter().map(|p| p.cost).sum::<usize>();
+        let ended: Vec<Ended> = list.into_iter().map(conclude).collect();
         self.tracked -= ended.len();
         ended
     }
@@ -311,7 +369,7 @@ mod tests {
 
     #[test]
     fn a_prompt_held_already_is_confirmed_at_once_without_a_delay_sample() {
-        let mut t = Tracker::new(TtlPolicy::Auto, 100, 10);
+        let mut t = Tracker::new(TtlPolicy::Auto, 1 << 20, 10);
         let (rec, ended) = t.record(routing("a", 3), 3, Instant::now());
         assert_eq!(rec.ended, Some(Outcome::Confirmed { delay: None }));
         assert!(ended.is_empty());
@@ -320,7 +378,7 @@ mod tests {
 
     #[test]
     fn stores_confirm_a_routing_supersede_its_entries_and_teach_the_ttl() {
-        let mut t = Tracker::new(TtlPolicy::Auto, 100, 10);
+        let mut t = Tracker::new(TtlPolicy::Auto, 1 << 20, 10);
         let t0 = Instant::now();
         let (rec, _) = t.record(routing("a", 3), 0, t0);
         assert_eq!((rec.ttl, rec.ended), (ms(2000), None));
@@ -331,8 +389,13 @@ mod tests {
         assert_eq!(s.superseded, vec![BlockKey(1), BlockKey(2)]);
         let s = t.stored("m", "a", &[], holding(3), t0 + ms(300));
         assert_eq!(s.superseded, vec![BlockKey(3)]);
-        assert_eq!(s.ended[0].outcome, Outcome::Confirmed { delay: Some(ms(300)) });
-        assert_eq!((t.tracked(), t.ttl_samples("m", "a")), (0, 1));
+        assert_eq!(
+            s.ended[0].outcome,
+            Outcome::Confirmed {
+                delay: Some(ms(300))
+            }
+        );
+        assert_eq!((t.tracked(), t.bytes(), t.ttl_samples("m", "a")), (0, 0, 1));
         assert!(!t.watches("m", "a"));
         // Enough samples: auto follows the pod's delay.
         for i in 0..8 {
@@ -346,7 +409,7 @@ mod tests {
 
     #[test]
     fn at_the_ttl_a_routing_ends_by_what_arrived() {
-        let mut t = Tracker::new(TtlPolicy::Fixed(ms(500)), 100, 10);
+        let mut t = Tracker::new(TtlPolicy::Fixed(ms(500)), 1 << 20, 10);
         let t0 = Instant::now();
         t.record(routing("nothing", 3), 0, t0);
         t.record(routing("partly", 3), 0, t0);
@@ -364,11 +427,17 @@ mod tests {
         assert!(t.expire(t0 + ms(499)).is_empty());
         let mut ended = t.expire(t0 + ms(500));
         ended.sort_by(|a, b| a.pod.cmp(&b.pod));
-        let outcomes: Vec<(&str, &str)> =
-            ended.iter().map(|e| (e.pod.as_str(), e.outcome.label())).collect();
+        let outcomes: Vec<(&str, &str)> = ended
+            .iter()
+            .map(|e| (e.pod.as_str(), e.outcome.label()))
+            .collect();
         assert_eq!(
             outcomes,
-            [("nothing", "unconfirmed"), ("otherwise", "mismatch"), ("partly", "confirmed")]
+            [
+                ("nothing", "unconfirmed"),
+                ("otherwise", "mismatch"),
+                ("partly", "confirmed")
+            ]
         );
         match &ended[1].outcome {
             Outcome::Mismatch(m) => assert_eq!(m.cause, Cause::Bos),
@@ -379,7 +448,8 @@ mod tests {
 
     #[test]
     fn routings_are_bounded_and_each_ends_once() {
-        let mut t = Tracker::new(TtlPolicy::Fixed(ms(500)), 3, 2);
+        let three = 3 * cost(&routing("a", 2));
+        let mut t = Tracker::new(TtlPolicy::Fixed(ms(500)), three, 2);
         let t0 = Instant::now();
         t.record(routing("a", 2), 0, t0);
         t.record(routing("a", 2), 0, t0);
@@ -393,6 +463,6 @@ mod tests {
         assert_eq!(rec.ended, Some(Outcome::Unconfirmed));
         assert_eq!(t.forget_pod("m", "a").len(), 2);
         assert_eq!(t.expire(t0 + ms(500)).len(), 1);
-        assert_eq!(t.tracked(), 0);
+        assert_eq!((t.tracked(), t.bytes()), (0, 0));
     }
 }
