@@ -5,7 +5,7 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> std::process::ExitCode {
     let mut args = Args::parse_or_exit();
-    let command = args.command.take();
+    let mut command = args.command.take();
     let publishing = matches!(command, Some(Command::Publish { .. }));
     if publishing || matches!(command, Some(Command::Simulate(_))) {
         // A client: its output is the point.
@@ -34,9 +34,15 @@ fn main() -> std::process::ExitCode {
         println!("configuration is valid:\n{config:#?}");
         return std::process::ExitCode::SUCCESS;
     }
-    if let Some(Command::Simulate(options)) = &command {
+    if let Some(Command::Simulate(options)) = &mut command {
         // Virtual time, no service: runs before (and without) the runtime.
         let block_size = config.indexer.default_block_size as usize;
+        options.speculative_ttl = match config.routing.ttl {
+            indexer::routing::ttl::TtlPolicy::Fixed(d) => d.as_secs_f64(),
+            indexer::routing::ttl::TtlPolicy::Auto => {
+                indexer::routing::ttl::AUTO_START.as_secs_f64()
+            }
+        };
         return match kv_indexer::simulate::main(options, block_size) {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {

@@ -123,8 +123,9 @@ pub struct Options {
     /// publishes at schedule time; ZeroMQ and ingest add the rest).
     #[arg(long, default_value_t = 0.05)]
     pub event_delay: f64,
-    /// How long a speculative write is believed, seconds (llm-d's default).
-    #[arg(long, default_value_t = 2.0)]
+    /// How long a speculative write is believed, seconds: the service's
+    /// `--speculative-ttl` (`auto` simulates its 2 s start, llm-d's default).
+    #[arg(skip = 2.0)]
     pub speculative_ttl: f64,
     /// Blocks the approximate producer remembers per pod (llm-d's
     /// lruCapacityPerServer).
