@@ -58,6 +58,41 @@ struct Window {
     mismatches: HashMap<Cause, u64>,
 }
 
+impl Window {
+    fn new(now: Instant) -> Self {
+        Window {
+            since: now,
+            confirmed: 0,
+            mismatches: HashMap::new(),
+        }
+    }
+
+    /// Counts an outcome; at the end of a window in which mismatches
+    /// (at least `WARN_MIN`) outnumbered confirmations, says which cause
+    /// led, how often, and how many were confirmed.
+    fn tally(&mut self, outcome: &Outcome, now: Instant) -> Option<(Cause, u64, u64)> {
+        match outcome {
+            Outcome::Confirmed { .. } => self.confirmed += 1,
+            Outcome::Mismatch(m) => *self.mismatches.entry(m.cause).or_default() += 1,
+            Outcome::Unconfirmed => {}
+        }
+        if now.duration_since(self.since) < WARN_WINDOW {
+            return None;
+        }
+        let total: u64 = self.mismatches.values().sum();
+        let verdict = (total >= WARN_MIN && total > self.confirmed)
+            .then(|| {
+                self.mismatches
+                    .iter()
+                    .max_by_key(|(c, n)| (**n, c.label()))
+                    .map(|(c, n)| (*c, *n, self.confirmed))
+            })
+            .flatten();
+        *self = Window::new(now);
+        verdict
+    }
+}
+
 /// A mismatch as `Diagnose` shows it.
 #[derive(Clone, Debug)]
 pub struct Diagnosed {
@@ -94,42 +129,20 @@ impl Feedback {
         let mut d = self.diagnostics.lock();
         for e in ended {
             self.metrics.routing_outcome(&e.model, e.outcome.label());
-            let window = d.window.entry(e.model.clone()).or_insert_with(|| Window {
-                since: now,
-                confirmed: 0,
-                mismatches: HashMap::new(),
-            });
-            match &e.outcome {
-                Outcome::Confirmed { delay } => {
-                    window.confirmed += 1;
-                    if let Some(delay) = delay {
-                        self.metrics
-                            .routing_confirm_seconds
-                            .observe(delay.as_secs_f64());
-                    }
-                }
-                Outcome::Mismatch(m) => {
-                    self.metrics.routing_mismatch(&e.model, m.cause.label());
-                    *window.mismatches.entry(m.cause).or_default() += 1;
-                }
-                Outcome::Unconfirmed => {}
+            if let Outcome::Confirmed { delay: Some(delay) } = &e.outcome {
+                self.metrics
+                    .routing_confirm_seconds
+                    .observe(delay.as_secs_f64());
             }
-            if now.duration_since(window.since) >= WARN_WINDOW {
-                let total: u64 = window.mismatches.values().sum();
-                if total >= WARN_MIN && total > window.confirmed {
-                    let (cause, n) = window
-                        .mismatches
-                        .iter()
-                        .max_by_key(|(_, n)| **n)
-                        .map(|(c, n)| (*c, *n))
-                        .unwrap_or((Cause::Tokens, 0));
-                    warn.push((e.model.clone(), cause, n, window.confirmed));
-                }
-                *window = Window {
-                    since: now,
-                    confirmed: 0,
-                    mismatches: HashMap::new(),
-                };
+            if let Outcome::Mismatch(m) = &e.outcome {
+                self.metrics.routing_mismatch(&e.model, m.cause.label());
+            }
+            let window = d
+                .window
+                .entry(e.model.clone())
+                .or_insert_with(|| Window::new(now));
+            if let Some((cause, n, confirmed)) = window.tally(&e.outcome, now) {
+                warn.push((e.model.clone(), cause, n, confirmed));
             }
             if let Outcome::Mismatch(m) = &e.outcome {
                 if d.recent.len() == RECENT_MISMATCHES {
@@ -289,6 +302,48 @@ mod tests {
         assert!(h.get(12345).is_none());
         // Larger than the whole budget: not kept.
         assert_eq!(h.insert(handle(10_000)), 0);
+    }
+
+    fn mismatch(cause: Cause) -> Outcome {
+        Outcome::Mismatch(Mismatch {
+            cause,
+            block: 0,
+            offset: 0,
+            window_start: 0,
+            ours: vec![],
+            theirs: vec![],
+            our_block_size: 16,
+            their_block_size: 16,
+            agreement: 0,
+        })
+    }
+
+    #[test]
+    fn a_window_where_mismatches_dominate_warns_once_with_the_leading_cause() {
+        let t0 = Instant::now();
+        let mut w = Window::new(t0);
+        for _ in 0..6 {
+            assert_eq!(w.tally(&mismatch(Cause::Bos), t0), None);
+        }
+        w.tally(&mismatch(Cause::Tokens), t0);
+        w.tally(&Outcome::Confirmed { delay: None }, t0);
+        let end = t0 + WARN_WINDOW;
+        assert_eq!(
+            w.tally(&Outcome::Unconfirmed, end),
+            Some((Cause::Bos, 6, 1))
+        );
+        // A new window: nothing yet.
+        assert_eq!(w.tally(&mismatch(Cause::Bos), end + WARN_WINDOW), None);
+        // Mostly confirmed, or too few mismatches: quiet.
+        let mut w = Window::new(t0);
+        for _ in 0..6 {
+            w.tally(&mismatch(Cause::Bos), t0);
+            w.tally(&Outcome::Confirmed { delay: None }, t0);
+        }
+        assert_eq!(w.tally(&Outcome::Unconfirmed, end), None);
+        let mut w = Window::new(t0);
+        w.tally(&mismatch(Cause::Bos), t0);
+        assert_eq!(w.tally(&mismatch(Cause::Bos), end), None);
     }
 
     #[test]

@@ -503,3 +503,77 @@ async fn bad_routings_get_clear_errors() {
         .expect_err("other model");
     assert_eq!(other.code(), tonic::Code::NotFound);
 }
+
+/// Speculative entries live within --max-memory (routing feedback gets an
+/// eighth of it): past the bound a routing writes what fits and says so.
+#[tokio::test]
+async fn speculative_entries_stay_within_max_memory() {
+    let (service, _pods) = service_with_pods(
+        &["--max-memory", "1MiB", "--speculative-ttl", "30s"],
+        &["a"],
+    )
+    .await;
+    let mut client = service.client().await;
+    let mut written = 0;
+    for i in 0..40u32 {
+        let rec = client
+            .record_routing(record_request(
+                WARMUP_MODEL,
+                "a",
+                by_tokens(&prompt(200 + i, 64)),
+            ))
+            .await
+            .expect("RecordRouting")
+            .into_inner();
+        assert_eq!(rec.total_blocks, 64);
+        written += rec.speculative_blocks;
+    }
+    // 1 MiB / 8 for routing, 3/8 of that for speculative entries at 48 bytes.
+    let bound = (1 << 20) / 8 / 8 * 3 / 48;
+    assert_eq!(written, bound);
+    assert_eq!(
+        service.metric("kv_indexer_speculative_entries"),
+        f64::from(bound)
+    );
+}
+
+/// An approximate model with a tokenizer is chunked into the model's real
+/// token blocks, not 256-byte text blocks.
+#[tokio::test]
+async fn an_approximate_model_with_a_tokenizer_uses_its_token_blocks() {
+    let tokenizer = qwen3_tokenizer_arg();
+    let service = Service::start(&[
+        "--approximate-model",
+        "Qwen/Qwen3-8B",
+        "--tokenizer",
+        &tokenizer,
+    ])
+    .await;
+    let mut client = service.client().await;
+    let text = "The quick brown fox jumps over the lazy dog. ".repeat(30);
+    let request = pb::ScoreRequest {
+        model: "Qwen/Qwen3-8B".into(),
+        input: Some(pb::score_request::Input::Prompt(text.clone())),
+        pods: vec!["p1".into()],
+        ..Default::default()
+    };
+    let first = client
+        .score(request.clone())
+        .await
+        .expect("Score")
+        .into_inner();
+    assert!(first.approximate);
+    assert_eq!(first.block_size, 16);
+    assert_eq!(first.total_blocks, first.prompt_tokens / 16);
+    client
+        .record_routing(pb::RecordRoutingRequest {
+            model: "Qwen/Qwen3-8B".into(),
+            pod: "p1".into(),
+            input: Some(pb::record_routing_request::Input::Prompt(text)),
+            ..Default::default()
+        })
+        .await
+        .expect("RecordRouting");
+    let second = client.score(request).await.expect("Score").into_inner();
+    assert_eq!(pod(&second, "p1").matched_blocks, first.total_blocks);
+}

@@ -99,6 +99,9 @@ const CONTEXT: usize = 8;
 #[derive(Clone, Copy, Debug)]
 pub struct Ours<'a> {
     pub keys: &'a [BlockKey],
+    /// Leading blocks of `keys` the pod holds exactly: a chain of this
+    /// prompt that went wrong starts right after them.
+    pub held: usize,
     /// The prompt's leading tokens (as many as were kept).
     pub tokens: &'a [u32],
     pub block_size: u32,
@@ -125,16 +128,18 @@ pub struct Mismatch {
 }
 
 /// What the pod's stored chain says about our keying of the prompt:
-/// `None` if the chain agrees with it, starts elsewhere, or resembles
-/// another prompt rather than a mis-tokenized copy of this one.
+/// `None` if the chain agrees with it, does not start where the pod's
+/// exact match of it ends, or resembles another prompt rather than a
+/// mis-tokenized copy of this one.
 pub fn diagnose(ours: Ours<'_>, seen: &SeenStore) -> Option<Mismatch> {
     let bs = ours.block_size as usize;
-    let block = match seen.parent {
-        SeenParent::Root => 0,
-        SeenParent::Key(k) => ours.keys.iter().position(|x| *x == k)? + 1,
-        SeenParent::Unknown => return None,
+    let block = ours.held;
+    let starts_there = match seen.parent {
+        SeenParent::Root => block == 0,
+        SeenParent::Key(k) => block > 0 && ours.keys.get(block - 1) == Some(&k),
+        SeenParent::Unknown => false,
     };
-    if block >= ours.keys.len() || seen.first_key == Some(ours.keys[block]) {
+    if !starts_there || block >= ours.keys.len() || seen.first_key == Some(ours.keys[block]) {
         return None;
     }
     let start = block * bs;
@@ -209,11 +214,21 @@ mod tests {
         }
     }
 
+    /// The pod holds as many of our blocks as the chain's parent says.
     fn check(tokens: &[u32], s: &SeenStore) -> Option<Mismatch> {
+        let held = match s.parent {
+            SeenParent::Key(k) if k.0 <= 3 => k.0 as usize,
+            _ => 0,
+        };
+        check_held(tokens, s, held)
+    }
+
+    fn check_held(tokens: &[u32], s: &SeenStore, held: usize) -> Option<Mismatch> {
         let k = keys((tokens.len() / BS as usize) as u64);
         diagnose(
             Ours {
                 keys: &k,
+                held,
                 tokens,
                 block_size: BS,
             },

@@ -254,6 +254,7 @@ impl Tracker {
             for s in seen {
                 let ours = Ours {
                     keys: &p.routing.keys,
+                    held: p.held,
                     tokens: &p.routing.tokens,
                     block_size: p.routing.block_size,
                 };
