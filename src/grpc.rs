@@ -463,6 +463,8 @@ impl KvIndexerService {
             Some((feedback, _)) if !out.keys.is_empty() => {
                 let mut tokens = scored.tokens;
                 tokens.truncate(indexer::routing::tracker::KEPT_TOKENS);
+                // Kept for seconds and counted by length: not a long prompt's capacity.
+                tokens.shrink_to_fit();
                 feedback.handles.insert(PromptHandle {
                     model,
                     keys: std::mem::take(&mut out.keys)
@@ -566,6 +568,8 @@ impl KvIndexerService {
                             .indexer
                             .request_keys(&req.model, lora, salt, &tokens, bs);
                         tokens.truncate(indexer::routing::tracker::KEPT_TOKENS);
+                        // Kept for seconds and counted by length: not a long prompt's capacity.
+                        tokens.shrink_to_fit();
                         (Arc::from(keys), tokens, bs)
                     }
                     PromptTokens::Unknown(Some(text)) if approximate => {

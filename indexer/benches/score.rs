@@ -39,6 +39,19 @@ fn fleet(depth: impl Fn(usize) -> usize, tokens: &[u32]) -> Indexer {
     ix
 }
 
+/// `ix` with 8 of its pods (and 8 that never published) sent the whole
+/// prompt by `RecordRouting`: Score's extra walk over speculative entries.
+fn with_speculation(ix: Indexer, tokens: &[u32]) -> Indexer {
+    let keys = ix.request_keys("m", None, None, tokens, BLOCK as u32);
+    let now = std::time::Instant::now();
+    let until = now + Duration::from_secs(3600);
+    for i in 0..8 {
+        ix.speculate("m", &format!("pod-{i:02}"), &keys, until, now);
+        ix.speculate("m", &format!("new-{i:02}"), &keys, until, now);
+    }
+    ix
+}
+
 fn main() {
     // `cargo test --all-targets` runs benches without `--bench`: keep that short.
     let quick = std::env::args().any(|a| a == "--quick" || a == "--test")
@@ -52,7 +65,7 @@ fn main() {
         })
         .collect();
     println!("Indexer::score, {PODS} pods, block size {BLOCK}; median (p90) per request");
-    let cases: [(&str, Indexer, usize, usize); 3] = [
+    let cases: [(&str, Indexer, usize, usize); 4] = [
         (
             "2048 blocks, 64 different depths",
             fleet(|i| (i + 1) * BLOCKS / PODS, &tokens),
@@ -64,6 +77,12 @@ fn main() {
             fleet(|_| BLOCKS / 2, &tokens),
             BLOCKS,
             BLOCKS * PODS / 2,
+        ),
+        (
+            "2048 blocks, 64 depths, 16 speculative",
+            with_speculation(fleet(|i| (i + 1) * BLOCKS / PODS, &tokens), &tokens),
+            BLOCKS,
+            BLOCKS * PODS / 2 + BLOCKS / 2,
         ),
         (
             "1 block",
