@@ -106,6 +106,13 @@ fn outcomes(service: &Service, outcome: &str) -> f64 {
     ))
 }
 
+async fn wait_outcomes(service: &Service, outcome: &str, n: f64) {
+    let series = format!(
+        "kv_indexer_routing_outcomes_total{{model=\"{WARMUP_MODEL}\",outcome=\"{outcome}\"}}"
+    );
+    service.wait_metric(&series, |got| got == n).await;
+}
+
 /// Ten parallel tool calls of an agent share a new prefix: the first is
 /// sent to `c` (the router had its reasons), and every later Score, before
 /// any event, sends the rest to `c` too. Without speculative entries all
@@ -175,12 +182,7 @@ async fn speculative_entries_vanish_at_the_ttl_when_no_event_comes() {
     let resp = score(&mut client, WARMUP_MODEL, &tokens, &["a"]).await;
     assert_eq!(pod(&resp, "a").speculative_blocks, 0, "{resp:?}");
     assert_eq!(pod(&resp, "a").score, 0.0);
-    service
-        .wait_metric(
-            &format!("kv_indexer_routing_outcomes_total{{model=\"{WARMUP_MODEL}\",outcome=\"unconfirmed\"}}"),
-            |n| n == 1.0,
-        )
-        .await;
+    wait_outcomes(&service, "unconfirmed", 1.0).await;
     // Swept within a tick.
     service
         .wait_metric("kv_indexer_speculative_entries", |n| n == 0.0)
@@ -234,12 +236,7 @@ async fn real_events_supersede_speculative_entries() {
             encode_batch(&[rest]),
         )))
         .await;
-    service
-        .wait_metric(
-            &format!("kv_indexer_routing_outcomes_total{{model=\"{WARMUP_MODEL}\",outcome=\"confirmed\"}}"),
-            |n| n == 1.0,
-        )
-        .await;
+    wait_outcomes(&service, "confirmed", 1.0).await;
     let resp = score(&mut client, WARMUP_MODEL, &tokens, &["a"]).await;
     assert_eq!(pod(&resp, "a").matched_blocks, 4);
     assert_eq!(pod(&resp, "a").speculative_blocks, 4);
@@ -326,12 +323,7 @@ async fn auto_ttl_converges_near_the_publishers_delay() {
                 1000 * u64::from(i + 1),
             ))
             .await;
-        service
-            .wait_metric(
-                &format!("kv_indexer_routing_outcomes_total{{model=\"{WARMUP_MODEL}\",outcome=\"confirmed\"}}"),
-                |n| n == f64::from(i + 1),
-            )
-            .await;
+        wait_outcomes(&service, "confirmed", f64::from(i + 1)).await;
     }
     // 1.5x the 95th percentile of ~200 ms delays (plus delivery).
     let rec = client

@@ -343,6 +343,9 @@ fn end(p: Pending, outcome: Outcome) -> Ended {
 }
 
 #[cfg(test)]
+mod model;
+
+#[cfg(test)]
 mod tests {
     use super::super::diagnose::{Cause, SeenParent};
     use super::*;
