@@ -569,3 +569,46 @@ async fn an_approximate_model_with_a_tokenizer_uses_its_token_blocks() {
     let second = client.score(request).await.expect("Score").into_inner();
     assert_eq!(pod(&second, "p1").matched_blocks, first.total_blocks);
 }
+
+/// The pod's vLLM restarts (its seq starts over) while a routing's entries
+/// live: its cache is empty, so what it was sent is no longer a good guess
+/// either, and the entries go with its blocks.
+#[tokio::test]
+async fn a_publisher_restart_drops_the_pods_speculative_entries() {
+    let (service, mut pods) = service_with_pods(&["--speculative-ttl", "30s"], &["a"]).await;
+    let mut client = service.client().await;
+    let held = prompt(30, 2);
+    pods[0].send(stored("a", 5, &held, 500)).await;
+    service
+        .wait_until("stored", async || {
+            pod(
+                &score(&mut client.clone(), WARMUP_MODEL, &held, &["a"]).await,
+                "a",
+            )
+            .matched_blocks
+                == 2
+        })
+        .await;
+    let routed = prompt(31, 4);
+    client
+        .record_routing(record_request(WARMUP_MODEL, "a", by_tokens(&routed)))
+        .await
+        .expect("RecordRouting");
+    let resp = score(&mut client, WARMUP_MODEL, &routed, &["a"]).await;
+    assert_eq!(pod(&resp, "a").speculative_blocks, 4);
+    // A new run: seq 0 again, with other content.
+    let other = prompt(32, 1);
+    pods[0].send(stored("a", 0, &other, 900)).await;
+    service
+        .wait_until("the restart applied", async || {
+            let info = service.list_pods(WARMUP_MODEL).await;
+            info.iter()
+                .any(|p| p.pod == "a" && p.publisher_restarts >= 1)
+        })
+        .await;
+    let resp = score(&mut client, WARMUP_MODEL, &routed, &["a"]).await;
+    assert_eq!(pod(&resp, "a").speculative_blocks, 0, "{resp:?}");
+    let resp = score(&mut client, WARMUP_MODEL, &held, &["a"]).await;
+    assert_eq!(pod(&resp, "a").matched_blocks, 0, "{resp:?}");
+    assert_eq!(service.metric("kv_indexer_speculative_entries"), 0.0);
+}
