@@ -56,6 +56,8 @@ struct Opts {
     /// indexer (`peer_dynamo`), at `peer_bin` if given.
     peer: bool,
     peer_bin: Option<PathBuf>,
+    /// `--ours-arg ARG` (repeatable): passed to our service in the peer part.
+    ours_args: Vec<String>,
 }
 
 fn opts() -> Opts {
@@ -68,6 +70,7 @@ fn opts() -> Opts {
         tokenizer: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen3"),
         peer: false,
         peer_bin: None,
+        ours_args: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -97,10 +100,11 @@ fn opts() -> Opts {
                 }
             },
             "--peer-bin" => o.peer_bin = args.next().map(PathBuf::from),
+            "--ours-arg" => o.ours_args.extend(args.next()),
             "--bench" => {}
             "-h" | "--help" => {
                 println!(
-                    "kv-indexer-bench [--quick] [--only ingest,score,text,peer] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] [--peer dynamo [--peer-bin PATH]]\n\
+                    "kv-indexer-bench [--quick] [--only ingest,score,text,peer] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] [--peer dynamo [--peer-bin PATH] [--ours-arg ARG]...]\n\
                      Without --grpc/--zmq it starts the kv-indexer binary next to it. A running\n\
                      service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs.\n\
                      --peer dynamo adds the peer part: ours and Dynamo's standalone indexer\n\

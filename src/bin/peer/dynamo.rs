@@ -238,6 +238,7 @@ async fn start(o: &Opts, endpoints: &[String]) -> Peers {
     for e in endpoints {
         ours.args(["--zmq-connect", e]);
     }
+    ours.args(&o.ours_args);
     let ours = Spawned(
         ours.env("HF_HUB_OFFLINE", "1")
             .stdout(Stdio::null())
