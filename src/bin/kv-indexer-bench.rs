@@ -33,12 +33,16 @@ use pb::kv_indexer_client::KvIndexerClient;
 use serde_json::{json, Value};
 use tonic::transport::Channel;
 
+/// `--peer dynamo`, in a file of its own.
+#[path = "peer/dynamo.rs"]
+mod peer_dynamo;
+
 type ZmqMessage = Vec<bytes::Bytes>;
 
 const MODEL: &str = "bench/model";
 const TEXT_MODEL: &str = "bench/qwen3";
 const BLOCK: usize = 16;
-const PARTS: [&str; 3] = ["ingest", "score", "text"];
+const PARTS: [&str; 4] = ["ingest", "score", "text", "peer"];
 
 struct Opts {
     quick: bool,
@@ -48,6 +52,12 @@ struct Opts {
     zmq: Option<String>,
     metrics: Option<String>,
     tokenizer: PathBuf,
+    /// `--peer dynamo`: the peer part runs against Dynamo's standalone
+    /// indexer (`peer_dynamo`), at `peer_bin` if given.
+    peer: bool,
+    peer_bin: Option<PathBuf>,
+    /// `--ours-arg ARG` (repeatable): passed to our service in the peer part.
+    ours_args: Vec<String>,
 }
 
 fn opts() -> Opts {
@@ -58,6 +68,9 @@ fn opts() -> Opts {
         zmq: None,
         metrics: None,
         tokenizer: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen3"),
+        peer: false,
+        peer_bin: None,
+        ours_args: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -79,12 +92,25 @@ fn opts() -> Opts {
             "--zmq" => o.zmq = args.next(),
             "--metrics" => o.metrics = args.next(),
             "--tokenizer" => o.tokenizer = args.next().map(PathBuf::from).unwrap_or(o.tokenizer),
+            "--peer" => match args.next().as_deref() {
+                Some("dynamo") => o.peer = true,
+                other => {
+                    eprintln!("--peer: unknown peer {other:?} (peers: dynamo)");
+                    std::process::exit(2);
+                }
+            },
+            "--peer-bin" => o.peer_bin = args.next().map(PathBuf::from),
+            "--ours-arg" => o.ours_args.extend(args.next()),
             "--bench" => {}
             "-h" | "--help" => {
                 println!(
-                    "kv-indexer-bench [--quick] [--only ingest,score,text] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR]\n\
+                    "kv-indexer-bench [--quick] [--only ingest,score,text,peer] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] [--peer dynamo [--peer-bin PATH] [--ours-arg ARG]...]\n\
                      Without --grpc/--zmq it starts the kv-indexer binary next to it. A running\n\
-                     service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs."
+                     service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs.\n\
+                     --peer dynamo adds the peer part: ours and Dynamo's standalone indexer\n\
+                     ({}, built by peers/dynamo, next to this binary unless --peer-bin),\n\
+                     each started on loopback, taking turns on the same ingest and Score loads.",
+                    peer_dynamo::BINARY
                 );
                 std::process::exit(0);
             }
@@ -93,6 +119,10 @@ fn opts() -> Opts {
                 std::process::exit(2);
             }
         }
+    }
+    if o.only.iter().any(|p| p == "peer") && !o.peer {
+        eprintln!("--only peer needs --peer dynamo");
+        std::process::exit(2);
     }
     o
 }
@@ -817,12 +847,17 @@ fn main() {
         if runs("text") {
             text = score_text(&mut client, o.quick).await;
         }
+        let mut peer = Value::Null;
+        if o.peer && runs("peer") {
+            peer = peer_dynamo::run(&o).await;
+        }
         let out = json!({
             "mode": if o.quick { "quick" } else { "full" },
             "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
             "ingest": ingest_rows,
             "score_token_ids": score,
             "score_text": text,
+            "peer": peer,
             "seconds": started.elapsed().as_secs_f64(),
         });
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
