@@ -124,6 +124,7 @@ pub enum Source<'a> {
 #[derive(Clone)]
 pub struct Dispatcher {
     workers: Arc<Vec<flume::Sender<Work>>>,
+    budget: Arc<crate::worker::QueueBudget>,
     /// The workers' control queues (connection changes).
     control: Arc<Vec<flume::Sender<Work>>>,
     metrics: Arc<Metrics>,
@@ -241,12 +242,19 @@ impl Dispatcher {
         match check_frames(frames, conn, self.workers.len()) {
             Ok((mut frame, owner)) => {
                 frame.replay = replay.cloned();
-                // Never wait on index work: a full queue drops (and the gap
-                // is repaired through replay). Disconnected only when
-                // shutting down.
-                if let Err(flume::TrySendError::Full(_)) =
-                    self.workers[owner].try_send(Work::Live(frame))
-                {
+                // Never wait on index work: a full queue (in messages or
+                // bytes) drops, and the gap is repaired through replay.
+                // Disconnected only when shutting down.
+                let cost = crate::worker::QueueBudget::cost(&frame);
+                let sent = self.budget.take(owner, cost)
+                    && match self.workers[owner].try_send(Work::Live(frame)) {
+                        Ok(()) | Err(flume::TrySendError::Disconnected(_)) => true,
+                        Err(flume::TrySendError::Full(_)) => {
+                            self.budget.release(owner, cost);
+                            false
+                        }
+                    };
+                if !sent {
                     self.metrics.messages_dropped.inc();
                     self.dropped.warn(|suppressed| {
                         tracing::warn!(%source, suppressed, "ingest queue full: dropping ZeroMQ messages (raise --ingest-workers or --ingest-queue)")
@@ -262,6 +270,10 @@ impl Dispatcher {
         }
     }
 }
+
+/// Control messages queued per worker (replay replies, connection changes,
+/// `RemovePod`, `RecordRouting`, evictions, adoptions).
+const CONTROL_QUEUE: usize = 4096;
 
 /// `RemovePod`, executed by the worker that owns the pod.
 #[derive(Clone)]
@@ -358,10 +370,16 @@ impl Ingest {
             .map(|_| flume::bounded(config.ingest_queue))
             .unzip();
         let senders = Arc::new(senders);
+        // Control work is small and rare (catch-ups are bounded by the
+        // replays in flight): its own bound, whatever the data queues'.
         let (controls, control_of): (Vec<_>, Vec<_>) = (0..config.ingest_workers)
-            .map(|_| flume::bounded(config.ingest_queue))
+            .map(|_| flume::bounded(CONTROL_QUEUE))
             .unzip();
         let controls = Arc::new(controls);
+        let budget = Arc::new(crate::worker::QueueBudget::new(
+            config.ingest_workers,
+            config.ingest_queue_bytes,
+        ));
         let worker_config = Arc::new(WorkerConfig {
             replay_endpoints: config.replay_endpoints.clone(),
             replay_timeout: config.replay_timeout,
@@ -376,6 +394,7 @@ impl Ingest {
             control: controls.clone(),
             evict_pending: Arc::new(AtomicBool::new(false)),
             feedback,
+            queue_budget: budget.clone(),
         });
         let mut workers = Vec::with_capacity(config.ingest_workers);
         for (i, (rx, control)) in receivers_of.into_iter().zip(control_of).enumerate() {
@@ -401,6 +420,7 @@ impl Ingest {
         }
         let dispatcher = Dispatcher {
             workers: senders.clone(),
+            budget,
             control: controls.clone(),
             metrics: metrics.clone(),
             warn: Arc::new(RateLimited::new(Duration::from_secs(10))),

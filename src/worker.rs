@@ -10,7 +10,7 @@
 //! forget the pod). No other thread writes these pods.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -96,6 +96,48 @@ pub struct RecordReply {
     pub approximate: bool,
 }
 
+/// What the ingest queues may hold, in bytes, per worker: a count alone is
+/// either too shallow for a stream of 1-block decode batches (a worker
+/// descheduled for 80 ms dropped 4,096 of them) or, times a 4 MiB message,
+/// far more memory than anyone budgeted.
+pub struct QueueBudget {
+    queued: Vec<AtomicUsize>,
+    max_bytes: usize,
+}
+
+impl QueueBudget {
+    pub fn new(workers: usize, max_bytes: usize) -> Self {
+        QueueBudget {
+            queued: (0..workers).map(|_| AtomicUsize::new(0)).collect(),
+            max_bytes,
+        }
+    }
+
+    /// What a queued frame holds: its bytes and its bookkeeping.
+    pub fn cost(frame: &Frame) -> usize {
+        frame.payload.len() + frame.topic.len() + 128
+    }
+
+    /// Room for `n` more bytes in `worker`'s queue, taken; false if full.
+    pub fn take(&self, worker: usize, n: usize) -> bool {
+        let queued = &self.queued[worker];
+        let mut now = queued.load(Ordering::Relaxed);
+        loop {
+            if now + n > self.max_bytes {
+                return false;
+            }
+            match queued.compare_exchange_weak(now, now + n, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return true,
+                Err(actual) => now = actual,
+            }
+        }
+    }
+
+    pub fn release(&self, worker: usize, n: usize) {
+        self.queued[worker].fetch_sub(n, Ordering::Relaxed);
+    }
+}
+
 /// A pod's topic and DP rank: one seq space.
 pub type StreamKey = (Bytes, Option<u32>);
 
@@ -122,6 +164,8 @@ pub struct WorkerConfig {
     pub evict_pending: Arc<AtomicBool>,
     /// Routing feedback's shared state (outcomes, approximate history).
     pub feedback: Arc<Feedback>,
+    /// Bytes queued per worker (`--ingest-queue-bytes`).
+    pub queue_budget: Arc<QueueBudget>,
 }
 
 /// The worker that owns a topic's pod; `None` for a topic that is not
@@ -282,7 +326,12 @@ impl<'a> Worker<'a> {
 
     fn handle(&mut self, work: Work) {
         match work {
-            Work::Live(frame) => self.live(frame),
+            Work::Live(frame) => {
+                self.config
+                    .queue_budget
+                    .release(self.index, QueueBudget::cost(&frame));
+                self.live(frame)
+            }
             Work::CatchUp {
                 topic,
                 replay,

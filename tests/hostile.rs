@@ -393,7 +393,18 @@ async fn zmq_allow_refuses_publishers_from_other_networks() {
 
 #[tokio::test]
 async fn a_full_ingest_queue_drops_and_counts_and_loses_nothing_else() {
-    let service = Service::start(&["--ingest-workers", "1", "--ingest-queue", "1"]).await;
+    full_queue_drops(&["--ingest-workers", "1", "--ingest-queue", "1"]).await;
+}
+
+/// The same bound in bytes: a queue of small messages may be deep, of
+/// large ones it may not.
+#[tokio::test]
+async fn an_ingest_queue_full_in_bytes_drops_and_counts_too() {
+    full_queue_drops(&["--ingest-workers", "1", "--ingest-queue-bytes", "4KiB"]).await;
+}
+
+async fn full_queue_drops(args: &[&str]) {
+    let service = Service::start(args).await;
     let mut publisher = subscribed(&service).await;
     let payload = store_batch(64);
     let received_before = service.metric("kv_indexer_messages_received_total");

@@ -204,6 +204,8 @@ pub struct Config {
     /// Messages queued per ingest worker; beyond, new messages are dropped
     /// and counted.
     pub ingest_queue: usize,
+    /// Bytes of messages queued per ingest worker.
+    pub ingest_queue_bytes: usize,
     /// Bind mode: the source networks that may connect to the event port
     /// (empty: any).
     pub zmq_allow: Vec<ipnet::IpNet>,
@@ -460,7 +462,7 @@ mod tests {
     fn newer_settings_defaults_forms_and_bounds() {
         let c = Config::merge(Args::default(), FileConfig::default()).unwrap();
         assert_eq!(c.max_event_message_bytes, 4 << 20);
-        assert_eq!(c.ingest_queue, 4096);
+        assert_eq!((c.ingest_queue, c.ingest_queue_bytes), (65536, 64 << 20));
         assert!(c.zmq_allow.is_empty());
         assert_eq!((c.max_pods, c.max_models), (10_000, 64));
         assert_eq!(c.max_connections, 1024);

@@ -211,9 +211,13 @@ settings! {
     /// same one, in order [default: number of CPUs].
     ingest_workers: usize,
 
-    /// Messages queued per ingest worker; beyond, new messages are dropped
-    /// and counted.
-    ingest_queue: usize = "4096",
+    /// Messages queued per ingest worker; beyond (or beyond
+    /// --ingest-queue-bytes), new messages are dropped and counted.
+    ingest_queue: usize = "65536",
+
+    /// Bytes of messages queued per ingest worker, e.g. `64MiB`: a deep
+    /// queue for small batches, a bounded one for large.
+    ingest_queue_bytes: Size = "64MiB",
 
     /// Block size assumed for a model until its events show one.
     block_size: u32 = "16",

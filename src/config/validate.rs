@@ -200,6 +200,7 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
         tokenization_cache_bytes: s.tokenization_cache.0,
         max_event_message_bytes: positive_size("max_event_message", s.max_event_message)?,
         ingest_queue: at_least_one("ingest_queue", s.ingest_queue)?,
+        ingest_queue_bytes: positive_size("ingest_queue_bytes", s.ingest_queue_bytes)?,
         zmq_allow,
         max_pods,
         max_models,
