@@ -16,6 +16,10 @@
 //!    p50/p99/p999, and the highest rate whose p99 stays within 1 ms;
 //! 3. Score with text (Qwen3 tokenizer, ~8K and ~32K tokens), cold (every
 //!    prompt new) and warm-prefix (a shared prefix, new suffix).
+//! 4. Score under ingest (`under_ingest`): the token-id Score at fixed
+//!    rates, alone and while pods publish vLLM-shaped batches at a fixed
+//!    block rate, alternating; latencies, events sent vs applied, and each
+//!    thread group's CPU and run-queue wait.
 //!
 //! Prints tables, writes `target/bench/e2e.json`. The client shares the
 //! machine's cores with the service: on 2 cores every number here includes
@@ -33,12 +37,15 @@ use pb::kv_indexer_client::KvIndexerClient;
 use serde_json::{json, Value};
 use tonic::transport::Channel;
 
+#[path = "bench/under_ingest.rs"]
+mod under_ingest;
+
 type ZmqMessage = Vec<bytes::Bytes>;
 
 const MODEL: &str = "bench/model";
 const TEXT_MODEL: &str = "bench/qwen3";
 const BLOCK: usize = 16;
-const PARTS: [&str; 3] = ["ingest", "score", "text"];
+const PARTS: [&str; 4] = ["ingest", "score", "text", "under-ingest"];
 
 struct Opts {
     quick: bool,
@@ -48,6 +55,7 @@ struct Opts {
     zmq: Option<String>,
     metrics: Option<String>,
     tokenizer: PathBuf,
+    under_ingest: under_ingest::Options,
 }
 
 fn opts() -> Opts {
@@ -58,6 +66,7 @@ fn opts() -> Opts {
         zmq: None,
         metrics: None,
         tokenizer: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen3"),
+        under_ingest: Default::default(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -80,11 +89,13 @@ fn opts() -> Opts {
             "--metrics" => o.metrics = args.next(),
             "--tokenizer" => o.tokenizer = args.next().map(PathBuf::from).unwrap_or(o.tokenizer),
             "--bench" => {}
+            other if o.under_ingest.parse_arg(other, &mut args) => {}
             "-h" | "--help" => {
                 println!(
-                    "kv-indexer-bench [--quick] [--only ingest,score,text] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR]\n\
+                    "kv-indexer-bench [--quick] [--only ingest,score,text,under-ingest] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] {}\n\
                      Without --grpc/--zmq it starts the kv-indexer binary next to it. A running\n\
-                     service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs."
+                     service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs.",
+                    under_ingest::Options::HELP
                 );
                 std::process::exit(0);
             }
@@ -795,7 +806,7 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let (_service, grpc, zmq, metrics) = match (&o.grpc, &o.zmq) {
+        let (service, grpc, zmq, metrics) = match (&o.grpc, &o.zmq) {
             (Some(g), Some(z)) => (None, g.clone(), z.clone(), o.metrics.clone()),
             _ => {
                 let (s, g, z, m) = spawn_service(&o);
@@ -817,12 +828,27 @@ fn main() {
         if runs("text") {
             text = score_text(&mut client, o.quick).await;
         }
+        let mut under = Value::Null;
+        if runs("under-ingest") {
+            let pid = service.as_ref().map(|s| s.0.id());
+            under = under_ingest::run(
+                &grpc,
+                &zmq,
+                metrics.as_deref(),
+                &mut client,
+                pid,
+                &o.under_ingest,
+                o.quick,
+            )
+            .await;
+        }
         let out = json!({
             "mode": if o.quick { "quick" } else { "full" },
             "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
             "ingest": ingest_rows,
             "score_token_ids": score,
             "score_text": text,
+            "score_under_ingest": under,
             "seconds": started.elapsed().as_secs_f64(),
         });
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
