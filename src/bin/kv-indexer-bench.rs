@@ -16,6 +16,10 @@
 //!    p50/p99/p999, and the highest rate whose p99 stays within 1 ms;
 //! 3. Score with text (Qwen3 tokenizer, ~8K and ~32K tokens), cold (every
 //!    prompt new) and warm-prefix (a shared prefix, new suffix).
+//! 4. Score under ingest (`under_ingest`): the token-id Score at fixed
+//!    rates, alone and while pods publish vLLM-shaped batches at a fixed
+//!    block rate, alternating; latencies, events sent vs applied, and each
+//!    thread group's CPU and run-queue wait.
 //!
 //! Prints tables, writes `target/bench/e2e.json`. The client shares the
 //! machine's cores with the service: on 2 cores every number here includes
@@ -36,13 +40,15 @@ use tonic::transport::Channel;
 /// `--peer dynamo`, in a file of its own.
 #[path = "peer/dynamo.rs"]
 mod peer_dynamo;
+#[path = "bench/under_ingest.rs"]
+mod under_ingest;
 
 type ZmqMessage = Vec<bytes::Bytes>;
 
 const MODEL: &str = "bench/model";
 const TEXT_MODEL: &str = "bench/qwen3";
 const BLOCK: usize = 16;
-const PARTS: [&str; 4] = ["ingest", "score", "text", "peer"];
+const PARTS: [&str; 5] = ["ingest", "score", "text", "under-ingest", "peer"];
 
 struct Opts {
     quick: bool,
@@ -58,6 +64,7 @@ struct Opts {
     peer_bin: Option<PathBuf>,
     /// `--ours-arg ARG` (repeatable): passed to our service in the peer part.
     ours_args: Vec<String>,
+    under_ingest: under_ingest::Options,
 }
 
 fn opts() -> Opts {
@@ -71,6 +78,7 @@ fn opts() -> Opts {
         peer: false,
         peer_bin: None,
         ours_args: Vec::new(),
+        under_ingest: Default::default(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -102,14 +110,16 @@ fn opts() -> Opts {
             "--peer-bin" => o.peer_bin = args.next().map(PathBuf::from),
             "--ours-arg" => o.ours_args.extend(args.next()),
             "--bench" => {}
+            other if o.under_ingest.parse_arg(other, &mut args) => {}
             "-h" | "--help" => {
                 println!(
-                    "kv-indexer-bench [--quick] [--only ingest,score,text,peer] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] [--peer dynamo [--peer-bin PATH] [--ours-arg ARG]...]\n\
+                    "kv-indexer-bench [--quick] [--only ingest,score,text,under-ingest,peer] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] {} [--peer dynamo [--peer-bin PATH] [--ours-arg ARG]...]\n\
                      Without --grpc/--zmq it starts the kv-indexer binary next to it. A running\n\
                      service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs.\n\
                      --peer dynamo adds the peer part: ours and Dynamo's standalone indexer\n\
                      ({}, built by peers/dynamo, next to this binary unless --peer-bin),\n\
                      each started on loopback, taking turns on the same ingest and Score loads.",
+                    under_ingest::Options::HELP,
                     peer_dynamo::BINARY
                 );
                 std::process::exit(0);
@@ -825,7 +835,7 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let (_service, grpc, zmq, metrics) = match (&o.grpc, &o.zmq) {
+        let (service, grpc, zmq, metrics) = match (&o.grpc, &o.zmq) {
             (Some(g), Some(z)) => (None, g.clone(), z.clone(), o.metrics.clone()),
             _ => {
                 let (s, g, z, m) = spawn_service(&o);
@@ -847,6 +857,20 @@ fn main() {
         if runs("text") {
             text = score_text(&mut client, o.quick).await;
         }
+        let mut under = Value::Null;
+        if runs("under-ingest") {
+            let pid = service.as_ref().map(|s| s.0.id());
+            under = under_ingest::run(
+                &grpc,
+                &zmq,
+                metrics.as_deref(),
+                &mut client,
+                pid,
+                &o.under_ingest,
+                o.quick,
+            )
+            .await;
+        }
         let mut peer = Value::Null;
         if o.peer && runs("peer") {
             peer = peer_dynamo::run(&o).await;
@@ -858,6 +882,7 @@ fn main() {
             "score_token_ids": score,
             "score_text": text,
             "peer": peer,
+            "score_under_ingest": under,
             "seconds": started.elapsed().as_secs_f64(),
         });
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
