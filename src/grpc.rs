@@ -362,7 +362,7 @@ impl KvIndexerService {
                     cache_salt,
                     text.as_bytes(),
                 );
-                let bs = (indexer::routing::approximate::TEXT_BLOCK_BYTES / 4) as u32;
+                let bs = indexer::routing::approximate::TEXT_BLOCK_TOKENS;
                 (
                     self.approximate_outcome(&req.model, &req.pods, bs, keys),
                     Vec::new(),
@@ -578,7 +578,11 @@ impl KvIndexerService {
                             salt,
                             text.as_bytes(),
                         );
-                        (Arc::from(keys), Vec::new(), 64)
+                        (
+                            Arc::from(keys),
+                            Vec::new(),
+                            indexer::routing::approximate::TEXT_BLOCK_TOKENS,
+                        )
                     }
                     PromptTokens::Unknown(_) => {
                         return Err(ApiError::UnknownModel(shorten(&req.model).to_owned()))

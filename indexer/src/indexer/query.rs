@@ -110,14 +110,7 @@ impl Indexer {
                 let run = keys[from.min(keys.len())..]
                     .iter()
                     .take_while(|key| {
-                        spec.holds(**key, now)
-                            || id.is_some_and(|id| {
-                                self.blocks.with_holders(**key, |h| {
-                                    h.is_some_and(|h| {
-                                        h.binary_search_by_key(&id, |h| h.pod()).is_ok()
-                                    })
-                                })
-                            })
+                        spec.holds(**key, now) || id.is_some_and(|id| self.holds_exactly(id, **key))
                     })
                     .count();
                 scores[pos].speculative_blocks = (from + run) as u32;

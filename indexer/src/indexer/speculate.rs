@@ -32,12 +32,15 @@ impl Indexer {
         keys.get(from..)
             .unwrap_or(&[])
             .iter()
-            .take_while(|key| {
-                self.blocks.with_holders(**key, |h| {
-                    h.is_some_and(|h| h.binary_search_by_key(&pod.id, |h| h.pod()).is_ok())
-                })
-            })
+            .take_while(|key| self.holds_exactly(pod.id, **key))
             .count()
+    }
+
+    /// Whether the pod holds `key` exactly (any tier).
+    pub(super) fn holds_exactly(&self, pod: PodId, key: BlockKey) -> bool {
+        self.blocks.with_holders(key, |h| {
+            h.is_some_and(|h| h.binary_search_by_key(&pod, |h| h.pod()).is_ok())
+        })
     }
 
     /// Our keys of blocks `pod` holds, by engine hash (`None`: not held).

@@ -19,6 +19,8 @@ use crate::keys::BlockKey;
 /// Text chunking for prompts without a tokenizer: 64 pseudo-tokens of 4
 /// bytes per block (llm-d's approximate producer's defaults).
 pub const TEXT_BLOCK_BYTES: usize = 256;
+/// The block size such a block stands for, in pseudo-tokens of 4 bytes.
+pub const TEXT_BLOCK_TOKENS: u32 = (TEXT_BLOCK_BYTES / 4) as u32;
 
 /// Keys of a text prompt's 256-byte blocks, the partial tail included,
 /// chained from a seed over the model name and cache salt.
