@@ -188,15 +188,7 @@ fn spawn_service(o: &Opts) -> (Spawned, String, String, String) {
 /// requests), from its `/metrics`: what the handler spent, without the
 /// client, the transport or message decoding.
 fn server_score_time(metrics: Option<&str>) -> Option<(f64, f64)> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(metrics?).ok()?;
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).ok()?;
+    let body = metrics_text(metrics)?;
     let value = |name: &str| -> Option<f64> {
         body.lines()
             .find(|l| l.starts_with(name) && l.contains("input=\"token_ids\""))
@@ -207,6 +199,20 @@ fn server_score_time(metrics: Option<&str>) -> Option<(f64, f64)> {
         value("kv_indexer_score_seconds_sum")?,
         value("kv_indexer_score_seconds_count")?,
     ))
+}
+
+/// The service's `/metrics` text (`None` without an address or an answer).
+fn metrics_text(metrics: Option<&str>) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(metrics?).ok()?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    Some(body)
 }
 
 async fn connect(grpc: &str) -> KvIndexerClient<Channel> {
@@ -502,6 +508,33 @@ async fn score_at_rate(
     rate: f64,
     seconds: f64,
 ) -> (Vec<Duration>, f64) {
+    open_loop(rate, seconds, |i| {
+        let mut grpc = tonic::client::Grpc::new(channels[i % channels.len()].clone());
+        let req = request.clone();
+        async move {
+            grpc.ready().await.expect("channel");
+            let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/kvindexer.v1.KvIndexer/Score",
+            );
+            grpc.unary(tonic::Request::new(req), path, PreEncoded)
+                .await
+                .expect("Score");
+        }
+    })
+    .await
+}
+
+/// Open loop: `rate * seconds` requests, each sent on schedule on its own
+/// task (`send(i)` makes request i), however late the earlier ones are.
+/// Returns the latencies, sorted, and the rate achieved.
+async fn open_loop<F>(
+    rate: f64,
+    seconds: f64,
+    mut send: impl FnMut(usize) -> F,
+) -> (Vec<Duration>, f64)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
     let n = (rate * seconds).ceil() as usize;
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(n);
@@ -511,17 +544,10 @@ async fn score_at_rate(
         if due > now {
             tokio::time::sleep(due - now).await;
         }
-        let mut grpc = tonic::client::Grpc::new(channels[i % channels.len()].clone());
-        let req = request.clone();
+        let request = send(i);
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
-            grpc.ready().await.expect("channel");
-            let path = tonic::codegen::http::uri::PathAndQuery::from_static(
-                "/kvindexer.v1.KvIndexer/Score",
-            );
-            grpc.unary(tonic::Request::new(req), path, PreEncoded)
-                .await
-                .expect("Score");
+            request.await;
             t.elapsed()
         }));
     }
@@ -566,36 +592,33 @@ async fn score_step(
     }
 }
 
-async fn score_tokens(
-    grpc: &str,
-    zmq: &str,
-    metrics: Option<&str>,
-    client: &mut KvIndexerClient<Channel>,
-    quick: bool,
-) -> Value {
-    // 64 pods hold the first 32..2048 blocks of one 2048-block prompt.
+/// The Score parts' fleet: 64 pods holding the first 32, 64, ... 2,048
+/// blocks of one 2,048-block prompt (always the same prompt, seqs and
+/// depths, so a second part's re-sends are duplicates, skipped). Returns
+/// the prompt's request, its answer checked once.
+async fn index_score_fleet(zmq: &str, client: &mut KvIndexerClient<Channel>) -> pb::ScoreRequest {
     let mut x = 42u64;
     let tokens: Vec<u32> = (0..2048 * BLOCK)
         .map(|_| (lcg(&mut x) % 150_000) as u32)
         .collect();
     let hashes: Vec<u64> = (0..2048u64).map(|i| 0x5c0e_0000_0000 + i).collect();
     let context = zmq::Context::new();
-    let mut publishers = Vec::new();
-    for i in 0..64 {
-        let s = Publisher::connect(&context, zmq).expect("connect PUB");
-        publishers.push((s, format!("score-{i:02}"), (i + 1) * 32));
-    }
+    let publishers: Vec<Publisher> = (0..64)
+        .map(|_| Publisher::connect(&context, zmq).expect("connect PUB"))
+        .collect();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        for (s, name, depth) in publishers.iter_mut() {
+        for (i, s) in publishers.iter().enumerate() {
+            let depth = (i + 1) * 32;
             let payload = encode_batch(&[WireEvent::Stored {
-                hashes: &hashes[..*depth],
+                hashes: &hashes[..depth],
                 parent: None,
-                tokens: &tokens[..*depth * BLOCK],
+                tokens: &tokens[..depth * BLOCK],
                 block_size: BLOCK,
             }]);
             // Same seq every time: re-sends are duplicates, skipped.
-            s.send(&frames(name, MODEL, 0, payload)).expect("publish");
+            s.send(&frames(&format!("score-{i:02}"), MODEL, 0, payload))
+                .expect("publish");
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
         if pods_named(client, "score-").await.len() == 64 {
@@ -603,16 +626,16 @@ async fn score_tokens(
         }
         assert!(Instant::now() < deadline, "score pods never indexed");
     }
-    let request = Arc::new(pb::ScoreRequest {
+    let request = pb::ScoreRequest {
         model: MODEL.into(),
         input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
-            ids: tokens.clone(),
+            ids: tokens,
         })),
         ..Default::default()
-    });
-    // Check the answer once: pod i matches (i + 1) * 32 blocks.
+    };
+    // Pod i matches (i + 1) * 32 blocks.
     let answer = client
-        .score((*request).clone())
+        .score(request.clone())
         .await
         .expect("Score")
         .into_inner();
@@ -627,6 +650,17 @@ async fn score_tokens(
         (1..=64).map(|i| i * 32).sum::<u32>(),
         "wrong scores"
     );
+    request
+}
+
+async fn score_tokens(
+    grpc: &str,
+    zmq: &str,
+    metrics: Option<&str>,
+    client: &mut KvIndexerClient<Channel>,
+    quick: bool,
+) -> Value {
+    let request = Arc::new(index_score_fleet(zmq, client).await);
 
     // The service answered above: plain connections from here.
     let mut channels = Vec::new();

@@ -331,76 +331,17 @@ fn cpu_line(cpu: &Value) -> String {
 
 /// A counter's value on the service's `/metrics` (first matching line).
 fn metric(metrics: Option<&str>, name: &str) -> Option<f64> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(metrics?).ok()?;
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).ok()?;
-    body.lines()
+    metrics_text(metrics)?
+        .lines()
         .find(|l| l.starts_with(name))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
 
-/// The 64 Score pods of `score_tokens` (the same prompt, seqs and depths,
-/// so running both parts in one process only re-sends duplicates), the
-/// answer checked once; returns the encoded request.
+/// `score_tokens`' fleet and prompt (`index_score_fleet`); returns the
+/// encoded request.
 async fn index_score_prompt(zmq: &str, client: &mut KvIndexerClient<Channel>) -> bytes::Bytes {
-    let mut x = 42u64;
-    let tokens: Vec<u32> = (0..2048 * BLOCK)
-        .map(|_| (lcg(&mut x) % 150_000) as u32)
-        .collect();
-    let hashes: Vec<u64> = (0..2048u64).map(|i| 0x5c0e_0000_0000 + i).collect();
-    let context = zmq::Context::new();
-    let publishers: Vec<Publisher> = (0..64)
-        .map(|_| Publisher::connect(&context, zmq).expect("connect PUB"))
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        for (i, s) in publishers.iter().enumerate() {
-            let depth = (i + 1) * 32;
-            let payload = encode_batch(&[WireEvent::Stored {
-                hashes: &hashes[..depth],
-                parent: None,
-                tokens: &tokens[..depth * BLOCK],
-                block_size: BLOCK,
-            }]);
-            s.send(&frames(&format!("score-{i:02}"), MODEL, 0, payload))
-                .expect("publish");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if pods_named(client, "score-").await.len() == 64 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "score pods never indexed");
-    }
-    let request = pb::ScoreRequest {
-        model: MODEL.into(),
-        input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
-            ids: tokens,
-        })),
-        ..Default::default()
-    };
-    let answer = client
-        .score(request.clone())
-        .await
-        .expect("Score")
-        .into_inner();
-    let matched: u32 = answer
-        .pods
-        .iter()
-        .filter(|p| p.pod.starts_with("score-"))
-        .map(|p| p.matched_blocks)
-        .sum();
-    assert_eq!(
-        matched,
-        (1..=64).map(|i| i * 32).sum::<u32>(),
-        "wrong scores"
-    );
+    let request = index_score_fleet(zmq, client).await;
     let encoded = prost::Message::encode_to_vec(&request);
     // The same request as a gRPC body (uncompressed flag, length, message)
     // for an independent client: `h2load -d target/bench/score_request.grpc`.

@@ -744,31 +744,15 @@ async fn dynamo_score_at_rate(
     rate: f64,
     seconds: f64,
 ) -> (Vec<Duration>, f64) {
-    let n = (rate * seconds).ceil() as usize;
-    let start = Instant::now();
-    let mut tasks = Vec::with_capacity(n);
-    for i in 0..n {
-        let due = start + Duration::from_secs_f64(i as f64 / rate);
-        let now = Instant::now();
-        if due > now {
-            tokio::time::sleep(due - now).await;
-        }
+    super::open_loop(rate, seconds, |_| {
         let http = http.clone();
         let req = request.clone();
-        tasks.push(tokio::spawn(async move {
-            let t = Instant::now();
+        async move {
             let (status, _) = http.send(&req).await.expect("POST /query");
             assert_eq!(status, 200, "POST /query");
-            t.elapsed()
-        }));
-    }
-    let mut lat = Vec::with_capacity(n);
-    for t in tasks {
-        lat.push(t.await.expect("request"));
-    }
-    let achieved = n as f64 / start.elapsed().as_secs_f64();
-    lat.sort_unstable();
-    (lat, achieved)
+        }
+    })
+    .await
 }
 
 async fn dynamo_score_step(
