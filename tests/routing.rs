@@ -612,3 +612,58 @@ async fn a_publisher_restart_drops_the_pods_speculative_entries() {
     assert_eq!(pod(&resp, "a").matched_blocks, 0, "{resp:?}");
     assert_eq!(service.metric("kv_indexer_speculative_entries"), 0.0);
 }
+
+/// Approximate history lives within --max-memory too (a quarter of routing
+/// feedback's eighth): more pods and blocks than fit only turn it over.
+#[tokio::test]
+async fn approximate_history_stays_within_max_memory() {
+    const MODEL: &str = "approx/bounded";
+    let service = Service::start(&["--max-memory", "1MiB", "--approximate-model", MODEL]).await;
+    let mut client = service.client().await;
+    for i in 0..10u32 {
+        client
+            .record_routing(record_request(
+                MODEL,
+                &format!("p{i}"),
+                by_tokens(&prompt(300 + i, 64)),
+            ))
+            .await
+            .expect("RecordRouting");
+    }
+    // 1 MiB / 8 for routing, a quarter of that at 96 bytes a block.
+    let bound = f64::from((1u32 << 20) / 8 / 4 / 96);
+    assert_eq!(service.metric("kv_indexer_approximate_entries"), bound);
+}
+
+/// Prompt handles live within --max-memory (an eighth of routing
+/// feedback's eighth): past it the oldest go first and say so.
+#[tokio::test]
+async fn prompt_handles_stay_within_max_memory() {
+    let (service, _pods) = service_with_pods(&["--max-memory", "1MiB"], &["a"]).await;
+    let mut client = service.client().await;
+    // 64-block prompts: a handle is ~4.7 KB of a 16 KiB budget.
+    let mut handles = Vec::new();
+    for i in 0..5u32 {
+        let resp = score(&mut client, WARMUP_MODEL, &prompt(400 + i, 64), &["a"]).await;
+        assert_ne!(resp.prompt_handle, 0);
+        handles.push(resp.prompt_handle);
+    }
+    let record = |handle| {
+        record_request(
+            WARMUP_MODEL,
+            "a",
+            pb::record_routing_request::Input::PromptHandle(handle),
+        )
+    };
+    let oldest = client
+        .record_routing(record(handles[0]))
+        .await
+        .expect_err("the oldest handle was dropped");
+    assert_eq!(oldest.code(), tonic::Code::NotFound, "{oldest:?}");
+    let newest = client
+        .record_routing(record(handles[4]))
+        .await
+        .expect("the newest handle is kept")
+        .into_inner();
+    assert_eq!(newest.total_blocks, 64);
+}

@@ -159,17 +159,23 @@ impl Approximate {
         else {
             return;
         };
+        let room = self.max_entries.saturating_sub(self.entries());
         let existing = m.pods.read().get(pod).cloned();
-        let lru = existing.unwrap_or_else(|| {
-            m.pods
+        // With nothing left, a new pod gets nothing, not even its record
+        // (one block each let the total grow by one per pod past the
+        // bound, and an empty record per name would grow without one).
+        let lru = match existing {
+            Some(lru) => lru,
+            None if room == 0 || keys.is_empty() => return,
+            None => m
+                .pods
                 .write()
                 .entry(pod.to_owned())
                 .or_insert_with(|| Arc::new(RwLock::new(Lru::new())))
-                .clone()
-        });
+                .clone(),
+        };
         let mut lru = lru.write();
-        let room = self.max_entries.saturating_sub(self.entries());
-        let capacity = self.capacity.min(lru.used.len() + room).max(1);
+        let capacity = self.capacity.min(lru.used.len() + room);
         let grown = lru.touch(keys, capacity);
         self.entries.fetch_add(grown, Ordering::Relaxed);
     }
@@ -268,6 +274,17 @@ mod tests {
         let named = a.matches("m", &keys(0..3), &["p2".into(), "p3".into(), "p2".into()]);
         assert_eq!(named, vec![("p2".to_string(), 3), ("p3".to_string(), 0)]);
         assert!(a.matches("other", &keys(0..3), &[]).is_empty());
+    }
+
+    #[test]
+    fn the_total_bound_holds_however_many_pods() {
+        let a = Approximate::new(["m".to_string()], 100, 10);
+        for p in 0..20 {
+            a.record("m", &format!("p{p}"), &keys(0..4));
+        }
+        assert_eq!(a.entries(), 10);
+        // Nor does a name minted past the bound keep a record.
+        assert_eq!(a.pods_of("m").len(), 3);
     }
 
     #[test]
