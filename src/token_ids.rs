@@ -81,7 +81,9 @@ fn merge_packed(chunk: &[u8], ids: &mut Vec<u32>) -> Option<usize> {
 /// or cut short. Inlined into `merge_packed`, where `ids` is a local.
 #[inline(always)]
 fn decode_packed(body: &[u8], ids: &mut Vec<u32>) -> bool {
-    let mut i = 0;
+    let Some(mut i) = decode_simd(body, ids) else {
+        return false;
+    };
     // One block's values, appended to `ids` together: a push per value
     // kept the vector's length and capacity on the stack (7 of the loop's
     // 38 instructions per value went to them); an index into a local array
@@ -143,6 +145,45 @@ fn decode_packed(body: &[u8], ids: &mut Vec<u32>) -> bool {
     }
     true
 }
+
+/// Decodes what it can with SSSE3 (see `ssse3`); returns where the scalar
+/// loops go on from, or `None` if a varint is malformed.
+#[cfg(target_arch = "x86_64")]
+fn decode_simd(body: &[u8], ids: &mut Vec<u32>) -> Option<usize> {
+    if !std::arch::is_x86_feature_detected!("ssse3") || scalar_only() {
+        return Some(0);
+    }
+    // SAFETY: the one requirement of a `#[target_feature]` function is that
+    // the CPU has the feature; it was detected just above.
+    #[allow(unsafe_code)]
+    unsafe {
+        ssse3::decode(body, ids)
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn decode_simd(_: &[u8], _: &mut Vec<u32>) -> Option<usize> {
+    Some(0)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests decode with and without SSSE3 and compare.
+    static SCALAR_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[cfg(test)]
+fn scalar_only() -> bool {
+    SCALAR_ONLY.with(|s| s.get())
+}
+
+#[cfg(not(test))]
+fn scalar_only() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+mod ssse3;
 
 fn word_at(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
@@ -276,6 +317,61 @@ mod tests {
                 theirs.clone().ok(),
                 "case {case} split"
             );
+        }
+    }
+
+    /// Long fields, as a 32K-token prompt's: what the SSSE3 steps decode
+    /// (ids of 1 to 3 bytes, and the longer or malformed varints among
+    /// them that they leave to the scalar code) equals the scalar decoder's
+    /// result, and prost's.
+    #[test]
+    fn simd_and_scalar_decode_long_fields_alike() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for case in 0..300 {
+            let mut body = Vec::new();
+            let n = rnd(5000);
+            // Runs of one width, or every width mixed: each window shape.
+            let widths = rnd(4);
+            for _ in 0..n {
+                let v = match (widths, rnd(100)) {
+                    (_, 0) if case % 3 == 0 => u64::from(u32::MAX) + rnd(1000),
+                    (_, 1) if case % 3 == 0 => rnd(1 << 28),
+                    (0, _) => rnd(128),
+                    (1, _) => 128 + rnd(16_384 - 128),
+                    (2, _) => 16_384 + rnd((1 << 21) - 16_384),
+                    _ => rnd(1 << 21),
+                };
+                varint_bytes(v, &mut body);
+            }
+            if case % 10 == 9 && !body.is_empty() {
+                // A malformed varint somewhere: eleven bytes.
+                let at = rnd(body.len() as u64) as usize;
+                // Move to a varint boundary (after a byte with the top bit clear).
+                let at = (at..body.len())
+                    .find(|i| body[*i] & 0x80 == 0)
+                    .map_or(0, |i| i + 1);
+                body.splice(at..at, [0xff; 10].into_iter().chain([1]));
+            }
+            let decode = |scalar: bool| {
+                SCALAR_ONLY.with(|s| s.set(scalar));
+                let mut ids = vec![7];
+                let ok = decode_packed(&body, &mut ids);
+                SCALAR_ONLY.with(|s| s.set(false));
+                ok.then_some(ids)
+            };
+            let simd = decode(false);
+            assert_eq!(simd, decode(true), "case {case}");
+            let mut msg = vec![0x0a];
+            varint_bytes(body.len() as u64, &mut msg);
+            msg.extend(&body);
+            let theirs = Generated::decode(&msg[..]).ok().map(|m| m.ids);
+            assert_eq!(simd.map(|ids| ids[1..].to_vec()), theirs, "case {case}");
         }
     }
 
