@@ -2,7 +2,9 @@
 //! ingest sees: one-block decode stores, 16-block turns and 2,048-block
 //! (32K-token) prefills, each in vLLM 0.33's map form, the 0.23 positional
 //! array form and with raw 32-byte hashes. `cargo bench -p indexer --bench
-//! wire` prints medians (p90) of repeated runs.
+//! wire` prints medians (p90) of repeated runs: `decode_batch` (the one-pass
+//! fast path) next to `decode_batch_reference` (the serde decoder it falls
+//! back to), same payloads, same run.
 
 #[path = "common/measure.rs"]
 mod measure;
@@ -13,7 +15,7 @@ mod vllm_encode;
 use std::hint::black_box;
 use std::time::Duration;
 
-use indexer::wire::decode_batch;
+use indexer::wire::{decode_batch, decode_batch_reference};
 use measure::measure;
 use vllm_encode::{encode_batch, Event, Form, Hash, Stored};
 
@@ -32,14 +34,22 @@ fn main() {
         ] {
             let payload = batch(&mut rnd, blocks, hashes == "bytes", form);
             let name = format!("{shape} {blocks} blk, {form:?}, {hashes} hashes");
-            let (med, p90) = measure(budget, || {
+            assert_eq!(decode_batch(&payload), decode_batch_reference(&payload));
+            let (fast, fast_p90) = measure(budget, || {
                 black_box(decode_batch(black_box(&payload)).unwrap());
             });
+            let (serde, serde_p90) = measure(budget, || {
+                black_box(decode_batch_reference(black_box(&payload)).unwrap());
+            });
+            let us = |d: Duration| d.as_secs_f64() * 1e6;
             println!(
-                "  {name:<40} {:>6} B  {:>9.2} us ({:>9.2} us)",
+                "  {name:<40} {:>6} B  fast {:>8.2} us ({:>8.2})  reference {:>8.2} us ({:>8.2})  {:>5.1}x",
                 payload.len(),
-                med.as_secs_f64() * 1e6,
-                p90.as_secs_f64() * 1e6,
+                us(fast),
+                us(fast_p90),
+                us(serde),
+                us(serde_p90),
+                serde.as_secs_f64() / fast.as_secs_f64(),
             );
         }
     }
