@@ -331,7 +331,9 @@ fn extra_keys(r: &mut Reader) -> Option<Option<Vec<Option<Vec<ExtraKey>>>>> {
         return Some(None);
     }
     let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n);
+    // An entry can be one byte but its slot is 24: reserve no more than a
+    // prefill needs up front, so a lying count cannot multiply the payload.
+    let mut out = Vec::with_capacity(n.min(4096));
     for _ in 0..n {
         let entry = match r.peek()? {
             0xc0 => {
@@ -352,7 +354,8 @@ fn key_list(r: &mut Reader, depth: usize) -> Option<Vec<ExtraKey>> {
         return None;
     }
     let n = r.array_len()?;
-    let mut items = Vec::with_capacity(n);
+    // As in `extra_keys`: tuples are short, a count claiming more is grown to.
+    let mut items = Vec::with_capacity(n.min(8));
     for _ in 0..n {
         items.push(extra_key(r, depth + 1)?);
     }
