@@ -17,6 +17,12 @@ use std::fmt;
 
 use crate::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKey, KvEvent};
 
+#[cfg(test)]
+mod diff_tests;
+mod fast;
+#[cfg(test)]
+mod vllm_encode;
+
 /// Why a whole payload could not be used.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum WireError {
@@ -38,7 +44,22 @@ pub enum WireError {
 
 /// Decodes one payload. Errors are reserved for payloads whose outer shape
 /// is unusable; problems inside single events are counted in `skipped`.
+///
+/// Well-formed payloads of the shapes vLLM publishes take the one-pass path
+/// in [`fast`]; anything it does not recognise (an unknown event type, a
+/// malformed event, a bad outer shape) is decoded, event by event or whole,
+/// by the serde path in [`decode_batch_reference`], whose results define
+/// this function's.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, WireError> {
+    fast::decode_batch(payload).map_or_else(|| decode_batch_reference(payload), Ok)
+}
+
+/// The serde decoder `decode_batch` must agree with on every input: it walks
+/// the payload to validate it, then each event again for its span and depth
+/// before handing it to `rmp_serde`. Public for the differential tests, the
+/// fuzz target and the bench; the service calls `decode_batch`.
+#[doc(hidden)]
+pub fn decode_batch_reference(payload: &[u8]) -> Result<EventBatch, WireError> {
     if payload.is_empty() {
         return Err(WireError::Empty);
     }
@@ -210,8 +231,9 @@ fn read_len(buf: &[u8], pos: &mut usize, width: usize, at: usize) -> Result<usiz
         .fold(0usize, |acc, b| (acc << 8) | usize::from(*b)))
 }
 
-/// Reads the few fixed parts of the outer batch. Only called on a payload
-/// that `skip_value` already walked, so reads are in bounds.
+/// Reads the few fixed parts of the outer batch. Every read is bounds
+/// checked: the reference path calls it on a payload `skip_value` already
+/// walked, the fast path on one nothing has checked yet.
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
