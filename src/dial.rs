@@ -9,7 +9,7 @@
 //! goes down (or is closed because discovery dropped the pod) they are
 //! told, and they forget its pods after `--pod-expiry` unless it comes back.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -134,9 +134,19 @@ const BURST: usize = 1024;
 const REPLAY_ON_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &AtomicBool) {
-    // A list, not a map: the poll items are built by position each round,
-    // without copying a target.
+    let mut poll = match mio::Poll::new() {
+        Ok(poll) => poll,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot create the dial thread's epoll set: dial mode is off");
+            return;
+        }
+    };
+    let mut events = mio::Events::with_capacity(1024);
     let mut dialed: Vec<(DialTarget, Dialed)> = Vec::new();
+    // Which entry of `dialed` a connection id is (rebuilt when it changes).
+    let mut position: HashMap<ConnId, usize> = HashMap::new();
+    // Sockets to read now: their fd fired, or they had more to give.
+    let mut ready: Vec<Token> = Vec::new();
     let warn = RateLimited::new(Duration::from_secs(10));
     let mut pool = ContextPool {
         contexts: Vec::new(),
@@ -153,39 +163,129 @@ fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &Ato
                 desired = list;
             }
             last_retry = Instant::now();
-            reconcile(&ctx, &mut pool, &mut dialed, &desired, &mut opened);
-        }
-        if dialed.is_empty() {
-            std::thread::sleep(Duration::from_millis(100));
-            continue;
-        }
-        let ready: Vec<(bool, bool)> = {
-            let mut items: Vec<zmq::PollItem<'_>> = dialed
-                .iter()
-                .flat_map(|(_, d)| {
-                    [
-                        d.socket.as_poll_item(zmq::POLLIN),
-                        d.monitor.as_poll_item(zmq::POLLIN),
-                    ]
-                })
-                .collect();
-            if zmq::poll(&mut items, 100).is_err() {
-                continue;
-            }
-            items
-                .chunks(2)
-                .map(|pair| (pair[0].is_readable(), pair[1].is_readable()))
-                .collect()
-        };
-        for ((target, d), (messages, events)) in dialed.iter_mut().zip(ready) {
-            if messages {
-                receive_burst(&ctx, target, d, &warn);
-            }
-            if events {
-                for event in zmq_io::drain_monitor(&d.monitor) {
-                    on_event(&ctx, target, d, &event);
+            reconcile(
+                &ctx,
+                &mut pool,
+                &mut dialed,
+                &desired,
+                &mut opened,
+                poll.registry(),
+            );
+            for (_, d) in &dialed {
+                // A new socket's fd may have fired before it was registered.
+                if !position.contains_key(&d.conn) {
+                    ready.extend([Token::Socket(d.conn), Token::Monitor(d.conn)]);
                 }
             }
+            position = dialed
+                .iter()
+                .enumerate()
+                .map(|(i, (_, d))| (d.conn, i))
+                .collect();
+        }
+        // Nothing waits while a socket has more to give.
+        let timeout = if ready.is_empty() { 100 } else { 0 };
+        if let Err(e) = poll.poll(&mut events, Some(Duration::from_millis(timeout))) {
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                warn.warn(|_| tracing::warn!(error = %e, "dial thread: epoll wait failed"));
+            }
+            continue;
+        }
+        for event in &events {
+            let token = Token::from(event.token());
+            if !ready.contains(&token) {
+                ready.push(token);
+            }
+        }
+        // Each ready socket is read once per round (a burst at most), so a
+        // busy pod cannot starve the others; those with more stay ready.
+        ready.retain(|token| {
+            let Some(&i) = position.get(&token.conn()) else {
+                return false;
+            };
+            let (target, d) = &mut dialed[i];
+            match token {
+                Token::Socket(_) => {
+                    receive_burst(&ctx, target, d, &warn);
+                    has_input(&d.socket)
+                }
+                Token::Monitor(_) => {
+                    for event in zmq_io::drain_monitor(&d.monitor) {
+                        on_event(&ctx, target, d, &event);
+                    }
+                    has_input(&d.monitor)
+                }
+            }
+        });
+    }
+}
+
+/// A dialed socket or its monitor, as the epoll set names it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Token {
+    Socket(ConnId),
+    Monitor(ConnId),
+}
+
+impl Token {
+    fn conn(self) -> ConnId {
+        match self {
+            Token::Socket(c) | Token::Monitor(c) => c,
+        }
+    }
+}
+
+impl From<Token> for mio::Token {
+    fn from(t: Token) -> mio::Token {
+        match t {
+            Token::Socket(c) => mio::Token((c as usize) << 1),
+            Token::Monitor(c) => mio::Token((c as usize) << 1 | 1),
+        }
+    }
+}
+
+impl From<mio::Token> for Token {
+    fn from(t: mio::Token) -> Token {
+        let conn = (t.0 >> 1) as ConnId;
+        if t.0 & 1 == 0 {
+            Token::Socket(conn)
+        } else {
+            Token::Monitor(conn)
+        }
+    }
+}
+
+/// Whether libzmq has a message for us on `socket`. Asked after every read:
+/// a socket's `ZMQ_FD` only signals that its state may have changed, once,
+/// so what it holds is known from `ZMQ_EVENTS` alone (libzmq's rule for
+/// event loops), and a socket left with input is read again without a wait.
+fn has_input(socket: &zmq::Socket) -> bool {
+    socket.get_events().is_ok_and(|e| e.contains(zmq::POLLIN))
+}
+
+/// Adds a dialed pod's socket and monitor to the epoll set, by their
+/// `ZMQ_FD`s (edge-triggered, as libzmq's signaller is).
+fn register(registry: &mio::Registry, d: &Dialed) -> std::io::Result<()> {
+    for (socket, token) in [
+        (&d.socket, Token::Socket(d.conn)),
+        (&d.monitor, Token::Monitor(d.conn)),
+    ] {
+        let fd = socket.get_fd().map_err(std::io::Error::other)?;
+        registry.register(
+            &mut mio::unix::SourceFd(&fd),
+            token.into(),
+            mio::Interest::READABLE,
+        )?;
+    }
+    Ok(())
+}
+
+/// Takes a pod's sockets out of the epoll set before they close (a closed
+/// fd's number can come back as another socket's).
+fn deregister(registry: &mio::Registry, d: &Dialed) {
+    for socket in [&d.socket, &d.monitor] {
+        if let Ok(fd) = socket.get_fd() {
+            let _ = registry.deregister(&mut mio::unix::SourceFd(&fd));
         }
     }
 }
@@ -196,11 +296,13 @@ fn reconcile(
     dialed: &mut Vec<(DialTarget, Dialed)>,
     desired: &[DialTarget],
     opened: &mut u64,
+    registry: &mio::Registry,
 ) {
     let wanted: HashSet<&DialTarget> = desired.iter().collect();
     dialed.retain_mut(|(target, d)| {
         let keep = wanted.contains(target);
         if !keep {
+            deregister(registry, d);
             pool.release(d.context_slot);
             tracing::info!(endpoint = %target.endpoint, "pod no longer listed: disconnecting; forgotten after --pod-expiry unless it comes back");
             // Closing the socket closes its monitor too: no event follows.
@@ -218,7 +320,14 @@ fn reconcile(
         }
         *opened += 1;
         let (slot, context) = pool.acquire();
-        match open(ctx, target, *opened, &context, slot) {
+        let dialing = open(ctx, target, *opened, &context, slot).map_err(|e| e.to_string());
+        match dialing.and_then(|d| match register(registry, &d) {
+            Ok(()) => Ok(d),
+            Err(e) => {
+                deregister(registry, &d);
+                Err(format!("cannot watch its socket: {e}"))
+            }
+        }) {
             Ok(d) => {
                 tracing::info!(endpoint = %target.endpoint, replay = ?target.replay, "dialing pod");
                 dialed.push((target.clone(), d));
