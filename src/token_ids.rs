@@ -244,15 +244,19 @@ mod tests {
 
     /// Random messages, well formed or not: ours decodes exactly what
     /// prost's generated code decodes, and fails where it fails.
-    #[test]
-    fn decodes_what_prost_decodes() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = move |n: u64| {
+    /// xorshift64: `rnd(n)` is below `n`.
+    fn rng(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             x % n
-        };
+        }
+    }
+
+    #[test]
+    fn decodes_what_prost_decodes() {
+        let mut rnd = rng(0x9e37_79b9_7f4a_7c15);
         for case in 0..4000 {
             let mut msg = Vec::new();
             for _ in 0..1 + rnd(3) {
@@ -326,13 +330,7 @@ mod tests {
     /// result, and prost's.
     #[test]
     fn simd_and_scalar_decode_long_fields_alike() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = move |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut rnd = rng(0x2545_f491_4f6c_dd1d);
         for case in 0..300 {
             let mut body = Vec::new();
             let n = rnd(5000);

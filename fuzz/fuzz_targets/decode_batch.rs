@@ -1,10 +1,11 @@
 //! Arbitrary bytes as a ZeroMQ message: topic, then payload. Decoding must
-//! never panic or allocate what the input does not contain, and applying
-//! whatever decodes must never panic either.
+//! never panic or allocate what the input does not contain, the one-pass
+//! decoder must give exactly what the serde reference gives (batch,
+//! counters or error), and applying whatever decodes must never panic.
 #![no_main]
 
 use indexer::topic::parse_topic;
-use indexer::wire::decode_batch;
+use indexer::wire::{decode_batch, decode_batch_reference};
 use indexer::{Indexer, IndexerConfig, ScoreQuery};
 use libfuzzer_sys::fuzz_target;
 
@@ -18,7 +19,14 @@ fuzz_target!(|data: &[u8]| {
         pod: "pod",
         model: "model",
     });
-    if let Ok(batch) = decode_batch(payload) {
+    let decoded = decode_batch(payload);
+    // Printed, so that a NaN timestamp equals itself.
+    assert_eq!(
+        format!("{decoded:?}"),
+        format!("{:?}", decode_batch_reference(payload)),
+        "the one-pass decoder and the reference disagree"
+    );
+    if let Ok(batch) = decoded {
         let ix = Indexer::new(IndexerConfig::default());
         let pod = ix.pod(topic.model, topic.pod, batch.data_parallel_rank);
         ix.apply(&pod, 0, &batch);

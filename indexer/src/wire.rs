@@ -870,7 +870,13 @@ mod tests {
         // Regression inputs found by fuzzing live in fuzz/regressions/.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/regressions");
         for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            let _ = decode_batch(&std::fs::read(entry.path()).unwrap());
+            let payload = std::fs::read(entry.path()).unwrap();
+            assert_eq!(
+                format!("{:?}", decode_batch(&payload)),
+                format!("{:?}", decode_batch_reference(&payload)),
+                "{}",
+                entry.path().display()
+            );
         }
     }
 

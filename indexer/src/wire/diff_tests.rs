@@ -607,11 +607,7 @@ proptest! {
         payload in vllm_batch(),
         mutations in vec(mutation(), 1..4),
     ) {
-        let mut p = payload;
-        for m in &mutations {
-            p = mutate(p, m);
-            assert_same(&p);
-        }
+        assert_same_at_each_mutation(payload, &mutations);
     }
 
     /// Any field of any type in any order, ints in every encoding, odd keys,
@@ -626,11 +622,15 @@ proptest! {
         payload in odd_batch(),
         mutations in vec(mutation(), 1..4),
     ) {
-        let mut p = payload;
-        for m in &mutations {
-            p = mutate(p, m);
-            assert_same(&p);
-        }
+        assert_same_at_each_mutation(payload, &mutations);
+    }
+}
+
+/// Applies `mutations` in turn, both decoders compared after each.
+fn assert_same_at_each_mutation(mut payload: Vec<u8>, mutations: &[Mutation]) {
+    for m in mutations {
+        payload = mutate(payload, m);
+        assert_same(&payload);
     }
 }
 
