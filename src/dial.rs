@@ -1,6 +1,6 @@
 //! Dial mode: one thread owns a SUB socket per pod it dials (libzmq
-//! reconnects each by itself), polls them all, and hands their messages to
-//! the dispatcher.
+//! reconnects each by itself), waits on an epoll set of their `ZMQ_FD`s,
+//! and hands the messages of the sockets that have some to the dispatcher.
 //!
 //! Discovery tells it which pods to dial ([`Dialer::reconcile`]); the
 //! thread connects new targets, closes the ones no longer listed, and runs
