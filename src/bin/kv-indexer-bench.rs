@@ -268,6 +268,36 @@ fn lcg(x: &mut u64) -> u64 {
     *x >> 17
 }
 
+/// `blocks` blocks' worth of random token ids of a 150K vocabulary.
+fn random_tokens(rng: &mut u64, blocks: usize) -> Vec<u32> {
+    (0..blocks * BLOCK)
+        .map(|_| (lcg(rng) % 150_000) as u32)
+        .collect()
+}
+
+/// A load pod's batch as vLLM sends it: a store of `hashes` (under
+/// `parent`) and, if there are any, the removal of `removed`, framed as
+/// `pod`'s batch `seq`.
+fn store_batch(
+    pod: &str,
+    seq: u64,
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+    removed: &[u64],
+) -> ZmqMessage {
+    let mut events = vec![WireEvent::Stored {
+        hashes,
+        parent,
+        tokens,
+        block_size: BLOCK,
+    }];
+    if !removed.is_empty() {
+        events.push(WireEvent::Removed { hashes: removed });
+    }
+    frames(pod, MODEL, seq, encode_batch(&events))
+}
+
 // ------------------------------------------------------------------ ingest
 
 const PUBLISHERS: usize = 8;
@@ -283,31 +313,18 @@ fn pod_batches(pod: &str, first_seq: u64, n: usize, salt: u64) -> Vec<(ZmqMessag
     let mut chains: Vec<Vec<u64>> = Vec::new();
     (0..n)
         .map(|i| {
-            let tokens: Vec<u32> = (0..STORE_BLOCKS * BLOCK)
-                .map(|_| (lcg(&mut x) % 150_000) as u32)
-                .collect();
+            let tokens = random_tokens(&mut x, STORE_BLOCKS);
             let hashes: Vec<u64> = (0..STORE_BLOCKS).map(|_| lcg(&mut x) << 17 | 1).collect();
             chains.push(hashes);
             let removed = if chains.len() > KEEP_CHAINS {
-                Some(chains.remove(0))
+                chains.remove(0)
             } else {
-                None
+                Vec::new()
             };
             let stored = chains.last().expect("just pushed");
-            let mut events = vec![WireEvent::Stored {
-                hashes: stored,
-                parent: None,
-                tokens: &tokens,
-                block_size: BLOCK,
-            }];
-            if let Some(r) = &removed {
-                events.push(WireEvent::Removed { hashes: r });
-            }
-            let ops = (STORE_BLOCKS + removed.as_ref().map_or(0, Vec::len)) as u64;
-            (
-                frames(pod, MODEL, first_seq + i as u64, encode_batch(&events)),
-                ops,
-            )
+            let seq = first_seq + i as u64;
+            let ops = (STORE_BLOCKS + removed.len()) as u64;
+            (store_batch(pod, seq, stored, None, &tokens, &removed), ops)
         })
         .collect()
 }
@@ -598,9 +615,7 @@ async fn score_step(
 /// the prompt's request, its answer checked once.
 async fn index_score_fleet(zmq: &str, client: &mut KvIndexerClient<Channel>) -> pb::ScoreRequest {
     let mut x = 42u64;
-    let tokens: Vec<u32> = (0..2048 * BLOCK)
-        .map(|_| (lcg(&mut x) % 150_000) as u32)
-        .collect();
+    let tokens = random_tokens(&mut x, 2048);
     let hashes: Vec<u64> = (0..2048u64).map(|i| 0x5c0e_0000_0000 + i).collect();
     let context = zmq::Context::new();
     let publishers: Vec<Publisher> = (0..64)

@@ -136,24 +136,13 @@ impl LoadPod {
                 self.next_hash
             })
             .collect();
-        let tokens: Vec<u32> = (0..blocks * BLOCK)
-            .map(|_| (lcg(&mut self.rng) % 150_000) as u32)
-            .collect();
+        let tokens = random_tokens(&mut self.rng, blocks);
         let parent = if extends {
             self.chains.back().and_then(|c| c.last().copied())
         } else {
             None
         };
-        let mut events = vec![WireEvent::Stored {
-            hashes: &hashes,
-            parent,
-            tokens: &tokens,
-            block_size: BLOCK,
-        }];
-        if !removed.is_empty() {
-            events.push(WireEvent::Removed { hashes: &removed });
-        }
-        let frames = frames(&self.name, MODEL, self.seq, encode_batch(&events));
+        let frames = store_batch(&self.name, self.seq, &hashes, parent, &tokens, &removed);
         self.seq += 1;
         self.held += blocks;
         if extends {

@@ -41,8 +41,8 @@ use tokio::net::TcpStream;
 use tonic::transport::Channel;
 
 use super::{
-    applied, connect, free_port, lcg, percentile, pods_named, score_step, Opts, Spawned, Step,
-    ZmqMessage, BLOCK, MODEL,
+    applied, connect, free_port, lcg, percentile, pods_named, random_tokens, score_step,
+    store_batch, Opts, Spawned, Step, ZmqMessage, BLOCK, MODEL,
 };
 
 /// The binary `peers/dynamo` builds.
@@ -163,9 +163,7 @@ impl PodStream {
         }
         let parent = self.current.last().copied();
         let hashes: Vec<u64> = (0..n).map(|_| lcg(&mut self.rng) << 17 | 1).collect();
-        let tokens: Vec<u32> = (0..n * BLOCK)
-            .map(|_| (lcg(&mut self.rng) % 150_000) as u32)
-            .collect();
+        let tokens = random_tokens(&mut self.rng, n);
         let mut removed = Vec::new();
         if self.held_blocks + n > KEEP_BLOCKS {
             while removed.len() < n {
@@ -181,17 +179,8 @@ impl PodStream {
             }
         }
         self.held_blocks = self.held_blocks + n - removed.len();
-        let mut events = vec![WireEvent::Stored {
-            hashes: &hashes,
-            parent,
-            tokens: &tokens,
-            block_size: BLOCK,
-        }];
-        if !removed.is_empty() {
-            events.push(WireEvent::Removed { hashes: &removed });
-        }
         let ops = (n + removed.len()) as u64;
-        let msg = frames(&self.name, MODEL, self.seq, encode_batch(&events));
+        let msg = store_batch(&self.name, self.seq, &hashes, parent, &tokens, &removed);
         self.seq += 1;
         self.current.extend_from_slice(&hashes);
         (msg, ops)
@@ -796,9 +785,7 @@ async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value {
     // The e2e Score shape: 64 pods hold the first 32, 64, ... 2048 blocks
     // of one 2048-block prompt.
     let mut x = 42u64;
-    let tokens: Vec<u32> = (0..PROMPT_BLOCKS * BLOCK)
-        .map(|_| (lcg(&mut x) % 150_000) as u32)
-        .collect();
+    let tokens = random_tokens(&mut x, PROMPT_BLOCKS);
     let hashes: Vec<u64> = (0..PROMPT_BLOCKS as u64)
         .map(|i| 0x5c0e_0000_0000 + i)
         .collect();
