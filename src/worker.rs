@@ -209,6 +209,13 @@ pub struct Worker<'a> {
     actions: Vec<Action<EventBatch>>,
     warn: RateLimited,
     refused_warn: RateLimited,
+    /// Stream faults (a batch lost for good, a pod whose replay buffer moved
+    /// past us, a replay that failed) are counted each, in the metrics and
+    /// ListPods, but logged at a bounded rate: a lossy link or an
+    /// overloaded worker sees one per gap, thousands a second.
+    lost_warn: RateLimited,
+    unverified_warn: RateLimited,
+    replay_warn: RateLimited,
     /// A fleet's first minute logs every pod; a flood of names must not.
     new_pod_log: RateLimited,
     mismatch_warned: HashSet<String>,
@@ -245,6 +252,9 @@ impl<'a> Worker<'a> {
             actions: Vec::new(),
             warn: RateLimited::new(Duration::from_secs(10)),
             refused_warn: RateLimited::new(Duration::from_secs(10)),
+            lost_warn: RateLimited::new(Duration::from_secs(10)),
+            unverified_warn: RateLimited::new(Duration::from_secs(10)),
+            replay_warn: RateLimited::new(Duration::from_secs(10)),
             new_pod_log: RateLimited::new(Duration::from_millis(100)),
             mismatch_warned: HashSet::new(),
             tracker: Tracker::new(
@@ -586,11 +596,15 @@ impl<'a> Worker<'a> {
                 self.indexer.count_stream(&pod, StreamCount::Gap);
                 self.metrics.unrecoverable_gaps.inc();
                 self.indexer.mark_incomplete(&pod, missing);
-                tracing::warn!(pod = %pod.name, missing, "batches lost for good: this pod's answers may be incomplete");
+                self.lost_warn.warn(|suppressed| {
+                    tracing::warn!(pod = %pod.name, missing, suppressed, "batches lost for good: this pod's answers may be incomplete")
+                });
             }
             Action::Unverified => {
                 self.indexer.mark_incomplete(&pod, 0);
-                tracing::warn!(pod = %pod.name, "the pod's replay buffer no longer holds our last batch: whether it restarted cannot be told; its answers may be wrong until it does");
+                self.unverified_warn.warn(|suppressed| {
+                    tracing::warn!(pod = %pod.name, suppressed, "the pod's replay buffer no longer holds our last batch: whether it restarted cannot be told; its answers may be wrong until it does")
+                });
             }
             Action::Fetch {
                 from,
@@ -631,10 +645,12 @@ impl<'a> Worker<'a> {
             Note::BufferFull => {
                 self.metrics.messages_dropped.inc();
             }
-            Note::ReplayRetry { attempt } => {
-                tracing::warn!(pod = %pod.name, attempt, "replay failed; retrying")
-            }
-            Note::ReplayFailed => tracing::warn!(pod = %pod.name, "replay failed for good"),
+            Note::ReplayRetry { attempt } => self.replay_warn.warn(|suppressed| {
+                tracing::warn!(pod = %pod.name, attempt, suppressed, "replay failed; retrying")
+            }),
+            Note::ReplayFailed => self.replay_warn.warn(|suppressed| {
+                tracing::warn!(pod = %pod.name, suppressed, "replay failed for good")
+            }),
             Note::Replayed { batches } => {
                 self.metrics.replay_batches.inc_by(batches);
             }

@@ -167,6 +167,56 @@ async fn a_gap_beyond_the_replay_buffer_marks_the_pod_incomplete() {
     assert_eq!(pod1.matched_blocks, 0, "dropped while incomplete");
 }
 
+/// Every other batch lost for good (a replay buffer of one batch): each
+/// gap is counted and flagged, but the warning is rate limited, so a lossy
+/// link or an overloaded indexer cannot write a log line per lost batch.
+#[tokio::test]
+async fn gaps_lost_for_good_are_each_counted_but_warned_of_at_a_bounded_rate() {
+    let p = VllmPod::start(
+        "qwen3-sha256-int",
+        "pod-1",
+        PodOptions {
+            buffer: 1,
+            ..Default::default()
+        },
+    );
+    let service = Service::start_dialing(std::slice::from_ref(&p.target), &[]).await;
+    p.wait_subscribed(&service, "m").await;
+    let n = p.batches();
+    // Odd seqs lost live, never the last (a gap shows on the next batch).
+    let skip: HashSet<u64> = (0..n as u64 - 1).filter(|s| s % 2 == 1).collect();
+    assert!(skip.len() >= 100, "{}", skip.len());
+    // Paced, so that most gaps are seen (and given up on) one at a time,
+    // as on a link that loses a batch now and then.
+    for i in 0..n {
+        p.publish(i, i + 1, &skip);
+        tokio::time::sleep(std::time::Duration::from_millis(3)).await;
+    }
+    let mut info = None;
+    for _ in 0..400 {
+        let pods = service
+            .list_pods(&load_expected("qwen3-sha256-int").model)
+            .await;
+        if let Some(pod) = pods
+            .into_iter()
+            .find(|p| p.pod == "pod-1" && p.unrecovered_batches == skip.len() as u64)
+        {
+            info = Some(pod);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let info = info.expect("every lost batch counted");
+    assert!(info.incomplete, "{info:?}");
+    assert!(info.seq_gaps >= 20, "the gaps came one by one: {info:?}");
+    let warned = service.logs().matches("batches lost for good").count();
+    assert!(
+        (1..=3).contains(&warned),
+        "{warned} warnings for {} lost batches",
+        skip.len()
+    );
+}
+
 /// The indexer is killed (-9) mid-stream and started again while the pods
 /// keep publishing: the new process catches up from the pods' replay
 /// buffers and ends with the exact state.
