@@ -573,137 +573,283 @@ async fn warm_up(peers: &mut Peers, side: Side, prefix: &str, pods: &Pods, first
     }
 }
 
-async fn ingest(peers: &mut Peers, shape_pods: &mut [Pods], quick: bool) -> (Vec<Value>, Value) {
+/// Rounds of refinement after the doubling ladder: each runs a side at the
+/// geometric middle of the last rate it kept up with and the first it did
+/// not, so the bracket narrows from 2x to 1.41x and then 1.19x (a ratio
+/// between the sides that the doubling alone cannot show).
+const REFINE_ROUNDS: usize = 2;
+
+/// Pod sets per shape: the ladder's, then one fresh set per refinement
+/// round (a side that lost batches leaves its pods' streams broken, so a
+/// round never reuses them).
+const POD_SETS: usize = 1 + REFINE_ROUNDS;
+
+/// The names of a shape's pods of one set start with this (and no other
+/// set's do: each side's applied counter is summed over it).
+fn pod_prefix(shape: &Shape, set: usize) -> String {
+    format!("peer-{}-s{set}-", shape.name)
+}
+
+/// Each side's pods of one set, as streams from the same seeds, warmed up
+/// (both indexers have every pod's first batch).
+async fn fresh_streams(
+    peers: &mut Peers,
+    prefix: &str,
+    pods: &Pods,
+    shape: &Shape,
+    seed: u64,
+) -> Vec<Vec<PodStream>> {
+    let mut streams: Vec<Vec<PodStream>> = SIDES
+        .iter()
+        .map(|_| {
+            pods.names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| PodStream::new(n.clone(), seed + i as u64))
+                .collect()
+        })
+        .collect();
+    let warm_shape = Shape {
+        name: "warm-up",
+        blocks: 1,
+        request: shape.request,
+        rates: &[],
+    };
+    for side in SIDES {
+        let first: Vec<ZmqMessage> = streams[side as usize]
+            .iter_mut()
+            .map(|s| s.batch(&warm_shape).0)
+            .collect();
+        warm_up(peers, side, prefix, pods, &first).await;
+    }
+    for s in streams.iter_mut().flatten() {
+        s.end_request();
+    }
+    streams
+}
+
+/// One side's step: `secs` of `shape` at `rate` from its streams.
+struct Stepped {
+    step: IngestStep,
+    absorbed: f64,
+    /// Nothing lost, no faults, and kept up (see `ingest`).
+    kept_up: bool,
+    row: Value,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn side_step(
+    peers: &mut Peers,
+    side: Side,
+    prefix: &str,
+    pods: &mut Pods,
+    streams: &mut [PodStream],
+    shape: &Shape,
+    rate: f64,
+    secs: f64,
+) -> Stepped {
+    let s = side as usize;
+    let per_pod_ops = rate * secs / INGEST_PODS as f64;
+    let batches: Vec<Vec<(ZmqMessage, u64)>> = streams
+        .iter_mut()
+        .map(|pod| {
+            let mut out = Vec::new();
+            let mut ops = 0u64;
+            while (ops as f64) < per_pod_ops {
+                let b = pod.batch(shape);
+                ops += b.1;
+                out.push(b);
+            }
+            out
+        })
+        .collect();
+    let r = ingest_step(
+        peers,
+        side,
+        prefix,
+        &mut pods.publishers[s],
+        batches,
+        shape.blocks as u64,
+        rate,
+    )
+    .await;
+    let absorbed = r.applied_ops as f64 / r.seconds.max(1e-9);
+    let lost = r.sent_ops.saturating_sub(r.applied_ops);
+    // A step's absorbed rate includes the last batch's own latency, so
+    // keeping up reads as 0.9-1.0x: well under that is falling behind.
+    let kept_up = lost == 0 && r.faults == 0 && absorbed >= 0.8 * rate;
+    let mut row = json!({"shape": shape.name, "blocks_per_event": shape.blocks,
+        "side": side.name(), "offered_blocks_per_s": rate,
+        "sent_blocks": r.sent_ops, "sent_blocks_per_s": r.sent_ops as f64 / r.sent_seconds.max(1e-9),
+        "applied_blocks": r.applied_ops, "absorbed_blocks_per_s": absorbed,
+        "lost_blocks": lost, "kept_up": kept_up});
+    let faults = match side {
+        Side::Ours => "seq_gaps",
+        Side::Dynamo => "error_events",
+    };
+    row[faults] = json!(r.faults);
+    Stepped {
+        step: r,
+        absorbed,
+        kept_up,
+        row,
+    }
+}
+
+fn print_cells(label: &str, rates: [Option<f64>; 2], cells: &[Option<Stepped>; 2]) {
+    let cell = |c: &Option<Stepped>, rate: Option<f64>| match (c, rate) {
+        (Some(c), Some(rate)) => format!(
+            "{:>10.0} {:>10.0} {:>10.0} {:>8} {:>6}",
+            rate,
+            c.step.sent_ops as f64 / c.step.sent_seconds.max(1e-9),
+            c.absorbed,
+            c.step.sent_ops.saturating_sub(c.step.applied_ops),
+            c.step.faults
+        ),
+        _ => format!("{:>10} {:>10} {:>10} {:>8} {:>6}", "-", "-", "-", "-", "-"),
+    };
+    println!(
+        "{label:>14} | {} | {}",
+        cell(&cells[0], rates[0]),
+        cell(&cells[1], rates[1])
+    );
+}
+
+async fn ingest(
+    peers: &mut Peers,
+    shape_pods: &mut [Vec<Pods>],
+    quick: bool,
+) -> (Vec<Value>, Value) {
     let secs = if quick { 1.0 } else { 2.0 };
     println!(
         "\npeer ingest: {INGEST_PODS} pods per shape, 16 token ids per block, a pod evicts as much as it stores once it holds {KEEP_BLOCKS} blocks; \
-         offered/absorbed = stored + removed blocks/s; ours and Dynamo take turns at each rate"
+         offered/absorbed = stored + removed blocks/s; ours and Dynamo take turns at each rate; \
+         after the doubling, {REFINE_ROUNDS} rounds on fresh pods narrow each side's bracket \
+         (a warm step at the first rate, then the middle rate)"
     );
     println!(
-        "{:>8} {:>10} | {:>10} {:>10} {:>8} {:>6} | {:>10} {:>10} {:>8} {:>6}",
-        "shape",
-        "offered/s",
-        "ours sent/s",
+        "{:>14} | {:>10} {:>10} {:>10} {:>8} {:>6} | {:>10} {:>10} {:>10} {:>8} {:>6}",
+        "shape step",
+        "ours off/s",
+        "sent/s",
         "absorbed/s",
         "lost",
         "gaps",
-        "dyn sent/s",
+        "dyn off/s",
+        "sent/s",
         "absorbed/s",
         "lost",
         "errors"
     );
     let mut rows = Vec::new();
     let mut best = serde_json::Map::new();
-    for (shape_i, (shape, pods)) in SHAPES.iter().zip(shape_pods.iter_mut()).enumerate() {
-        let prefix = format!("peer-{}-", shape.name);
-        // Each side's pods: the same streams from the same seeds.
-        let mut streams: Vec<Vec<PodStream>> = SIDES
-            .iter()
-            .map(|_| {
-                pods.names
-                    .iter()
-                    .enumerate()
-                    .map(|(i, n)| {
-                        PodStream::new(n.clone(), 7_000 + 100 * shape_i as u64 + i as u64)
-                    })
-                    .collect()
-            })
-            .collect();
-        let warm_shape = Shape {
-            name: "warm-up",
-            blocks: 1,
-            request: shape.request,
-            rates: &[],
-        };
-        for side in SIDES {
-            let first: Vec<ZmqMessage> = streams[side as usize]
-                .iter_mut()
-                .map(|s| s.batch(&warm_shape).0)
-                .collect();
-            warm_up(peers, side, &prefix, pods, &first).await;
-        }
-        for s in streams.iter_mut().flatten() {
-            s.end_request();
-        }
+    for (shape_i, (shape, sets)) in SHAPES.iter().zip(shape_pods.iter_mut()).enumerate() {
+        let seed = |set: usize| 7_000 + 1_000 * set as u64 + 100 * shape_i as u64;
+        let prefix = pod_prefix(shape, 0);
+        let mut streams = fresh_streams(peers, &prefix, &sets[0], shape, seed(0)).await;
         let mut running = [true, true];
         let mut best_rate = [0f64, 0f64];
+        // Per side: the highest offered rate kept up with, the lowest not.
+        let mut kept: [Option<f64>; 2] = [None, None];
+        let mut missed: [Option<f64>; 2] = [None, None];
         for &rate in shape.rates {
-            let mut cells: [Option<(IngestStep, f64)>; 2] = [None, None];
+            let mut cells: [Option<Stepped>; 2] = [None, None];
             for side in SIDES {
                 let s = side as usize;
                 if !running[s] {
                     continue;
                 }
-                let per_pod_ops = rate * secs / INGEST_PODS as f64;
-                let batches: Vec<Vec<(ZmqMessage, u64)>> = streams[s]
-                    .iter_mut()
-                    .map(|pod| {
-                        let mut out = Vec::new();
-                        let mut ops = 0u64;
-                        while (ops as f64) < per_pod_ops {
-                            let b = pod.batch(shape);
-                            ops += b.1;
-                            out.push(b);
-                        }
-                        out
-                    })
-                    .collect();
-                let r = ingest_step(
+                let r = side_step(
                     peers,
                     side,
                     &prefix,
-                    &mut pods.publishers[s],
-                    batches,
-                    shape.blocks as u64,
+                    &mut sets[0],
+                    &mut streams[s],
+                    shape,
                     rate,
+                    secs,
                 )
                 .await;
-                let absorbed = r.applied_ops as f64 / r.seconds.max(1e-9);
-                let lost = r.sent_ops.saturating_sub(r.applied_ops);
-                if lost == 0 && r.faults == 0 {
-                    best_rate[s] = best_rate[s].max(absorbed);
-                }
-                // A side stops at its first loss, or once it falls well
-                // behind (a step's absorbed rate includes the last batch's
-                // own latency, so keeping up reads as 0.9-1.0x).
-                if lost > 0 || r.faults > 0 || absorbed < 0.8 * rate {
+                if r.kept_up {
+                    best_rate[s] = best_rate[s].max(r.absorbed);
+                    kept[s] = Some(rate);
+                } else {
+                    // A side stops at its first loss, or once it falls
+                    // well behind.
                     running[s] = false;
+                    missed[s] = Some(rate);
                 }
-                let mut row = json!({"shape": shape.name, "blocks_per_event": shape.blocks,
-                    "side": side.name(), "offered_blocks_per_s": rate,
-                    "sent_blocks": r.sent_ops, "sent_blocks_per_s": r.sent_ops as f64 / r.sent_seconds.max(1e-9),
-                    "applied_blocks": r.applied_ops, "absorbed_blocks_per_s": absorbed,
-                    "lost_blocks": lost});
-                let faults = match side {
-                    Side::Ours => "seq_gaps",
-                    Side::Dynamo => "error_events",
-                };
-                row[faults] = json!(r.faults);
-                rows.push(row);
-                cells[s] = Some((r, absorbed));
+                rows.push(r.row.clone());
+                cells[s] = Some(r);
             }
-            let cell = |c: &Option<(IngestStep, f64)>| match c {
-                Some((r, absorbed)) => format!(
-                    "{:>10.0} {:>10.0} {:>8} {:>6}",
-                    r.sent_ops as f64 / r.sent_seconds.max(1e-9),
-                    absorbed,
-                    r.sent_ops.saturating_sub(r.applied_ops),
-                    r.faults
-                ),
-                None => format!("{:>10} {:>10} {:>8} {:>6}", "-", "-", "-", "-"),
-            };
-            println!(
-                "{:>8} {:>10.0} | {} | {}",
-                shape.name,
-                rate,
-                cell(&cells[0]),
-                cell(&cells[1])
-            );
+            print_cells(&format!("{} ladder", shape.name), [Some(rate); 2], &cells);
+        }
+        for (round, set) in sets.iter_mut().enumerate().skip(1) {
+            let middle: [Option<f64>; 2] = std::array::from_fn(|s| match (kept[s], missed[s]) {
+                (Some(lo), Some(hi)) => Some((lo * hi).sqrt()),
+                _ => None,
+            });
+            if middle.iter().all(Option::is_none) {
+                break;
+            }
+            let prefix = pod_prefix(shape, round);
+            let mut streams = fresh_streams(peers, &prefix, set, shape, seed(round)).await;
+            let mut cells: [Option<Stepped>; 2] = [None, None];
+            for side in SIDES {
+                let s = side as usize;
+                let Some(rate) = middle[s] else { continue };
+                // Warm: the pods fill at the ladder's first rate, as they
+                // did on the ladder, before the step that counts.
+                let warm = side_step(
+                    peers,
+                    side,
+                    &prefix,
+                    set,
+                    &mut streams[s],
+                    shape,
+                    shape.rates[0],
+                    secs,
+                )
+                .await;
+                let r = if warm.kept_up {
+                    Some(
+                        side_step(
+                            peers,
+                            side,
+                            &prefix,
+                            set,
+                            &mut streams[s],
+                            shape,
+                            rate,
+                            secs,
+                        )
+                        .await,
+                    )
+                } else {
+                    None
+                };
+                match &r {
+                    Some(r) if r.kept_up => {
+                        best_rate[s] = best_rate[s].max(r.absorbed);
+                        kept[s] = Some(rate);
+                    }
+                    _ => missed[s] = Some(rate),
+                }
+                let mut row = r.as_ref().map_or(warm.row.clone(), |r| r.row.clone());
+                row["refine_round"] = json!(round);
+                if r.is_none() {
+                    row["warm_step_failed"] = json!(true);
+                }
+                rows.push(row);
+                cells[s] = r;
+            }
+            print_cells(&format!("{} round {round}", shape.name), middle, &cells);
         }
         best.insert(
             shape.name.into(),
             json!({"blocks_per_event": shape.blocks, "ours": best_rate[0], "dynamo": best_rate[1],
-                "ours_over_dynamo": best_rate[0] / best_rate[1]}),
+                "ours_over_dynamo": best_rate[0] / best_rate[1],
+                "ours_bracket": [kept[0], missed[0]], "dynamo_bracket": [kept[1], missed[1]]}),
         );
     }
     println!("\npeer ingest, highest absorbed with nothing lost (blocks/s):");
@@ -1042,15 +1188,18 @@ async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value {
 /// Runs the peer comparison; its JSON goes under `peer` in `e2e.json`.
 pub async fn run(o: &Opts) -> Value {
     let context = zmq::Context::new();
-    let mut shape_pods: Vec<Pods> = SHAPES
+    let mut shape_pods: Vec<Vec<Pods>> = SHAPES
         .iter()
         .map(|s| {
-            bind_pods(
-                &context,
-                (0..INGEST_PODS)
-                    .map(|i| format!("peer-{}-{i}", s.name))
-                    .collect(),
-            )
+            (0..POD_SETS)
+                .map(|set| {
+                    let prefix = pod_prefix(s, set);
+                    bind_pods(
+                        &context,
+                        (0..INGEST_PODS).map(|i| format!("{prefix}{i}")).collect(),
+                    )
+                })
+                .collect()
         })
         .collect();
     let score_pods = bind_pods(
@@ -1061,13 +1210,14 @@ pub async fn run(o: &Opts) -> Value {
     );
     let ours_endpoints: Vec<String> = shape_pods
         .iter()
+        .flatten()
         .chain([&score_pods])
         .flat_map(|p| p.endpoints[Side::Ours as usize].iter().cloned())
         .collect();
     let mut peers = start(o, &ours_endpoints).await;
-    for (shape_i, pods) in shape_pods.iter().enumerate() {
+    for (set_i, pods) in shape_pods.iter().flatten().enumerate() {
         for (i, e) in pods.endpoints[Side::Dynamo as usize].iter().enumerate() {
-            let id = INGEST_ID + (shape_i * INGEST_PODS + i) as u64;
+            let id = INGEST_ID + (set_i * INGEST_PODS + i) as u64;
             register(&peers.dynamo, id, e).await;
         }
     }
