@@ -26,6 +26,7 @@ use tokio::task::JoinHandle;
 use crate::config::Config;
 use crate::dial::{DialContext, Dialer};
 use crate::metrics::Metrics;
+use crate::owners::Owners;
 use crate::ratelimit::RateLimited;
 use crate::worker::{ConnId, Frame, Work, Worker, WorkerConfig};
 use crate::zmq_io::{self, ReceiveLimits};
@@ -54,7 +55,7 @@ impl FrameProblem {
 fn check_frames(
     mut frames: Vec<Vec<u8>>,
     conn: ConnId,
-    workers: usize,
+    owners: &Owners,
 ) -> Result<(Frame, usize), FrameProblem> {
     if frames.len() != 3 {
         return Err(FrameProblem::FrameCount);
@@ -63,7 +64,7 @@ fn check_frames(
     let seq = frames.pop().unwrap_or_default();
     let topic = frames.pop().unwrap_or_default();
     let seq: [u8; 8] = seq[..].try_into().map_err(|_| FrameProblem::Seq)?;
-    let owner = crate::worker::owner_of_topic(&topic, workers).ok_or(FrameProblem::Topic)?;
+    let owner = owner_of_topic(owners, &topic).ok_or(FrameProblem::Topic)?;
     Ok((
         Frame {
             topic: Bytes::from(topic),
@@ -120,10 +121,18 @@ pub enum Source<'a> {
     Bound(&'a mut Connections),
 }
 
+/// The worker that owns a topic's pod (assigned now if new); `None` for a
+/// topic that is not `<prefix>@<pod>@<model>`.
+fn owner_of_topic(owners: &Owners, topic: &[u8]) -> Option<usize> {
+    let topic = indexer::topic::parse_topic(topic).ok()?;
+    Some(owners.owner(topic.pod, topic.model))
+}
+
 /// Routes frames to workers by pod, so a pod always lands on the same one.
 #[derive(Clone)]
 pub struct Dispatcher {
     workers: Arc<Vec<flume::Sender<Work>>>,
+    owners: Arc<Owners>,
     budget: Arc<crate::worker::QueueBudget>,
     /// The workers' control queues (connection changes).
     control: Arc<Vec<flume::Sender<Work>>>,
@@ -134,8 +143,7 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     fn worker_for_topic(&self, topic: &[u8]) -> Option<&flume::Sender<Work>> {
-        self.workers
-            .get(crate::worker::owner_of_topic(topic, self.workers.len())?)
+        self.workers.get(owner_of_topic(&self.owners, topic)?)
     }
 
     /// Hands a pod's replay buffer (fetched on connect) to the workers that
@@ -239,7 +247,7 @@ impl Dispatcher {
         replay: Option<&Arc<str>>,
     ) {
         self.metrics.messages_received.inc();
-        match check_frames(frames, conn, self.workers.len()) {
+        match check_frames(frames, conn, &self.owners) {
             Ok((mut frame, owner)) => {
                 frame.replay = replay.cloned();
                 // Never wait on index work: a full queue (in messages or
@@ -279,13 +287,16 @@ const CONTROL_QUEUE: usize = 4096;
 #[derive(Clone)]
 pub struct Control {
     workers: Arc<Vec<flume::Sender<Work>>>,
+    owners: Arc<Owners>,
 }
 
 impl Control {
     /// Forgets every DP rank of `pod`; returns (cache domains, blocks).
     pub async fn remove_pod(&self, model: &str, pod: &str) -> (usize, u64) {
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let owner = crate::worker::owner(pod, model, self.workers.len());
+        // A pod no worker has a stream of may still be in the index (its
+        // streams expired, or refused): any worker removes it.
+        let owner = self.owners.find(pod, model).unwrap_or(0);
         let work = Work::Remove {
             model: model.to_owned(),
             pod: pod.to_owned(),
@@ -307,7 +318,7 @@ impl Control {
     ) -> Option<crate::worker::RecordReply> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let pod = crate::feedback::topic_pod(&routing.pod);
-        let owner = crate::worker::owner(pod, &routing.model, self.workers.len());
+        let owner = self.owners.owner(pod, &routing.model);
         let work = Work::Record {
             routing,
             approximate,
@@ -376,6 +387,7 @@ impl Ingest {
             .map(|_| flume::bounded(CONTROL_QUEUE))
             .unzip();
         let controls = Arc::new(controls);
+        let owners = Arc::new(Owners::new(config.ingest_workers));
         let budget = Arc::new(crate::worker::QueueBudget::new(
             config.ingest_workers,
             config.ingest_queue_bytes,
@@ -395,6 +407,7 @@ impl Ingest {
             evict_pending: Arc::new(AtomicBool::new(false)),
             feedback,
             queue_budget: budget.clone(),
+            owners: owners.clone(),
         });
         let mut workers = Vec::with_capacity(config.ingest_workers);
         for (i, (rx, control)) in receivers_of.into_iter().zip(control_of).enumerate() {
@@ -415,18 +428,22 @@ impl Ingest {
         // Pods restored from a snapshot: each owner looks after its own
         // (they expire like any other pod that never comes back).
         for pod in indexer.list_pod_handles() {
-            let owner = crate::worker::owner(&pod.topic_pod, &pod.model, controls.len());
+            let owner = owners.owner(&pod.topic_pod, &pod.model);
             let _ = controls[owner].send_async(Work::Adopt(pod)).await;
         }
         let dispatcher = Dispatcher {
             workers: senders.clone(),
+            owners: owners.clone(),
             budget,
             control: controls.clone(),
             metrics: metrics.clone(),
             warn: Arc::new(RateLimited::new(Duration::from_secs(10))),
             dropped: Arc::new(RateLimited::new(Duration::from_secs(10))),
         };
-        let control = Control { workers: controls };
+        let control = Control {
+            workers: controls,
+            owners,
+        };
 
         let mut receivers = Vec::new();
         let mut bound = None;
@@ -598,7 +615,8 @@ mod tests {
     #[test]
     fn frame_shape_is_checked() {
         let seq = 7u64.to_be_bytes();
-        let check = |frames| check_frames(frames, 1, 4).map(|(f, _)| f.seq);
+        let owners = Owners::new(4);
+        let check = |frames| check_frames(frames, 1, &owners).map(|(f, _)| f.seq);
         assert_eq!(check(msg(vec![b"kv@p@m", &seq, b"x"])), Ok(7));
         assert_eq!(
             check(msg(vec![b"kv@p@m", &seq])).err(),

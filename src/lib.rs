@@ -33,6 +33,7 @@ pub mod grpc;
 pub mod ingest;
 pub mod llmd;
 pub mod metrics;
+mod owners;
 pub mod publish;
 mod ratelimit;
 pub mod replay;

@@ -25,6 +25,7 @@ use indexer::{Connection, Indexer, Pod, StreamCount};
 
 use crate::feedback::Feedback;
 use crate::metrics::Metrics;
+use crate::owners::Owners;
 use crate::ratelimit::RateLimited;
 use crate::replay::{self, Replayed};
 
@@ -151,9 +152,10 @@ pub struct WorkerConfig {
     /// Replay fetches in flight at once, process-wide.
     pub replay_slots: Arc<tokio::sync::Semaphore>,
     pub stream_limits: StreamLimits,
-    /// Every worker's queue of event batches, by index: a pod's owner is
-    /// `owner(..)`.
+    /// Every worker's queue of event batches, by index.
     pub workers: Arc<Vec<flume::Sender<Work>>>,
+    /// Which worker owns each pod.
+    pub owners: Arc<Owners>,
     /// Every worker's control queue (replay replies, connection changes,
     /// `RemovePod`, eviction requests, adoptions): served before the
     /// batches, so an eviction asked of a worker does not wait behind
@@ -166,22 +168,6 @@ pub struct WorkerConfig {
     pub feedback: Arc<Feedback>,
     /// Bytes queued per worker (`--ingest-queue-bytes`).
     pub queue_budget: Arc<QueueBudget>,
-}
-
-/// The worker that owns a topic's pod; `None` for a topic that is not
-/// `<prefix>@<pod>@<model>`.
-pub fn owner_of_topic(topic: &[u8], workers: usize) -> Option<usize> {
-    let topic = parse_topic(topic).ok()?;
-    Some(owner(topic.pod, topic.model, workers))
-}
-
-/// The worker that owns a pod: all topics and DP ranks of one pod land on
-/// the same one (a pod has one writer).
-pub fn owner(pod: &str, model: &str, workers: usize) -> usize {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (pod, model).hash(&mut h);
-    (h.finish() % workers.max(1) as u64) as usize
 }
 
 struct Stream {
@@ -492,8 +478,11 @@ impl<'a> Worker<'a> {
             .forget_pod(&pod.model, &pod.name);
     }
 
+    /// Whether this worker writes `pod`: it has a stream of it (see
+    /// `Owners`). Its own map, no lock: eviction asks this while it holds
+    /// the index's pod table.
     fn owns(&self, pod: &Pod) -> bool {
-        owner(&pod.topic_pod, &pod.model, self.config.workers.len()) == self.index
+        self.by_pod.contains_key(&pod.id.0)
     }
 
     fn decode(&self, topic: &Bytes, seq: u64, payload: &[u8]) -> Option<EventBatch> {
@@ -524,12 +513,45 @@ impl<'a> Worker<'a> {
             return;
         };
         let key = (frame.topic.clone(), batch.batch.data_parallel_rank);
+        if !self.streams.contains_key(&key) {
+            if let Some(to) = self.owner_elsewhere(&frame.topic) {
+                self.forward_live(to, frame);
+                return;
+            }
+        }
         let now = Instant::now();
         if self.stream_entry(&key, frame.replay, now).is_none() {
             return;
         }
         self.attach(&key, frame.conn, now);
         self.feed(&key, Input::Live(batch), now);
+    }
+
+    /// The worker that owns the pod of `topic`, if not this one (work for
+    /// it reached this worker just before the pod moved: see `Owners`).
+    fn owner_elsewhere(&self, topic: &Bytes) -> Option<usize> {
+        let topic = parse_topic(topic).ok()?;
+        self.config
+            .owners
+            .find(topic.pod, topic.model)
+            .filter(|w| *w != self.index)
+    }
+
+    /// Hands a live batch to its pod's owner, as the receive loop would
+    /// have: within that worker's queue bounds, never waiting on them.
+    fn forward_live(&self, to: usize, frame: Frame) {
+        let cost = QueueBudget::cost(&frame);
+        let sent = self.config.queue_budget.take(to, cost)
+            && match self.config.workers[to].try_send(Work::Live(frame)) {
+                Ok(()) | Err(flume::TrySendError::Disconnected(_)) => true,
+                Err(flume::TrySendError::Full(_)) => {
+                    self.config.queue_budget.release(to, cost);
+                    false
+                }
+            };
+        if !sent {
+            self.metrics.messages_dropped.inc();
+        }
     }
 
     /// Records that `key` arrives on `conn`; a stream that moved to a new
@@ -670,6 +692,9 @@ impl<'a> Worker<'a> {
 
     fn remove_stream(&mut self, key: &StreamKey) -> Option<Stream> {
         let stream = self.streams.remove(key)?;
+        self.config
+            .owners
+            .release(&stream.pod.topic_pod, &stream.pod.model, self.index);
         if let Some(conn) = stream.conn {
             self.detach(key, conn);
         }
@@ -691,7 +716,26 @@ impl<'a> Worker<'a> {
         now: Instant,
     ) -> Option<&mut Stream> {
         if !self.streams.contains_key(key) {
-            let stream = self.stream_for(&key.0, replay.clone(), key.1, now)?;
+            // Checked by the receive loop.
+            let topic = parse_topic(&key.0).ok()?;
+            if self
+                .config
+                .owners
+                .claim(topic.pod, topic.model, self.index)
+                .is_err()
+            {
+                // Given to another worker since the caller looked (a race
+                // of microseconds): this work is skipped, as a dropped
+                // message is, and repaired by replay where it can be.
+                self.metrics.messages_dropped.inc();
+                return None;
+            }
+            let Some(stream) = self.stream_for(&key.0, replay.clone(), key.1, now) else {
+                self.config
+                    .owners
+                    .release(topic.pod, topic.model, self.index);
+                return None;
+            };
             self.insert_stream(key.clone(), stream);
         }
         let stream = self.streams.get_mut(key)?;
@@ -758,6 +802,15 @@ impl<'a> Worker<'a> {
         let topic = Bytes::from(format!("kv@{}@{}", pod.topic_pod, pod.model));
         let key = (topic, pod.dp_rank);
         if self.streams.contains_key(&key) {
+            return;
+        }
+        if let Err(to) = self
+            .config
+            .owners
+            .claim(&pod.topic_pod, &pod.model, self.index)
+        {
+            // Never wait on another worker's queue (see `enforce_capacity`).
+            let _ = self.config.control[to].try_send(Work::Adopt(pod));
             return;
         }
         let now = Instant::now();
@@ -855,7 +908,9 @@ impl<'a> Worker<'a> {
         if self.config.evict_pending.swap(true, Ordering::Relaxed) {
             return;
         }
-        let to = owner(&victim.topic_pod, &victim.model, self.config.workers.len());
+        let Some(to) = self.config.owners.find(&victim.topic_pod, &victim.model) else {
+            return;
+        };
         // Never wait on another worker's queue (two full queues waiting on
         // each other would freeze both): a full one is asked again at the
         // next batch applied.
@@ -904,6 +959,22 @@ impl<'a> Worker<'a> {
     /// DP rank; streams of the topic the buffer has nothing for get an
     /// empty one (which still tells whether the pod restarted).
     fn catch_up(&mut self, topic: &Bytes, replay: &Arc<str>, items: Vec<Replayed>, conn: ConnId) {
+        if !self.streams.keys().any(|k| k.0 == topic) {
+            if let Some(to) = self.owner_elsewhere(topic) {
+                let work = Work::CatchUp {
+                    topic: topic.clone(),
+                    replay: replay.clone(),
+                    items,
+                    conn,
+                };
+                // Never wait on another worker's queue; the control queue,
+                // served first, has room unless that worker is stuck.
+                if self.config.control[to].try_send(work).is_err() {
+                    self.metrics.messages_dropped.inc();
+                }
+                return;
+            }
+        }
         let mut by_rank: HashMap<Option<u32>, Vec<Numbered<EventBatch>>> = HashMap::new();
         for item in items {
             if item.topic.as_ref().is_some_and(|t| t != topic) {
@@ -1037,20 +1108,5 @@ mod fault {
         if target.as_deref() == Some(pod) {
             panic!("injected fault while applying a batch of {pod}");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::owner;
-
-    #[test]
-    fn every_rank_and_topic_of_a_pod_has_one_owner() {
-        let a = owner("pod-a", "m", 4);
-        for _ in 0..3 {
-            assert_eq!(owner("pod-a", "m", 4), a);
-        }
-        assert!(owner("pod-a", "m", 4) < 4);
-        assert_eq!(owner("x", "y", 1), 0);
     }
 }
