@@ -212,6 +212,10 @@ pub struct Worker<'a> {
     speculated: HashSet<(String, String)>,
 }
 
+/// Queued batches a worker takes in a row before it looks at its control
+/// queue again.
+const DRAIN: usize = 64;
+
 /// How often streams are checked for expiry.
 const TICK: Duration = Duration::from_secs(1);
 /// How often routings are checked for their TTL: an outcome is counted
@@ -288,6 +292,22 @@ impl<'a> Worker<'a> {
             while let Ok(work) = control.try_recv() {
                 self.handle(work);
             }
+            // Queued batches first, without a selector: building one and
+            // registering its two hooks per batch cost more than a small
+            // batch's decode. Control work waits at most this many.
+            let mut drained = 0;
+            while drained < DRAIN {
+                let Ok(work) = rx.try_recv() else { break };
+                self.handle(work);
+                drained += 1;
+            }
+            if drained > 0 {
+                self.ticks(&mut last_tick, &mut last_routing_tick);
+                if stop.load(Ordering::Relaxed) && rx.is_empty() && control.is_empty() {
+                    return;
+                }
+                continue;
+            }
             let wait = if self.tracker.tracked() > 0 {
                 ROUTING_TICK
             } else {
@@ -304,19 +324,24 @@ impl<'a> Worker<'a> {
                 Ok(Err(flume::RecvError::Disconnected)) => return,
                 Err(_) => {}
             }
-            if self.tracker.tracked() > 0 && last_routing_tick.elapsed() >= ROUTING_TICK {
-                last_routing_tick = Instant::now();
-                let ended = self.tracker.expire(last_routing_tick);
-                self.config.feedback.ended(&ended);
-            }
-            if last_tick.elapsed() >= TICK {
-                last_tick = Instant::now();
-                self.tick();
-                self.sweep_speculation(last_tick);
-            }
+            self.ticks(&mut last_tick, &mut last_routing_tick);
             if stop.load(Ordering::Relaxed) && rx.is_empty() && control.is_empty() {
                 return;
             }
+        }
+    }
+
+    /// The periodic work: routing TTLs and stream expiry, when due.
+    fn ticks(&mut self, last_tick: &mut Instant, last_routing_tick: &mut Instant) {
+        if self.tracker.tracked() > 0 && last_routing_tick.elapsed() >= ROUTING_TICK {
+            *last_routing_tick = Instant::now();
+            let ended = self.tracker.expire(*last_routing_tick);
+            self.config.feedback.ended(&ended);
+        }
+        if last_tick.elapsed() >= TICK {
+            *last_tick = Instant::now();
+            self.tick();
+            self.sweep_speculation(*last_tick);
         }
     }
 

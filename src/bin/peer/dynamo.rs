@@ -576,7 +576,8 @@ async fn warm_up(peers: &mut Peers, side: Side, prefix: &str, pods: &Pods, first
 /// Rounds of refinement after the doubling ladder: each runs a side at the
 /// geometric middle of the last rate it kept up with and the first it did
 /// not, so the bracket narrows from 2x to 1.41x and then 1.19x (a ratio
-/// between the sides that the doubling alone cannot show).
+/// between the sides that the doubling alone cannot show); a side that
+/// kept up with the ladder's top goes 1.41x above it instead.
 const REFINE_ROUNDS: usize = 2;
 
 /// Pod sets per shape: the ladder's, then one fresh set per refinement
@@ -787,6 +788,8 @@ async fn ingest(
         for (round, set) in sets.iter_mut().enumerate().skip(1) {
             let middle: [Option<f64>; 2] = std::array::from_fn(|s| match (kept[s], missed[s]) {
                 (Some(lo), Some(hi)) => Some((lo * hi).sqrt()),
+                // Kept up with the ladder's top: a step above it.
+                (Some(lo), None) => Some(lo * std::f64::consts::SQRT_2),
                 _ => None,
             });
             if middle.iter().all(Option::is_none) {
