@@ -552,6 +552,25 @@ impl<'a> Worker<'a> {
         self.feed(&key, Input::Live(batch), now);
     }
 
+    /// Claims the pod of a stream's `topic` before the stream is created
+    /// (see `Owners`): `Err(owner)` if another worker owns it. Claimed and
+    /// released by the same topic, so a pod's spellings cannot unbalance
+    /// its count.
+    fn claim(&self, topic: &Bytes) -> Result<(), usize> {
+        match parse_topic(topic) {
+            Ok(t) => self.config.owners.claim(t.pod, t.model, self.index),
+            // Not routable by pod, so not routed by it either.
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// Gives back what `claim` took for a stream of `topic`.
+    fn release(&self, topic: &Bytes) {
+        if let Ok(t) = parse_topic(topic) {
+            self.config.owners.release(t.pod, t.model, self.index);
+        }
+    }
+
     /// The worker that owns the pod of `topic`, if not this one (work for
     /// it reached this worker just before the pod moved: see `Owners`).
     fn owner_elsewhere(&self, topic: &Bytes) -> Option<usize> {
@@ -717,9 +736,7 @@ impl<'a> Worker<'a> {
 
     fn remove_stream(&mut self, key: &StreamKey) -> Option<Stream> {
         let stream = self.streams.remove(key)?;
-        self.config
-            .owners
-            .release(&stream.pod.topic_pod, &stream.pod.model, self.index);
+        self.release(&key.0);
         if let Some(conn) = stream.conn {
             self.detach(key, conn);
         }
@@ -741,14 +758,7 @@ impl<'a> Worker<'a> {
         now: Instant,
     ) -> Option<&mut Stream> {
         if !self.streams.contains_key(key) {
-            // Checked by the receive loop.
-            let topic = parse_topic(&key.0).ok()?;
-            if self
-                .config
-                .owners
-                .claim(topic.pod, topic.model, self.index)
-                .is_err()
-            {
+            if self.claim(&key.0).is_err() {
                 // Given to another worker since the caller looked (a race
                 // of microseconds): this work is skipped, as a dropped
                 // message is, and repaired by replay where it can be.
@@ -756,9 +766,7 @@ impl<'a> Worker<'a> {
                 return None;
             }
             let Some(stream) = self.stream_for(&key.0, replay.clone(), key.1, now) else {
-                self.config
-                    .owners
-                    .release(topic.pod, topic.model, self.index);
+                self.release(&key.0);
                 return None;
             };
             self.insert_stream(key.clone(), stream);
@@ -829,11 +837,7 @@ impl<'a> Worker<'a> {
         if self.streams.contains_key(&key) {
             return;
         }
-        if let Err(to) = self
-            .config
-            .owners
-            .claim(&pod.topic_pod, &pod.model, self.index)
-        {
+        if let Err(to) = self.claim(&key.0) {
             // Never wait on another worker's queue (see `enforce_capacity`).
             let _ = self.config.control[to].try_send(Work::Adopt(pod));
             return;
