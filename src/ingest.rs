@@ -220,8 +220,9 @@ impl Dispatcher {
         warn: &RateLimited,
         mut each: impl FnMut(&[Vec<u8>]),
     ) {
+        let want_fd = matches!(source, Source::Bound(_));
         for _ in 0..burst {
-            match zmq_io::recv_frames(socket, zmq::DONTWAIT) {
+            match zmq_io::recv_frames(socket, zmq::DONTWAIT, want_fd) {
                 Ok((frames, fd)) => {
                     each(&frames);
                     let (conn, replay) = match &mut source {

@@ -86,11 +86,21 @@ pub fn monitor(
 }
 
 /// Receives one multipart message, with the file descriptor of the
-/// connection it came on when libzmq says (its `__fd` metadata property,
-/// which `ZMQ_SRCFD` reads; absent for inproc).
-pub fn recv_frames(socket: &zmq::Socket, flags: i32) -> zmq::Result<(Vec<Vec<u8>>, Option<i32>)> {
+/// connection it came on when `want_fd` and libzmq says (its `__fd`
+/// metadata property, which `ZMQ_SRCFD` reads; absent for inproc). A dialed
+/// socket is one connection: it skips the lookup (a metadata search and
+/// an integer parse per message).
+pub fn recv_frames(
+    socket: &zmq::Socket,
+    flags: i32,
+    want_fd: bool,
+) -> zmq::Result<(Vec<Vec<u8>>, Option<i32>)> {
     let mut first = socket.recv_msg(flags)?;
-    let fd = first.gets("__fd").and_then(|v| v.parse().ok());
+    let fd = if want_fd {
+        first.gets("__fd").and_then(|v| v.parse().ok())
+    } else {
+        None
+    };
     let mut frames = vec![first.to_vec()];
     let mut more = first.get_more();
     while more {
