@@ -803,48 +803,41 @@ async fn ingest(
                 let Some(rate) = middle[s] else { continue };
                 // Warm: the pods fill at the ladder's first rate, as they
                 // did on the ladder, before the step that counts.
-                let warm = side_step(
-                    peers,
-                    side,
-                    &prefix,
-                    set,
-                    &mut streams[s],
-                    shape,
-                    shape.rates[0],
-                    secs,
-                )
-                .await;
-                let r = if warm.kept_up {
-                    Some(
-                        side_step(
-                            peers,
-                            side,
-                            &prefix,
-                            set,
-                            &mut streams[s],
-                            shape,
-                            rate,
-                            secs,
-                        )
-                        .await,
+                let mut last = None;
+                for (counts, step_rate) in [(false, shape.rates[0]), (true, rate)] {
+                    let step = side_step(
+                        peers,
+                        side,
+                        &prefix,
+                        set,
+                        &mut streams[s],
+                        shape,
+                        step_rate,
+                        secs,
                     )
-                } else {
-                    None
-                };
-                match &r {
-                    Some(r) if r.kept_up => {
-                        best_rate[s] = best_rate[s].max(r.absorbed);
-                        kept[s] = Some(rate);
+                    .await;
+                    let kept_up = step.kept_up;
+                    last = Some((counts, step));
+                    if !kept_up {
+                        break;
                     }
-                    _ => missed[s] = Some(rate),
                 }
-                let mut row = r.as_ref().map_or(warm.row.clone(), |r| r.row.clone());
+                let Some((counted, step)) = last else {
+                    continue;
+                };
+                if counted && step.kept_up {
+                    best_rate[s] = best_rate[s].max(step.absorbed);
+                    kept[s] = Some(rate);
+                } else {
+                    missed[s] = Some(rate);
+                }
+                let mut row = step.row.clone();
                 row["refine_round"] = json!(round);
-                if r.is_none() {
+                if !counted {
                     row["warm_step_failed"] = json!(true);
                 }
                 rows.push(row);
-                cells[s] = r;
+                cells[s] = counted.then_some(step);
             }
             print_cells(&format!("{} round {round}", shape.name), middle, &cells);
         }
