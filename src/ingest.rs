@@ -253,17 +253,7 @@ impl Dispatcher {
                 frame.replay = replay.cloned();
                 // Never wait on index work: a full queue (in messages or
                 // bytes) drops, and the gap is repaired through replay.
-                // Disconnected only when shutting down.
-                let cost = crate::worker::QueueBudget::cost(&frame);
-                let sent = self.budget.take(owner, cost)
-                    && match self.workers[owner].try_send(Work::Live(frame)) {
-                        Ok(()) | Err(flume::TrySendError::Disconnected(_)) => true,
-                        Err(flume::TrySendError::Full(_)) => {
-                            self.budget.release(owner, cost);
-                            false
-                        }
-                    };
-                if !sent {
+                if !crate::worker::offer_live(&self.workers, &self.budget, owner, frame) {
                     self.metrics.messages_dropped.inc();
                     self.dropped.warn(|suppressed| {
                         tracing::warn!(%source, suppressed, "ingest queue full: dropping ZeroMQ messages (raise --ingest-workers or --ingest-queue)")

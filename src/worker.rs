@@ -139,6 +139,26 @@ impl QueueBudget {
     }
 }
 
+/// Queues a live batch for `worker` within its queue's bounds in messages
+/// and bytes, never waiting on them: false, with nothing queued, when
+/// either is full. Disconnected only when shutting down: counted as queued.
+pub fn offer_live(
+    queues: &[flume::Sender<Work>],
+    budget: &QueueBudget,
+    worker: usize,
+    frame: Frame,
+) -> bool {
+    let cost = QueueBudget::cost(&frame);
+    budget.take(worker, cost)
+        && match queues[worker].try_send(Work::Live(frame)) {
+            Ok(()) | Err(flume::TrySendError::Disconnected(_)) => true,
+            Err(flume::TrySendError::Full(_)) => {
+                budget.release(worker, cost);
+                false
+            }
+        }
+}
+
 /// A pod's topic and DP rank: one seq space.
 pub type StreamKey = (Bytes, Option<u32>);
 
@@ -584,16 +604,7 @@ impl<'a> Worker<'a> {
     /// Hands a live batch to its pod's owner, as the receive loop would
     /// have: within that worker's queue bounds, never waiting on them.
     fn forward_live(&self, to: usize, frame: Frame) {
-        let cost = QueueBudget::cost(&frame);
-        let sent = self.config.queue_budget.take(to, cost)
-            && match self.config.workers[to].try_send(Work::Live(frame)) {
-                Ok(()) | Err(flume::TrySendError::Disconnected(_)) => true,
-                Err(flume::TrySendError::Full(_)) => {
-                    self.config.queue_budget.release(to, cost);
-                    false
-                }
-            };
-        if !sent {
+        if !offer_live(&self.config.workers, &self.config.queue_budget, to, frame) {
             self.metrics.messages_dropped.inc();
         }
     }
