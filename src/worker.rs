@@ -321,47 +321,38 @@ impl<'a> Worker<'a> {
                 self.handle(work);
                 drained += 1;
             }
-            if drained > 0 {
-                self.ticks(&mut last_tick, &mut last_routing_tick);
-                if stop.load(Ordering::Relaxed) && rx.is_empty() && control.is_empty() {
-                    return;
+            // Both queues empty: wait on either.
+            if drained == 0 {
+                let wait = if self.tracker.tracked() > 0 {
+                    ROUTING_TICK
+                } else {
+                    Duration::from_millis(100)
+                };
+                let next = flume::Selector::new()
+                    .recv(control, |r| r)
+                    .recv(rx, |r| r)
+                    .wait_timeout(wait);
+                match next {
+                    Ok(Ok(work)) => self.handle(work),
+                    // Both queues' senders are held by every worker: only
+                    // shutdown ends them.
+                    Ok(Err(flume::RecvError::Disconnected)) => return,
+                    Err(_) => {}
                 }
-                continue;
             }
-            let wait = if self.tracker.tracked() > 0 {
-                ROUTING_TICK
-            } else {
-                Duration::from_millis(100)
-            };
-            let next = flume::Selector::new()
-                .recv(control, |r| r)
-                .recv(rx, |r| r)
-                .wait_timeout(wait);
-            match next {
-                Ok(Ok(work)) => self.handle(work),
-                // Both queues' senders are held by every worker: only
-                // shutdown ends them.
-                Ok(Err(flume::RecvError::Disconnected)) => return,
-                Err(_) => {}
+            if self.tracker.tracked() > 0 && last_routing_tick.elapsed() >= ROUTING_TICK {
+                last_routing_tick = Instant::now();
+                let ended = self.tracker.expire(last_routing_tick);
+                self.config.feedback.ended(&ended);
             }
-            self.ticks(&mut last_tick, &mut last_routing_tick);
+            if last_tick.elapsed() >= TICK {
+                last_tick = Instant::now();
+                self.tick();
+                self.sweep_speculation(last_tick);
+            }
             if stop.load(Ordering::Relaxed) && rx.is_empty() && control.is_empty() {
                 return;
             }
-        }
-    }
-
-    /// The periodic work: routing TTLs and stream expiry, when due.
-    fn ticks(&mut self, last_tick: &mut Instant, last_routing_tick: &mut Instant) {
-        if self.tracker.tracked() > 0 && last_routing_tick.elapsed() >= ROUTING_TICK {
-            *last_routing_tick = Instant::now();
-            let ended = self.tracker.expire(*last_routing_tick);
-            self.config.feedback.ended(&ended);
-        }
-        if last_tick.elapsed() >= TICK {
-            *last_tick = Instant::now();
-            self.tick();
-            self.sweep_speculation(*last_tick);
         }
     }
 
