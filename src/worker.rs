@@ -317,6 +317,15 @@ impl<'a> Worker<'a> {
             // batch's decode. Control work waits at most this many.
             let mut drained = 0;
             while drained < DRAIN {
+                // Except an eviction asked of this worker: while it waits,
+                // every writer keeps storing, and a pod whose share runs
+                // ahead grows its tables for good. (Set while any worker is
+                // asked; a look at an empty queue is cheap.)
+                if self.config.evict_pending.load(Ordering::Relaxed) {
+                    while let Ok(work) = control.try_recv() {
+                        self.handle(work);
+                    }
+                }
                 let Ok(work) = rx.try_recv() else { break };
                 self.handle(work);
                 drained += 1;
@@ -940,6 +949,9 @@ impl<'a> Worker<'a> {
             return;
         }
         let Some(to) = self.config.owners.find(&victim.topic_pod, &victim.model) else {
+            // No worker writes it (its last stream ended as we looked):
+            // none to ask; the next batch over capacity looks again.
+            self.config.evict_pending.store(false, Ordering::Relaxed);
             return;
         };
         // Never wait on another worker's queue (two full queues waiting on
