@@ -67,8 +67,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         // Before any socket opens: readiness means the snapshot is in.
         crate::snapshots::load(dir, &indexer, &last_snapshot);
     }
+    // Which ingest worker writes each pod: ingest assigns, metrics show
+    // the balance.
+    let owners = Arc::new(crate::owners::Owners::new(config.ingest_workers));
     let mut metrics = Metrics::new();
-    metrics.register_state(indexer.clone(), tokenizers.clone(), last_snapshot.clone());
+    metrics.register_state(
+        indexer.clone(),
+        tokenizers.clone(),
+        last_snapshot.clone(),
+        owners.clone(),
+    );
     let metrics = Arc::new(metrics);
     let ready = Arc::new(AtomicBool::new(false));
 
@@ -111,7 +119,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         config.ingest_workers,
         metrics.clone(),
     ));
-    let ingest = Ingest::start(&config, indexer.clone(), metrics.clone(), feedback.clone()).await?;
+    let ingest = Ingest::start(
+        &config,
+        indexer.clone(),
+        metrics.clone(),
+        feedback.clone(),
+        owners,
+    )
+    .await?;
     let snapshotter = config.snapshot_dir.clone().map(|dir| {
         tokio::spawn(crate::snapshots::every(
             dir,

@@ -355,6 +355,7 @@ impl Ingest {
         indexer: Arc<Indexer>,
         metrics: Arc<Metrics>,
         feedback: Arc<crate::feedback::Feedback>,
+        owners: Arc<Owners>,
     ) -> Result<Ingest, IngestError> {
         let context = zmq::Context::new();
         let limits = ReceiveLimits {
@@ -378,7 +379,6 @@ impl Ingest {
             .map(|_| flume::bounded(CONTROL_QUEUE))
             .unzip();
         let controls = Arc::new(controls);
-        let owners = Arc::new(Owners::new(config.ingest_workers));
         let budget = Arc::new(crate::worker::QueueBudget::new(
             config.ingest_workers,
             config.ingest_queue_bytes,

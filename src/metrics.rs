@@ -323,11 +323,13 @@ impl Metrics {
         indexer: Arc<Indexer>,
         tokenizers: Arc<tokenizer::Registry>,
         last_snapshot: crate::snapshots::LastSnapshot,
+        owners: Arc<crate::owners::Owners>,
     ) {
         self.registry.register_collector(Box::new(StateCollector {
             indexer,
             tokenizers,
             last_snapshot,
+            owners,
         }));
     }
 
@@ -351,6 +353,7 @@ struct StateCollector {
     indexer: Arc<Indexer>,
     tokenizers: Arc<tokenizer::Registry>,
     last_snapshot: crate::snapshots::LastSnapshot,
+    owners: Arc<crate::owners::Owners>,
 }
 
 impl std::fmt::Debug for StateCollector {
@@ -409,6 +412,18 @@ impl Collector for StateCollector {
                         ConstGauge::new(tiers[t.index()]),
                     )
                 })
+                .collect(),
+        )?;
+        family(
+            &mut encoder,
+            "ingest_worker_pods",
+            "Pods each ingest worker applies the events of (each pod has one)",
+            MetricType::Gauge,
+            self.owners
+                .pods_per_worker()
+                .into_iter()
+                .enumerate()
+                .map(|(w, n)| (vec![("worker", w.to_string())], ConstGauge::new(n as i64)))
                 .collect(),
         )?;
         family(

@@ -90,6 +90,11 @@ impl Owners {
         worker
     }
 
+    /// Pods assigned to each worker (claimed or not yet), for the metrics.
+    pub fn pods_per_worker(&self) -> Vec<usize> {
+        self.state.lock().pods.clone()
+    }
+
     /// The pod's worker if it has one (nothing is assigned).
     pub fn find(&self, pod: &str, model: &str) -> Option<usize> {
         let key = self.key(pod, model);
@@ -136,12 +141,6 @@ impl Owners {
             state.by_pod.remove(&key);
             state.pods[worker] -= 1;
         }
-    }
-
-    /// Pods per worker (assigned or claimed).
-    #[cfg(test)]
-    pub fn pods_per_worker(&self) -> Vec<usize> {
-        self.state.lock().pods.clone()
     }
 }
 

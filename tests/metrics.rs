@@ -122,3 +122,44 @@ async fn metrics_count_ingestion_scoring_and_tokenization() {
     assert_eq!(sample(&m, "kv_indexer_build_info{version="), 1.0);
     assert!(m.ends_with("# EOF\n"), "OpenMetrics text ends with # EOF");
 }
+
+/// Pods are spread over the ingest workers by count, and the metrics show
+/// how: 7 pods (and the subscription marker) on 2 workers, 4 each.
+#[tokio::test]
+async fn ingest_worker_pods_show_the_balance() {
+    let zmq = format!("tcp://127.0.0.1:{}", free_port());
+    let service = Service::start_with_env(
+        &["--zmq-bind", &zmq, "--ingest-workers", "2"],
+        Some(zmq.clone()),
+        &[],
+    )
+    .await;
+    let mut publisher = Publisher::connect(&zmq).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    let mut seqs = std::collections::BTreeMap::new();
+    for p in 0..7u64 {
+        let pod = format!("pod-{p}");
+        let event = Stored {
+            ty: "BlockStored",
+            block_hashes: vec![p + 1],
+            parent_block_hash: None,
+            token_ids: (0..16).collect(),
+            block_size: 16,
+            medium: "GPU",
+        };
+        let payload = rmp_serde::to_vec_named(&(0.0f64, vec![event], 0u32)).unwrap();
+        publisher
+            .send(zmq_message(vec![
+                bytes::Bytes::from(format!("kv@{pod}@m")),
+                bytes::Bytes::copy_from_slice(&0u64.to_be_bytes()),
+                bytes::Bytes::from(payload),
+            ]))
+            .await;
+        seqs.insert(pod, 1u64);
+    }
+    service.wait_applied("m", &seqs).await;
+    let (_, m) = service.http_get("/metrics");
+    let w0 = sample(&m, "kv_indexer_ingest_worker_pods{worker=\"0\"}");
+    let w1 = sample(&m, "kv_indexer_ingest_worker_pods{worker=\"1\"}");
+    assert_eq!((w0, w1), (4.0, 4.0), "{m}");
+}
