@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use indexer::topic::parse_topic;
 
 use crate::config::DialTarget;
-use crate::ingest::{Dispatcher, Source};
+use crate::ingest::{Dispatcher, LastTopic, Source};
 use crate::ratelimit::RateLimited;
 use crate::worker::ConnId;
 use crate::zmq_io::{self, ReceiveLimits};
@@ -82,6 +82,7 @@ struct Dialed {
     seen: HashSet<Vec<u8>>,
     /// What the workers know this socket's connection by.
     conn: ConnId,
+    last_topic: LastTopic,
     /// Counted in `kv_indexer_zmq_connections` now.
     connected: bool,
     /// Which of the pool's contexts its sockets live in.
@@ -357,6 +358,7 @@ fn open(
         monitor,
         replay: target.replay.as_deref().map(Arc::from),
         seen: HashSet::new(),
+        last_topic: LastTopic::default(),
         conn: crate::ingest::new_conn_id(),
         connected: false,
         context_slot,
@@ -371,16 +373,15 @@ fn receive_burst(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, warn: &
         &target.endpoint,
         Source::Dialed(d.conn, d.replay.as_ref()),
         warn,
-        |frames| {
+        &mut d.last_topic,
+        |topic| {
             // One pod publishes one topic per model it serves; a peer
             // inventing topics must not grow this set.
-            if let Some(topic) = frames.first() {
-                if seen.len() < MAX_TOPICS_PER_POD
-                    && !seen.contains(topic)
-                    && parse_topic(topic).is_ok()
-                {
-                    seen.insert(topic.clone());
-                }
+            if seen.len() < MAX_TOPICS_PER_POD
+                && !seen.contains(topic)
+                && parse_topic(topic).is_ok()
+            {
+                seen.insert(topic.to_vec());
             }
         },
     );

@@ -50,31 +50,48 @@ impl FrameProblem {
     }
 }
 
-/// Checks `[topic, seq (8-byte big-endian), payload]`; returns the frame
-/// and the index of the worker that owns its pod.
+/// Checks `[topic, seq (8-byte big-endian), payload]` (`None`: another
+/// number of frames); returns the frame and the index of the worker that
+/// owns its pod. The payload is copied, the topic only when it is not the
+/// socket's last one.
 fn check_frames(
-    mut frames: Vec<Vec<u8>>,
+    frames: Option<[&[u8]; 3]>,
     conn: ConnId,
     owners: &Owners,
+    last_topic: &mut LastTopic,
 ) -> Result<(Frame, usize), FrameProblem> {
-    if frames.len() != 3 {
-        return Err(FrameProblem::FrameCount);
-    }
-    let payload = frames.pop().unwrap_or_default();
-    let seq = frames.pop().unwrap_or_default();
-    let topic = frames.pop().unwrap_or_default();
-    let seq: [u8; 8] = seq[..].try_into().map_err(|_| FrameProblem::Seq)?;
-    let owner = owner_of_topic(owners, &topic).ok_or(FrameProblem::Topic)?;
+    let [topic, seq, payload] = frames.ok_or(FrameProblem::FrameCount)?;
+    let seq: [u8; 8] = seq.try_into().map_err(|_| FrameProblem::Seq)?;
+    let owner = owner_of_topic(owners, topic).ok_or(FrameProblem::Topic)?;
     Ok((
         Frame {
-            topic: Bytes::from(topic),
+            topic: last_topic.get(topic).0,
             seq: u64::from_be_bytes(seq),
-            payload: Bytes::from(payload),
+            payload: Bytes::copy_from_slice(payload),
             replay: None,
             conn,
         },
         owner,
     ))
+}
+
+/// The last topic a socket carried, shared by the frames that repeat it
+/// (a pod publishes one topic per model: nearly every message repeats).
+#[derive(Default)]
+pub struct LastTopic(Option<Bytes>);
+
+impl LastTopic {
+    /// `topic` as shared bytes, and whether it differs from the last one.
+    fn get(&mut self, topic: &[u8]) -> (Bytes, bool) {
+        match &self.0 {
+            Some(last) if last[..] == *topic => (last.clone(), false),
+            _ => {
+                let bytes = Bytes::copy_from_slice(topic);
+                self.0 = Some(bytes.clone());
+                (bytes, true)
+            }
+        }
+    }
 }
 
 /// Connection ids, unique for the process's life.
@@ -209,8 +226,9 @@ impl Dispatcher {
     }
 
     /// Reads up to `burst` waiting messages from `socket` without blocking
-    /// and dispatches each; `each` sees a message's frames first (dial mode
-    /// notes the pod's topics).
+    /// and dispatches each; `new_topic` sees each first frame that is not
+    /// the socket's last topic (dial mode notes the pod's topics).
+    #[allow(clippy::too_many_arguments)]
     pub fn receive_burst(
         &self,
         socket: &zmq::Socket,
@@ -218,18 +236,26 @@ impl Dispatcher {
         label: &str,
         mut source: Source<'_>,
         warn: &RateLimited,
-        mut each: impl FnMut(&[Vec<u8>]),
+        last_topic: &mut LastTopic,
+        mut new_topic: impl FnMut(&[u8]),
     ) {
         let want_fd = matches!(source, Source::Bound(_));
         for _ in 0..burst {
-            match zmq_io::recv_frames(socket, zmq::DONTWAIT, want_fd) {
-                Ok((frames, fd)) => {
-                    each(&frames);
+            match zmq_io::recv_message(socket, zmq::DONTWAIT, want_fd) {
+                Ok(received) => {
+                    let frames = received.three();
+                    if let Some([topic, ..]) = frames {
+                        if last_topic.0.as_deref() != Some(topic) {
+                            new_topic(topic);
+                        }
+                    }
                     let (conn, replay) = match &mut source {
                         Source::Dialed(conn, replay) => (*conn, *replay),
-                        Source::Bound(conns) => (conns.of(i64::from(fd.unwrap_or(-1))), None),
+                        Source::Bound(conns) => {
+                            (conns.of(i64::from(received.fd.unwrap_or(-1))), None)
+                        }
                     };
-                    self.dispatch(frames, label, conn, replay);
+                    self.dispatch(frames, label, conn, replay, last_topic);
                 }
                 Err(zmq::Error::EAGAIN) => return,
                 Err(e) => {
@@ -242,13 +268,14 @@ impl Dispatcher {
 
     fn dispatch(
         &self,
-        frames: Vec<Vec<u8>>,
+        frames: Option<[&[u8]; 3]>,
         source: &str,
         conn: ConnId,
         replay: Option<&Arc<str>>,
+        last_topic: &mut LastTopic,
     ) {
         self.metrics.messages_received.inc();
-        match check_frames(frames, conn, &self.owners) {
+        match check_frames(frames, conn, &self.owners, last_topic) {
             Ok((mut frame, owner)) => {
                 frame.replay = replay.cloned();
                 // Never wait on index work: a full queue (in messages or
@@ -558,6 +585,7 @@ fn bind_loop(
 ) {
     let warn = RateLimited::new(Duration::from_secs(10));
     let mut conns = Connections::default();
+    let mut last_topic = LastTopic::default();
     while !stop.load(Ordering::Relaxed) {
         let mut items = [
             socket.as_poll_item(zmq::POLLIN),
@@ -590,6 +618,7 @@ fn bind_loop(
             source,
             Source::Bound(&mut conns),
             &warn,
+            &mut last_topic,
             |_| {},
         );
     }
@@ -599,15 +628,16 @@ fn bind_loop(
 mod tests {
     use super::*;
 
-    fn msg(frames: Vec<&[u8]>) -> Vec<Vec<u8>> {
-        frames.into_iter().map(<[u8]>::to_vec).collect()
+    fn msg(frames: Vec<&[u8]>) -> Option<[&[u8]; 3]> {
+        frames.try_into().ok()
     }
 
     #[test]
     fn frame_shape_is_checked() {
         let seq = 7u64.to_be_bytes();
         let owners = Owners::new(4);
-        let check = |frames| check_frames(frames, 1, &owners).map(|(f, _)| f.seq);
+        let mut last = LastTopic::default();
+        let mut check = |frames| check_frames(frames, 1, &owners, &mut last).map(|(f, _)| f.seq);
         assert_eq!(check(msg(vec![b"kv@p@m", &seq, b"x"])), Ok(7));
         assert_eq!(
             check(msg(vec![b"kv@p@m", &seq])).err(),
@@ -621,5 +651,31 @@ mod tests {
             check(msg(vec![b"kv-pod-model", &seq, b"x"])).err(),
             Some(FrameProblem::Topic)
         );
+    }
+
+    #[test]
+    fn frames_that_repeat_the_last_topic_share_its_bytes() {
+        let seq = 7u64.to_be_bytes();
+        let owners = Owners::new(2);
+        let mut last = LastTopic::default();
+        let topic = |last: &mut LastTopic, t: &[u8]| {
+            let (frame, _) = check_frames(msg(vec![t, &seq, b"x"]), 1, &owners, last).unwrap();
+            frame.topic
+        };
+        let a = topic(&mut last, b"kv@a@m");
+        let again = topic(&mut last, b"kv@a@m");
+        assert_eq!(a.as_ptr(), again.as_ptr());
+        let b = topic(&mut last, b"kv@b@m");
+        assert_eq!(&b[..], b"kv@b@m");
+        let a2 = topic(&mut last, b"kv@a@m");
+        assert_eq!(&a2[..], b"kv@a@m");
+        assert_ne!(
+            a2.as_ptr(),
+            a.as_ptr(),
+            "a new copy once another topic came between"
+        );
+        // A malformed message leaves the last topic as it was.
+        assert!(check_frames(msg(vec![b"kv@c@m", b"1", b"x"]), 1, &owners, &mut last).is_err());
+        assert_eq!(topic(&mut last, b"kv@a@m").as_ptr(), a2.as_ptr());
     }
 }
