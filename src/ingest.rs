@@ -65,7 +65,7 @@ fn check_frames(
     let owner = owner_of_topic(owners, topic).ok_or(FrameProblem::Topic)?;
     Ok((
         Frame {
-            topic: last_topic.get(topic).0,
+            topic: last_topic.get(topic),
             seq: u64::from_be_bytes(seq),
             payload: Bytes::copy_from_slice(payload),
             replay: None,
@@ -81,14 +81,18 @@ fn check_frames(
 pub struct LastTopic(Option<Bytes>);
 
 impl LastTopic {
-    /// `topic` as shared bytes, and whether it differs from the last one.
-    fn get(&mut self, topic: &[u8]) -> (Bytes, bool) {
+    fn repeats(&self, topic: &[u8]) -> bool {
+        self.0.as_deref() == Some(topic)
+    }
+
+    /// `topic` as shared bytes, copied only if it is not the last one.
+    fn get(&mut self, topic: &[u8]) -> Bytes {
         match &self.0 {
-            Some(last) if last[..] == *topic => (last.clone(), false),
+            Some(last) if last[..] == *topic => last.clone(),
             _ => {
                 let bytes = Bytes::copy_from_slice(topic);
                 self.0 = Some(bytes.clone());
-                (bytes, true)
+                bytes
             }
         }
     }
@@ -245,7 +249,7 @@ impl Dispatcher {
                 Ok(received) => {
                     let frames = received.three();
                     if let Some([topic, ..]) = frames {
-                        if last_topic.0.as_deref() != Some(topic) {
+                        if !last_topic.repeats(topic) {
                             new_topic(topic);
                         }
                     }
