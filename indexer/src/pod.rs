@@ -299,6 +299,7 @@ impl PodState {
         // Up front: a long document's changes otherwise grow the buffer,
         // copying it, a dozen times.
         self.pending.reserve(n);
+        self.by_hash.touch(&ev.block_hashes);
         let named_lora = named_lora(ev);
         // Engine keys unless this adapter's hashes cannot be reproduced.
         let engine = mode
@@ -403,6 +404,7 @@ impl PodState {
         }
         let tier = ev.tier();
         self.pending.reserve(ev.block_hashes.len());
+        self.by_hash.touch(&ev.block_hashes);
         for hash in &ev.block_hashes {
             let Some(mut entry) = self.by_hash.find_entry(*hash) else {
                 stats.unknown_removals += 1;
