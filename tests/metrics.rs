@@ -139,15 +139,7 @@ async fn ingest_worker_pods_show_the_balance() {
     let mut seqs = std::collections::BTreeMap::new();
     for p in 0..7u64 {
         let pod = format!("pod-{p}");
-        let event = Stored {
-            ty: "BlockStored",
-            block_hashes: vec![p + 1],
-            parent_block_hash: None,
-            token_ids: (0..16).collect(),
-            block_size: 16,
-            medium: "GPU",
-        };
-        let payload = rmp_serde::to_vec_named(&(0.0f64, vec![event], 0u32)).unwrap();
+        let payload = one_block_store(p + 1);
         publisher
             .send(zmq_message(vec![
                 bytes::Bytes::from(format!("kv@{pod}@m")),

@@ -18,18 +18,6 @@ const MODEL: &str = "Qwen/Qwen3-8B";
 const STORM: Duration = Duration::from_secs(6);
 const CALL_LIMIT: Duration = Duration::from_secs(5);
 
-fn store(i: u64) -> Vec<u8> {
-    let event = Stored {
-        ty: "BlockStored",
-        block_hashes: vec![i + 1],
-        parent_block_hash: None,
-        token_ids: (0..16).collect(),
-        block_size: 16,
-        medium: "GPU",
-    };
-    rmp_serde::to_vec_named(&(0.0f64, vec![event], 0u32)).expect("encode")
-}
-
 /// Fails the test if `call` takes longer than [`CALL_LIMIT`].
 async fn bounded<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(CALL_LIMIT, call)
@@ -62,7 +50,7 @@ async fn new_pods_by_the_thousand_while_named_pods_are_scored_never_freeze() {
             .send(zmq_message(vec![
                 Bytes::from(format!("kv@{pod}@{MODEL}")),
                 Bytes::copy_from_slice(&0u64.to_be_bytes()),
-                Bytes::from(store(i as u64)),
+                Bytes::from(one_block_store(i as u64 + 1)),
             ]))
             .await;
     }
@@ -99,7 +87,7 @@ async fn new_pods_by_the_thousand_while_named_pods_are_scored_never_freeze() {
                         .send(zmq_message(vec![
                             Bytes::from(format!("kv@new-{i}@{MODEL}")),
                             Bytes::copy_from_slice(&0u64.to_be_bytes()),
-                            Bytes::from(store(i)),
+                            Bytes::from(one_block_store(i + 1)),
                         ]))
                         .await;
                     i += 1;

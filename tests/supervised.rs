@@ -7,18 +7,6 @@ mod common;
 use bytes::Bytes;
 use common::*;
 
-fn batch(hash: u64) -> Vec<u8> {
-    let event = Stored {
-        ty: "BlockStored",
-        block_hashes: vec![hash],
-        parent_block_hash: None,
-        token_ids: (0..16).collect(),
-        block_size: 16,
-        medium: "GPU",
-    };
-    rmp_serde::to_vec_named(&(0.0f64, vec![event], 0u32)).expect("encode")
-}
-
 #[tokio::test]
 async fn a_panic_applying_one_pods_batch_resets_that_pod_only() {
     let zmq = format!("tcp://127.0.0.1:{}", free_port());
@@ -37,7 +25,7 @@ async fn a_panic_applying_one_pods_batch_resets_that_pod_only() {
                 .send(zmq_message(vec![
                     Bytes::from(format!("kv@{pod}@m")),
                     Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    Bytes::from(batch(seq + 1)),
+                    Bytes::from(one_block_store(seq + 1)),
                 ]))
                 .await;
         }

@@ -436,6 +436,20 @@ pub struct Stored {
     pub medium: &'static str,
 }
 
+/// A batch payload (`(timestamp, [event], dp rank)`) of one stored block:
+/// `hash`, tokens 0..16.
+pub fn one_block_store(hash: u64) -> Vec<u8> {
+    let event = Stored {
+        ty: "BlockStored",
+        block_hashes: vec![hash],
+        parent_block_hash: None,
+        token_ids: (0..16).collect(),
+        block_size: 16,
+        medium: "GPU",
+    };
+    rmp_serde::to_vec_named(&(0.0f64, vec![event], 0u32)).expect("encode")
+}
+
 /// A multipart ZeroMQ message, frame by frame.
 pub type ZmqMessage = Vec<Bytes>;
 
