@@ -160,6 +160,9 @@ struct Shard {
     /// (mixed key, holders); the mixed key is also the slot's hash.
     holders: HashTable<(u64, Holders)>,
     extra: Repeats<(u64, PodId)>,
+    /// A bounded index's table capacity, kept (see `make_room`); 0: the
+    /// table grows as it fills.
+    fixed: usize,
 }
 
 /// One shard's lock on its own cache line (readers of one shard do not
@@ -173,8 +176,18 @@ struct Padded(RwLock<Shard>);
 /// writer's core). Lookups under ingest with 128 pods ran 1.3x faster with
 /// 64 shards than 16, and 1.5x faster again with 256, in interleaved runs;
 /// applying did not measurably slow, although one event's blocks now share
-/// fewer shard locks (see `apply`).
-const SHARD_BITS: u32 = 8;
+/// fewer shard locks (see `apply`). A bounded index takes up to twice as
+/// many, however many fit its tables best (see `with_max_keys`).
+const SHARDS: usize = 256;
+const MAX_SHARDS: usize = 2 * SHARDS;
+
+/// A bounded index's tables are sized so that the fullest shard one can
+/// expect (its mean share of keys plus four standard deviations) fills at
+/// most this much of its buckets. Above it, rehashing in place (see
+/// `Shard::make_room`) comes often: a simulation of hashbrown under churn
+/// moved 0.24 keys per insert at 59% load, 0.65 at 68%, 1.7 at 76% and 7.3
+/// at 83%.
+const BOUNDED_LOAD: f64 = 0.7;
 
 /// Most changes applied under one shard lock.
 const MAX_GROUP: usize = 32;
@@ -192,14 +205,17 @@ thread_local! {
     static GROUPED: RefCell<Vec<Change>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `changes` into `out` in shard order, stable: a counting sort.
-fn group_by_shard(changes: &[Change], out: &mut Vec<Change>) {
-    let mut next = [0u32; 1 << SHARD_BITS];
+/// `changes` into `out` in shard order (of `shards` shards), stable: a
+/// counting sort.
+fn group_by_shard(changes: &[Change], shards: usize, out: &mut Vec<Change>) {
+    // Indexed under a mask that changes nothing (shards <= MAX_SHARDS, a
+    // power of two) but lets the compiler drop the bounds checks.
+    let mut next = [0u32; MAX_SHARDS];
     for c in changes {
-        next[shard_of(c.key)] += 1;
+        next[shard_of(c.key, shards) & (MAX_SHARDS - 1)] += 1;
     }
     let mut at = 0;
-    for n in next.iter_mut() {
+    for n in next[..shards].iter_mut() {
         let count = *n;
         *n = at;
         at += count;
@@ -207,7 +223,7 @@ fn group_by_shard(changes: &[Change], out: &mut Vec<Change>) {
     out.clear();
     out.resize(changes.len(), changes[0]);
     for c in changes {
-        let slot = &mut next[shard_of(c.key)];
+        let slot = &mut next[shard_of(c.key, shards) & (MAX_SHARDS - 1)];
         out[*slot as usize] = *c;
         *slot += 1;
     }
@@ -219,7 +235,7 @@ pub struct BlockIndex {
 
 impl Default for BlockIndex {
     fn default() -> Self {
-        BlockIndex::with_capacity(0)
+        BlockIndex::with_shards(SHARDS, 0)
     }
 }
 
@@ -228,29 +244,48 @@ impl BlockIndex {
         Self::default()
     }
 
-    fn with_capacity(keys: usize) -> Self {
+    /// `shards` shards whose tables keep `fixed` capacity (0: grow).
+    fn with_shards(shards: usize, fixed: usize) -> Self {
         BlockIndex {
-            shards: (0..1usize << SHARD_BITS)
+            shards: (0..shards)
                 .map(|_| {
                     Padded(RwLock::new(Shard {
-                        holders: HashTable::with_capacity(keys >> SHARD_BITS),
+                        holders: HashTable::with_capacity(fixed),
                         extra: Repeats::default(),
+                        fixed,
                     }))
                 })
                 .collect(),
         }
     }
 
-    /// An index that will hold at most `max_keys` keys. Sized at twice that
-    /// up front: a hash table churning above half its capacity resizes
-    /// (doubles) instead of rehashing in place, so this is what keeps memory
-    /// flat at capacity.
+    /// An index that will hold at most `max_keys` keys, its tables sized
+    /// for them up front and kept at that size (churn at capacity rehashes
+    /// them in place, see `Shard::make_room`), so memory stays flat.
+    ///
+    /// Keys spread over the shards by hash, so a shard's share is binomial
+    /// around the mean; tables come in powers of two. Of the shard counts
+    /// from `SHARDS` to twice that, the one whose tables, each sized for
+    /// the mean share plus four standard deviations at `BOUNDED_LOAD`,
+    /// take the fewest buckets in all: a factor of two in shard counts
+    /// spans one power of two in table sizes, so from 100,000 keys on the
+    /// mean shard's table is 54-69% full, 48-62 bytes per key. (Sized at
+    /// twice the share, with 256 shards, it was 22-44%, 86-138 bytes.)
     pub fn with_max_keys(max_keys: usize) -> Self {
-        Self::with_capacity(max_keys.saturating_mul(2))
+        let buckets_for = |shards: usize| {
+            let mean = max_keys.div_ceil(shards);
+            let fullest = mean + 4 * (mean as f64).sqrt().ceil() as usize + 16;
+            ((fullest as f64 / BOUNDED_LOAD).ceil() as usize).next_power_of_two()
+        };
+        let shards = (SHARDS..=MAX_SHARDS)
+            .min_by_key(|n| n.saturating_mul(buckets_for(*n)))
+            .unwrap_or(SHARDS);
+        // hashbrown's capacity for that many buckets: 7/8 of them.
+        Self::with_shards(shards, buckets_for(shards) / 8 * 7)
     }
 
     fn shard(&self, key: u64) -> &RwLock<Shard> {
-        &self.shards[shard_of(key)].0
+        &self.shards[shard_of(key, self.shards.len())].0
     }
 
     /// Records one more reference of `pod` holding `key` on `tier`.
@@ -287,7 +322,7 @@ impl BlockIndex {
                 let Ok(mut grouped) = cell.try_borrow_mut() else {
                     return false;
                 };
-                group_by_shard(changes, &mut grouped);
+                group_by_shard(changes, self.shards.len(), &mut grouped);
                 self.apply_grouped(&grouped);
                 if grouped.capacity() > MAX_KEPT_GROUPED {
                     *grouped = Vec::new();
@@ -299,7 +334,8 @@ impl BlockIndex {
                 return;
             }
         }
-        changes.sort_unstable_by_key(|c| shard_of(c.key));
+        let shards = self.shards.len();
+        changes.sort_unstable_by_key(|c| shard_of(c.key, shards));
         self.apply_grouped(changes);
         changes.clear();
     }
@@ -308,11 +344,19 @@ impl BlockIndex {
     fn apply_grouped(&self, changes: &[Change]) {
         // Bounded groups: a reader waits out one group, never a whole
         // 8K-block document.
-        for group in changes
-            .chunk_by(|a, b| shard_of(a.key) == shard_of(b.key))
-            .flat_map(|g| g.chunks(MAX_GROUP))
-        {
-            let mut map = self.shard(group[0].key).write();
+        let shards = self.shards.len();
+        let mut rest = changes;
+        while let Some(first) = rest.first() {
+            // Each change's shard computed once (a multiply, see
+            // `shard_of`), where pairwise chunking computed it twice.
+            let shard = shard_of(first.key, shards);
+            let run = 1 + rest[1..rest.len().min(MAX_GROUP)]
+                .iter()
+                .take_while(|c| shard_of(c.key, shards) == shard)
+                .count();
+            let (group, tail) = rest.split_at(run);
+            rest = tail;
+            let mut map = self.shards[shard].0.write();
             // Every key probed first, the answers dropped: these probes do
             // not wait on each other, so their cache misses overlap, where
             // each change's probe came after the last one's insert or
@@ -365,10 +409,12 @@ fn read_spinning(lock: &RwLock<Shard>) -> parking_lot::RwLockReadGuard<'_, Shard
     lock.read()
 }
 
-/// The shard of a key's hash: the bits below the top 7, which the shard's
-/// own table uses for its control bytes.
-fn shard_of(hash: u64) -> usize {
-    ((hash << 7) >> (64 - SHARD_BITS)) as usize
+/// The shard of a key's hash, of `shards`: the 32 bits below the top 7
+/// (which the shard's own table uses for its control bytes) scaled to the
+/// shard count. With 256 shards, the top 8 of those bits.
+#[inline]
+fn shard_of(hash: u64, shards: usize) -> usize {
+    ((((hash << 7) >> 32) * shards as u64) >> 32) as usize
 }
 
 impl Shard {
@@ -380,7 +426,27 @@ impl Shard {
         }
     }
 
+    /// Rehashes a fixed-size table in place when it has no room left:
+    /// removals leave tombstones, and hashbrown, on running out, rehashes
+    /// in place only while at most half full and otherwise doubles, so a
+    /// bounded table under churn at capacity would grow. Here the live keys
+    /// (the index's share, at most `BOUNDED_LOAD` of the buckets as sized)
+    /// are taken out and put back, which clears the tombstones. A shard
+    /// whose live keys nearly fill it (far past the share it was sized for)
+    /// is left to grow instead: rehashing it would come every few inserts.
+    fn make_room(&mut self) {
+        let (len, capacity) = (self.holders.len(), self.holders.capacity());
+        if self.fixed == 0 || capacity > len || len > self.fixed - self.fixed / 16 {
+            return;
+        }
+        let live: Vec<(u64, Holders)> = self.holders.drain().collect();
+        for entry in live {
+            self.holders.insert_unique(entry.0, entry, |(k, _)| *k);
+        }
+    }
+
     fn take(&mut self, key: u64, pod: PodId, tier: Tier) {
+        self.make_room();
         let holders = match self.holders.entry(key, |(k, _)| *k == key, |(k, _)| *k) {
             // The common case while caches fill: a key's first holder.
             Entry::Vacant(v) => {
@@ -537,15 +603,58 @@ mod tests {
         let changes: Vec<Change> = (0..500u64)
             .map(|k| Change::acquire(BlockKey(k), PodId(0), Tier::Gpu))
             .collect();
-        group_by_shard(&changes, &mut grouped);
+        group_by_shard(&changes, 300, &mut grouped);
         assert!(grouped
             .windows(2)
-            .all(|w| shard_of(w[0].key) <= shard_of(w[1].key)));
+            .all(|w| shard_of(w[0].key, 300) <= shard_of(w[1].key, 300)));
         let mut keys: Vec<u64> = grouped.iter().map(|c| c.key).collect();
         keys.sort_unstable();
         let mut want: Vec<u64> = (0..500).map(|k| mixed(BlockKey(k))).collect();
         want.sort_unstable();
         assert_eq!(keys, want);
+    }
+
+    /// The bytes of the shards' tables.
+    fn table_bytes(index: &BlockIndex) -> usize {
+        index
+            .shards
+            .iter()
+            .map(|s| s.0.read().holders.allocation_size())
+            .sum()
+    }
+
+    /// A bounded index's tables take at most 1.9 slots of 33 bytes (32 and
+    /// a control byte) per key from 100,000 keys on (at twice the share
+    /// and 256 shards they took 2.6-4.2), and churn at capacity, which
+    /// leaves tombstones, never reallocates them.
+    #[test]
+    fn a_bounded_index_is_sized_for_its_keys_and_stays_so_under_churn() {
+        for max_keys in [1_000usize, 200_000, 300_000, 1_000_000, 3_000_000] {
+            let index = BlockIndex::with_max_keys(max_keys);
+            let bytes = table_bytes(&index);
+            let per_key = bytes as f64 / max_keys as f64;
+            assert!(
+                (33.0..=33.0 * 1.9).contains(&per_key) || max_keys < 100_000,
+                "{max_keys} keys: {per_key:.1} bytes per key"
+            );
+            if max_keys > 200_000 {
+                continue;
+            }
+            // Endless new keys, the oldest released: `max_keys` live.
+            let mut rnd = crate::test_rng::xorshift(max_keys as u64);
+            let mut live = std::collections::VecDeque::new();
+            for _ in 0..4 * max_keys {
+                if live.len() == max_keys {
+                    let old = live.pop_front().unwrap();
+                    index.release(old, PodId(0), Tier::Gpu);
+                }
+                let key = BlockKey(rnd(u64::MAX));
+                index.acquire(key, PodId(0), Tier::Gpu);
+                live.push_back(key);
+            }
+            assert_eq!(index.len(), max_keys);
+            assert_eq!(table_bytes(&index), bytes, "{max_keys} keys");
+        }
     }
 
     #[test]

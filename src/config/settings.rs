@@ -240,7 +240,7 @@ settings! {
     max_blocks: usize,
 
     /// Memory budget for the index, e.g. `4GiB`: converted to entries at
-    /// 400 bytes each (with --max-blocks, the smaller wins).
+    /// 256 bytes each (with --max-blocks, the smaller wins).
     max_memory: Size,
 
     /// Most cache domains (pod, data-parallel rank) held.
