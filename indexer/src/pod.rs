@@ -179,18 +179,21 @@ pub struct PodState {
     check_buf: Vec<u8>,
     /// Stores of a hash on a tier it already holds, beyond the first.
     extra: Repeats<EngineHash>,
-    /// Store clock, and (hash, stamp) in store order for eviction. An
-    /// entry whose stamp no longer matches was re-stored or removed since:
-    /// skipped, and compacted away when they pile up. A block eviction
-    /// reaches while it still has children is passed (see `released`).
+    /// Store clock, and (slot in `by_hash`, stamp) in store order for
+    /// eviction. An entry whose slot holds no block with that stamp any
+    /// more was re-stored or removed since (a reused slot's block has a
+    /// later stamp): skipped, and compacted away when they pile up. A
+    /// block eviction reaches while it still has children is passed (see
+    /// `released`). Slots, not hashes: 8 bytes an entry, not 16, and
+    /// `order` holds one to two per held block.
     clock: u64,
-    order: VecDeque<(EngineHash, Stamp)>,
+    order: VecDeque<(u32, Stamp)>,
     /// Blocks whose `order` entry eviction passed while they had children
     /// (a prefix this pod still extends), and whose last child has gone
     /// since: evictable again, and older than anything left in `order`.
     /// By store time (the clock's, so the heap's order never changes),
     /// oldest first; stale entries are skipped as `order`'s are.
-    released: BinaryHeap<Reverse<(u64, EngineHash)>>,
+    released: BinaryHeap<Reverse<(u64, u32)>>,
     /// Under a capacity limit: keep `by_hash` at most half full, so churn at
     /// capacity rehashes in place instead of doubling the table. Also the
     /// only case that needs `order`.
@@ -495,9 +498,15 @@ impl PodState {
                     self.held_per_tier[tier.index()] += 1;
                 }
             }
-            self.by_hash.insert(EngineHash(*hash), held);
+            let slot = match self.by_hash.entry(EngineHash(*hash)) {
+                Entry::Occupied(mut e) => {
+                    *e.get_mut() = held;
+                    e.slot()
+                }
+                Entry::Vacant(v) => v.insert_with_slot(held).0,
+            };
             if self.half_full {
-                self.order.push_back((EngineHash(*hash), stamp));
+                self.order.push_back((slot, stamp));
             }
             if self.pending.len() >= 4096 {
                 self.apply_pending(index);
@@ -648,8 +657,8 @@ impl PodState {
     ) -> Option<Link> {
         self.reserve_one();
         let stamp = self.tick();
-        let (held, new) = match self.by_hash.entry(hash) {
-            Entry::Occupied(e) => (e.into_mut(), false),
+        let (slot, held, new) = match self.by_hash.entry(hash) {
+            Entry::Occupied(e) => (e.slot(), e.into_mut(), false),
             Entry::Vacant(v) => {
                 let mut held = HeldBlock::new(key);
                 held.born = next_born(&mut self.born_clock);
@@ -658,7 +667,8 @@ impl PodState {
                     held.parent = link.parent;
                     held.parent_born = link.born;
                 }
-                (v.insert(held), true)
+                let (slot, held) = v.insert_with_slot(held);
+                (slot, held, true)
             }
         };
         if held.links.holds(tier) {
@@ -677,7 +687,7 @@ impl PodState {
         }
         // Only a bounded index evicts: the rest never reads `order`.
         if self.half_full {
-            self.order.push_back((hash, stamp));
+            self.order.push_back((slot, stamp));
             // Re-stores and removals leave stale order entries: rebuild
             // before they outnumber the live ones (O(1) amortised).
             if self.order.len() > 2 * self.by_hash.len() + 64 {
@@ -711,13 +721,13 @@ impl PodState {
     /// Undoes what a link counted: one child of the parent it names, if
     /// that incarnation is still held, else one orphan.
     fn drop_link(&mut self, link: Link) {
-        match self.by_hash.get_mut(&link.parent) {
-            Some(up) if link.born != 0 && up.born == link.born => {
+        match self.by_hash.get_mut_with_slot(&link.parent) {
+            Some((slot, up)) if link.born != 0 && up.born == link.born => {
                 up.links.remove_child();
                 // Only a bounded index evicts (see `store_block`).
                 if self.half_full && up.links.children() == 0 {
                     let stamp = up.stamp;
-                    self.became_leaf(link.parent, stamp);
+                    self.became_leaf(slot, stamp);
                 }
             }
             _ => {

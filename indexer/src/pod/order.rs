@@ -21,15 +21,15 @@ impl PodState {
         while evicted < n {
             // Released blocks first: they are the older ones.
             let next = match self.released.pop() {
-                Some(Reverse((time, hash))) => Some((hash, Stamp(time as u32))),
+                Some(Reverse((time, slot))) => Some((slot, Stamp(time as u32))),
                 None => self.order.pop_front(),
             };
-            let Some((hash, stamp)) = next else {
+            let Some((slot, stamp)) = next else {
                 break;
             };
-            let leaf = match self.by_hash.get(&hash) {
-                Some(b) if b.stamp == stamp => b.links.children() == 0,
-                // Re-stored or removed since.
+            let (hash, leaf) = match self.by_hash.at_slot(slot) {
+                Some((hash, b)) if b.stamp == stamp => (hash, b.links.children() == 0),
+                // Re-stored or removed since (the slot maybe reused).
                 _ => continue,
             };
             if !leaf {
@@ -51,12 +51,12 @@ impl PodState {
         evicted
     }
 
-    /// `hash`, stored at `stamp`, just lost its last child. If eviction
+    /// The block in `slot`, stored at `stamp`, just lost its last child. If eviction
     /// passed its `order` entry meanwhile (it is not newer than the front:
     /// `order` is in store order), it is evictable again: into `released`.
     /// A block still queued may be pushed too (equal stamps, after
     /// `age_out`): the second entry is stale by the time it is reached.
-    pub(super) fn became_leaf(&mut self, hash: EngineHash, stamp: Stamp) {
+    pub(super) fn became_leaf(&mut self, slot: u32, stamp: Stamp) {
         let passed = self
             .order
             .front()
@@ -65,7 +65,7 @@ impl PodState {
             return;
         }
         let time = self.clock.saturating_sub(u64::from(self.age(stamp)));
-        self.released.push(Reverse((time, hash)));
+        self.released.push(Reverse((time, slot)));
         // A child that comes and goes again and again pushes its parent
         // each time: rebuild before they outnumber the live blocks.
         if self.released.len() > self.by_hash.len() + 64 {
@@ -108,10 +108,15 @@ impl PodState {
     /// queued again: nothing is left passed or released).
     pub(super) fn rebuild_order(&mut self) {
         self.released.clear();
-        self.order = self
-            .oldest_first()
+        let mut held: Vec<(u32, EngineHash, Stamp)> = self
+            .by_hash
+            .iter_slots()
+            .map(|(slot, h, b)| (slot, *h, b.stamp))
+            .collect();
+        held.sort_unstable_by_key(|(_, h, stamp)| (Reverse(self.age(*stamp)), *h));
+        self.order = held
             .into_iter()
-            .map(|(h, b)| (h, b.stamp))
+            .map(|(slot, _, stamp)| (slot, stamp))
             .collect();
     }
 
@@ -119,7 +124,7 @@ impl PodState {
     pub(super) fn oldest_first(&self) -> Vec<(EngineHash, &HeldBlock)> {
         let mut held: Vec<(EngineHash, &HeldBlock)> =
             self.by_hash.iter().map(|(h, b)| (*h, b)).collect();
-        held.sort_unstable_by_key(|(h, b)| (std::cmp::Reverse(self.age(b.stamp)), *h));
+        held.sort_unstable_by_key(|(h, b)| (Reverse(self.age(b.stamp)), *h));
         held
     }
 }

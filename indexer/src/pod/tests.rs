@@ -109,6 +109,25 @@ fn eviction_drops_the_least_recently_stored_blocks_first() {
     assert!(pod.order.len() <= 2 * pod.entries() + 64);
 }
 
+/// The eviction order names blocks by slot: a removed block's slot, taken
+/// by a newer block, must not make the newer one look old.
+#[test]
+fn a_reused_slot_does_not_inherit_its_last_blocks_place_in_line() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m").bounded();
+    let mut stats = ApplyStats::default();
+    for h in 1..=3u64 {
+        pod.store_t(&index, &store(&[h], None, &tokens(4, h as u32)), &mut stats);
+    }
+    pod.remove(&index, &removed(&[1]), &mut stats);
+    // Takes block 1's slot; its place in line is last.
+    pod.store_t(&index, &store(&[9], None, &tokens(4, 9)), &mut stats);
+    assert_eq!(pod.evict_oldest(&index, 1), 1);
+    let mut left: Vec<u64> = pod.by_hash.keys().map(|h| h.0).collect();
+    left.sort_unstable();
+    assert_eq!(left, vec![3, 9]);
+}
+
 /// Children and orphans counted from scratch: what `adopt`, the links
 /// made in advance and `unlink` must keep.
 fn recount(pod: &PodState) -> (u64, HashMap<EngineHash, u32>) {
