@@ -194,10 +194,11 @@ pub struct PodState {
     /// By store time (the clock's, so the heap's order never changes),
     /// oldest first; stale entries are skipped as `order`'s are.
     released: BinaryHeap<Reverse<(u64, u32)>>,
-    /// Under a capacity limit: keep `by_hash` at most half full, so churn at
-    /// capacity rehashes in place instead of doubling the table. Also the
-    /// only case that needs `order`.
-    half_full: bool,
+    /// Under a capacity limit: `by_hash` keeps its size under churn (see
+    /// `make_room`). Also the only case that needs `order`.
+    bounded: bool,
+    /// Bounded: the capacity `by_hash` was last sized to (`make_room`).
+    table_capacity: usize,
     /// Held blocks whose parent is not held: 0 means the held set is
     /// prefix-closed, which lets scoring binary-search it (see `score`).
     orphans: u64,
@@ -209,6 +210,13 @@ pub struct PodState {
     closure: Arc<Closure>,
     published: Option<Tier>,
 }
+
+/// A bounded pod's table doubles once its live entries fill more than this
+/// (num, den) of its capacity, else is rebuilt at the same size when full
+/// (see `PodState::make_room`): 61% of its buckets, where rebuilding moves
+/// ~0.3 entries per insert (a simulation of hashbrown under churn: 0.24 at
+/// 59% load, 0.65 at 68%, 1.7 at 76%), each a read of the entry's hash.
+const GROW_AT: (usize, usize) = (7, 10);
 
 /// Every pod's first stores are checked, then one in `self_check_every`.
 const ALWAYS_CHECKED_STORES: u64 = 8;
@@ -228,7 +236,8 @@ impl PodState {
             clock: 0,
             order: VecDeque::new(),
             released: BinaryHeap::new(),
-            half_full: false,
+            bounded: false,
+            table_capacity: 0,
             orphans: 0,
             born_clock: 0,
             pending: Vec::new(),
@@ -242,25 +251,41 @@ impl PodState {
         self.closure.clone()
     }
 
-    /// For a capacity-bounded index (see `half_full`).
+    /// For a capacity-bounded index (see `bounded`).
     pub fn bounded(mut self) -> Self {
-        self.half_full = true;
+        self.bounded = true;
         self
     }
 
-    /// Room for one more entry, growing early when bounded (see `grow`).
-    /// The check inline, the growth not: it runs on every stored block.
+    /// Room for one more entry; when bounded, made by us (see
+    /// `make_room`). The check inline, the rest not: it runs on every
+    /// stored block.
     #[inline]
     fn reserve_one(&mut self) {
-        if self.half_full && (self.by_hash.len() + 1) * 2 > self.by_hash.capacity() {
-            self.grow();
+        if self.bounded && self.by_hash.capacity() <= self.by_hash.len() + 1 {
+            self.make_room();
         }
     }
 
-    /// Doubles the table, its memory resident at once (see `regrow`).
+    /// A bounded pod's table has no room left (removals leave tombstones,
+    /// which use it up). hashbrown would rehash in place only while at
+    /// most half full and otherwise double, so under churn at capacity the
+    /// table would keep doubling; it was kept half full for that, and a
+    /// share that ran ahead late still doubled it once (a 2-3 MB step in
+    /// `tests/memory.rs`). Here it is rebuilt at the same size, which
+    /// clears the tombstones, unless the live entries fill more than
+    /// `GROW_AT` of it: then it doubles. Either way its memory is resident
+    /// at once (see `regrow`).
     #[cold]
-    fn grow(&mut self) {
-        self.by_hash.regrow(2 * self.by_hash.len() + 2);
+    fn make_room(&mut self) {
+        let needed = self.by_hash.len() + 1;
+        let size = if needed * GROW_AT.1 > self.table_capacity * GROW_AT.0 {
+            (2 * self.table_capacity).max(2 * needed)
+        } else {
+            self.table_capacity
+        };
+        self.by_hash.regrow(size);
+        self.table_capacity = self.by_hash.capacity();
     }
 
     /// Block size learned from this pod's stores.
@@ -505,7 +530,7 @@ impl PodState {
                 }
                 Entry::Vacant(v) => v.insert_with_slot(held).0,
             };
-            if self.half_full {
+            if self.bounded {
                 self.order.push_back((slot, stamp));
             }
             if self.pending.len() >= 4096 {
@@ -556,6 +581,7 @@ impl PodState {
             }
         });
         // Empty (and so closed) before the flush publishes it.
+        self.table_capacity = 0;
         self.held_per_tier = [0; TIERS];
         self.extra.clear();
         self.order.clear();
@@ -686,7 +712,7 @@ impl PodState {
             }
         }
         // Only a bounded index evicts: the rest never reads `order`.
-        if self.half_full {
+        if self.bounded {
             self.order.push_back((slot, stamp));
             // Re-stores and removals leave stale order entries: rebuild
             // before they outnumber the live ones (O(1) amortised).
@@ -725,7 +751,7 @@ impl PodState {
             Some((slot, up)) if link.born != 0 && up.born == link.born => {
                 up.links.remove_child();
                 // Only a bounded index evicts (see `store_block`).
-                if self.half_full && up.links.children() == 0 {
+                if self.bounded && up.links.children() == 0 {
                     let stamp = up.stamp;
                     self.became_leaf(slot, stamp);
                 }

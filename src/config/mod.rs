@@ -301,7 +301,7 @@ fn invalid(
 
 /// Memory one (pod, block) entry costs at capacity, all structures and
 /// allocator overhead included: tests/memory.rs measures what 200,000
-/// entries add to the process's resident memory at capacity, 150-153 bytes
+/// entries add to the process's resident memory at capacity, 130-135 bytes
 /// each (debug and release builds; one holder per key, the index's worst
 /// case), and checks it against this. 256 leaves room for what that test
 /// does not do: re-stores (stale eviction-order entries) and tables that

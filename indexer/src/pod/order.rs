@@ -99,7 +99,7 @@ impl PodState {
                 held.stamp = oldest;
             }
         });
-        if self.half_full {
+        if self.bounded {
             self.rebuild_order();
         }
     }

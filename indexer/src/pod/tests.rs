@@ -128,6 +128,26 @@ fn a_reused_slot_does_not_inherit_its_last_blocks_place_in_line() {
     assert_eq!(left, vec![3, 9]);
 }
 
+/// A bounded pod's table under churn at a steady share keeps the size that
+/// share needs: 1,000 blocks fit 2,048 buckets (hashbrown's capacity 1,792)
+/// at 56%, where keeping it half full took 4,096.
+#[test]
+fn a_bounded_pods_table_keeps_its_size_under_churn() {
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m").bounded();
+    let mut stats = ApplyStats::default();
+    let mut most = 0;
+    for h in 1..=20_000u64 {
+        pod.store_t(&index, &store(&[h], None, &tokens(4, h as u32)), &mut stats);
+        if pod.entries() > 1000 {
+            assert_eq!(pod.evict_oldest(&index, 1), 1);
+        }
+        most = most.max(pod.by_hash.capacity());
+    }
+    assert_eq!(pod.entries(), 1000);
+    assert!(most <= 1792, "capacity {most}");
+}
+
 /// Children and orphans counted from scratch: what `adopt`, the links
 /// made in advance and `unlink` must keep.
 fn recount(pod: &PodState) -> (u64, HashMap<EngineHash, u32>) {
