@@ -41,11 +41,14 @@ impl<K: Hash + Eq> Repeats<K> {
     }
 
     /// Takes back one reference beyond the first, if there is one: then the
-    /// tier stays held.
+    /// tier stays held. The empty check inline (every removal asks, and
+    /// repeats are rare), the lookup not.
+    #[inline]
     pub fn take(&mut self, key: K, tier: Tier) -> bool {
-        if self.0.is_empty() {
-            return false;
-        }
+        !self.0.is_empty() && self.take_repeat(key, tier)
+    }
+
+    fn take_repeat(&mut self, key: K, tier: Tier) -> bool {
         let Entry::Occupied(mut n) = self.0.entry((key, tier)) else {
             return false;
         };
