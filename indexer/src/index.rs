@@ -130,12 +130,16 @@ pub struct Change {
     pod: PodId,
     tier: Tier,
     acquire: bool,
+    /// The key's shard, set by `BlockIndex::apply` once per batch (in what
+    /// was padding), where grouping computed it three or four times.
+    shard: u16,
 }
 
 impl Change {
     pub fn acquire(key: BlockKey, pod: PodId, tier: Tier) -> Change {
         Change {
             key: mixed(key),
+            shard: 0,
             pod,
             tier,
             acquire: true,
@@ -205,14 +209,14 @@ thread_local! {
     static GROUPED: RefCell<Vec<Change>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `changes` into `out` in shard order (of `shards` shards), stable: a
-/// counting sort.
+/// `changes` (their `shard` set) into `out` in shard order (of `shards`
+/// shards), stable: a counting sort.
 fn group_by_shard(changes: &[Change], shards: usize, out: &mut Vec<Change>) {
     // Indexed under a mask that changes nothing (shards <= MAX_SHARDS, a
     // power of two) but lets the compiler drop the bounds checks.
     let mut next = [0u32; MAX_SHARDS];
     for c in changes {
-        next[shard_of(c.key, shards) & (MAX_SHARDS - 1)] += 1;
+        next[usize::from(c.shard) & (MAX_SHARDS - 1)] += 1;
     }
     let mut at = 0;
     for n in next[..shards].iter_mut() {
@@ -223,7 +227,7 @@ fn group_by_shard(changes: &[Change], shards: usize, out: &mut Vec<Change>) {
     out.clear();
     out.resize(changes.len(), changes[0]);
     for c in changes {
-        let slot = &mut next[shard_of(c.key, shards) & (MAX_SHARDS - 1)];
+        let slot = &mut next[usize::from(c.shard) & (MAX_SHARDS - 1)];
         out[*slot as usize] = *c;
         *slot += 1;
     }
@@ -317,12 +321,16 @@ impl BlockIndex {
             }
             return;
         }
+        let shards = self.shards.len();
+        for c in changes.iter_mut() {
+            c.shard = shard_of(c.key, shards) as u16;
+        }
         if changes.len() >= COUNTING_MIN {
             let counted = GROUPED.with(|cell| {
                 let Ok(mut grouped) = cell.try_borrow_mut() else {
                     return false;
                 };
-                group_by_shard(changes, self.shards.len(), &mut grouped);
+                group_by_shard(changes, shards, &mut grouped);
                 self.apply_grouped(&grouped);
                 if grouped.capacity() > MAX_KEPT_GROUPED {
                     *grouped = Vec::new();
@@ -334,29 +342,26 @@ impl BlockIndex {
                 return;
             }
         }
-        let shards = self.shards.len();
-        changes.sort_unstable_by_key(|c| shard_of(c.key, shards));
+        changes.sort_unstable_by_key(|c| c.shard);
         self.apply_grouped(changes);
         changes.clear();
     }
 
-    /// Applies changes ordered by shard, one lock per shard's run of them.
+    /// Applies changes ordered by shard (their `shard` set), one lock per
+    /// shard's run of them.
     fn apply_grouped(&self, changes: &[Change]) {
         // Bounded groups: a reader waits out one group, never a whole
         // 8K-block document.
-        let shards = self.shards.len();
         let mut rest = changes;
         while let Some(first) = rest.first() {
-            // Each change's shard computed once (a multiply, see
-            // `shard_of`), where pairwise chunking computed it twice.
-            let shard = shard_of(first.key, shards);
+            let shard = first.shard;
             let run = 1 + rest[1..rest.len().min(MAX_GROUP)]
                 .iter()
-                .take_while(|c| shard_of(c.key, shards) == shard)
+                .take_while(|c| c.shard == shard)
                 .count();
             let (group, tail) = rest.split_at(run);
             rest = tail;
-            let mut map = self.shards[shard].0.write();
+            let mut map = self.shards[usize::from(shard)].0.write();
             // Every key probed first, the answers dropped: these probes do
             // not wait on each other, so their cache misses overlap, where
             // each change's probe came after the last one's insert or
@@ -570,6 +575,8 @@ mod tests {
     #[test]
     fn a_slot_is_half_a_cache_line_with_four_holders_inline() {
         assert_eq!(std::mem::size_of::<(BlockKey, Holders)>(), 32);
+        // A change's shard sits in what was its padding.
+        assert_eq!(std::mem::size_of::<Change>(), 16);
         assert!(!Holders::from_slice(&[Holder::new(PodId(0), Tier::Gpu); 4]).spilled());
     }
 
@@ -601,12 +608,14 @@ mod tests {
         }
         let mut grouped = Vec::new();
         let changes: Vec<Change> = (0..500u64)
-            .map(|k| Change::acquire(BlockKey(k), PodId(0), Tier::Gpu))
+            .map(|k| {
+                let mut c = Change::acquire(BlockKey(k), PodId(0), Tier::Gpu);
+                c.shard = shard_of(c.key, 300) as u16;
+                c
+            })
             .collect();
         group_by_shard(&changes, 300, &mut grouped);
-        assert!(grouped
-            .windows(2)
-            .all(|w| shard_of(w[0].key, 300) <= shard_of(w[1].key, 300)));
+        assert!(grouped.windows(2).all(|w| w[0].shard <= w[1].shard));
         let mut keys: Vec<u64> = grouped.iter().map(|c| c.key).collect();
         keys.sort_unstable();
         let mut want: Vec<u64> = (0..500).map(|k| mixed(BlockKey(k))).collect();
