@@ -152,7 +152,7 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
         grown / CAPACITY
     );
     // What --max-memory assumes an entry costs covers what entries add to
-    // the process at capacity (the process itself, 10-25 MB, is not in
+    // the process at capacity (the process itself, 16-33 MB, is not in
     // the budget).
     let per_entry = rss_at_end.saturating_sub(rss_empty) * 1024 / CAPACITY;
     println!(
