@@ -238,18 +238,18 @@ async fn a_flood_of_pod_names_stops_at_max_pods() {
 /// 12, and the test, which scored `flood-0`, failed).
 async fn still_serves_admitted(service: &Service) {
     // A pod is listed once created, its batch applied just after.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let admitted = loop {
+    let applied = async || {
         let pods = service.list_pods("m").await;
-        if let Some(p) = pods.into_iter().find(|p| p.batches >= 1) {
-            break p;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no admitted pod applied its batch"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        pods.into_iter().find(|p| p.batches >= 1)
     };
+    service
+        .wait_until("an admitted pod applied its batch", async || {
+            applied().await.is_some()
+        })
+        .await;
+    let admitted = applied()
+        .await
+        .expect("applied, and pods are never dropped here");
     let resp = service
         .client()
         .await

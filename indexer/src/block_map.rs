@@ -220,11 +220,7 @@ impl<V: Copy> BlockMap<V> {
 
     /// Entries in no particular order (table order, not slot order).
     pub fn iter(&self) -> impl Iterator<Item = (&EngineHash, &V)> {
-        let chunks = &self.chunks;
-        self.table.iter().map(move |s| {
-            let (k, v) = at(chunks, *s);
-            (k, v)
-        })
+        self.iter_slots().map(|(_, k, v)| (k, v))
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &EngineHash> {

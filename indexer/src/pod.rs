@@ -463,11 +463,11 @@ impl PodState {
         let held = self.oldest_first();
         let blocks = held
             .iter()
-            .map(|(h, b)| (h.0, b.key.0, self.counts(*h, b)))
+            .map(|(_, h, b)| (h.0, b.key.0, self.counts(*h, b)))
             .collect();
         let parents = held
             .iter()
-            .map(|(_, b)| b.links.has_parent().then_some(b.parent.0))
+            .map(|(_, _, b)| b.links.has_parent().then_some(b.parent.0))
             .collect();
         let mut non_full_groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
         non_full_groups.sort_unstable();

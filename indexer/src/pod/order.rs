@@ -108,23 +108,23 @@ impl PodState {
     /// queued again: nothing is left passed or released).
     pub(super) fn rebuild_order(&mut self) {
         self.released.clear();
-        let mut held: Vec<(u32, EngineHash, Stamp)> = self
-            .by_hash
-            .iter_slots()
-            .map(|(slot, h, b)| (slot, *h, b.stamp))
-            .collect();
-        held.sort_unstable_by_key(|(_, h, stamp)| (Reverse(self.age(*stamp)), *h));
-        self.order = held
+        let order = self
+            .oldest_first()
             .into_iter()
-            .map(|(slot, _, stamp)| (slot, stamp))
+            .map(|(slot, _, b)| (slot, b.stamp))
             .collect();
+        self.order = order;
     }
 
-    /// The held blocks, least recently stored first (ties by hash).
-    pub(super) fn oldest_first(&self) -> Vec<(EngineHash, &HeldBlock)> {
-        let mut held: Vec<(EngineHash, &HeldBlock)> =
-            self.by_hash.iter().map(|(h, b)| (*h, b)).collect();
-        held.sort_unstable_by_key(|(h, b)| (Reverse(self.age(b.stamp)), *h));
+    /// The held blocks with their slots, least recently stored first (ties
+    /// by hash).
+    pub(super) fn oldest_first(&self) -> Vec<(u32, EngineHash, &HeldBlock)> {
+        let mut held: Vec<(u32, EngineHash, &HeldBlock)> = self
+            .by_hash
+            .iter_slots()
+            .map(|(slot, h, b)| (slot, *h, b))
+            .collect();
+        held.sort_unstable_by_key(|(_, h, b)| (Reverse(self.age(b.stamp)), *h));
         held
     }
 }
