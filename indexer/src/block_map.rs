@@ -4,9 +4,10 @@
 //!
 //! The map holds one entry per (pod, block), most of the index's memory. A
 //! hash table's buckets are a power of two at most 7/8 full, so after it
-//! grows up to half of them are empty: with the 40-byte entries in the
-//! buckets, an entry cost 47-94 bytes. Here an empty bucket costs 5 bytes
-//! and the chunks are full, so an entry costs its 40 bytes and 6-12 more.
+//! grows up to half of them are empty: with the (then 40-byte) entries in
+//! the buckets, an entry cost 47-94 bytes. Here an empty bucket costs 5
+//! bytes and the chunks are full, so an entry costs its own bytes (16 now,
+//! see `pod::HeldBlock`) and 6-12 more.
 //! In the comparison bench (full trace) that took bytes per (pod, block)
 //! entry from 115 to 79 (16 pods) and from 89 to 71 (128 pods). A lookup reads one line
 //! more (the slot number, then the entry), but the table of slot numbers is
@@ -202,6 +203,52 @@ impl<V: Copy> BlockMap<V> {
         (self.find(*key) == Some(slot)).then_some((*key, value))
     }
 
+    /// Puts an entry in a slot of its own without a place in the table: a
+    /// *detached* entry, which no lookup finds, `len` does not count and
+    /// `at_slot` calls dead, kept for whoever holds its slot number until
+    /// they `free` it. Pods keep blocks that left but still have children
+    /// linked to them so (see `pod`).
+    pub fn insert_detached(&mut self, key: EngineHash, value: V) -> u32 {
+        alloc_slot(&mut self.chunks, &mut self.free, key, value)
+    }
+
+    /// Hands back a detached entry's slot (see `insert_detached`), to be
+    /// reused by the next insert.
+    pub fn free(&mut self, slot: u32) {
+        self.free.push(slot);
+    }
+
+    /// The entry in `slot`, live or detached, whatever it is: for callers
+    /// that know the slot names the entry they linked to.
+    #[inline]
+    pub fn slot(&self, slot: u32) -> (EngineHash, &V) {
+        let (key, value) = at(&self.chunks, slot);
+        (*key, value)
+    }
+
+    /// As `slot`, mutably.
+    #[inline]
+    pub fn slot_mut(&mut self, slot: u32) -> &mut V {
+        &mut at_mut(&mut self.chunks, slot).1
+    }
+
+    /// Slots holding detached entries (see `insert_detached`): neither
+    /// live nor freed.
+    #[cfg(test)]
+    pub(crate) fn detached_slots(&self) -> Vec<u32> {
+        let total: usize = self.chunks.iter().map(Vec::len).sum();
+        (0..total as u32)
+            .filter(|s| !self.free.contains(s) && self.at_slot(*s).is_none())
+            .collect()
+    }
+
+    /// `key`'s value and its slot.
+    #[inline]
+    pub fn get_with_slot(&self, key: &EngineHash) -> Option<(u32, &V)> {
+        let slot = self.find(*key)?;
+        Some((slot, &at(&self.chunks, slot).1))
+    }
+
     /// `key`'s value and its slot.
     #[inline]
     pub fn get_mut_with_slot(&mut self, key: &EngineHash) -> Option<(u32, &mut V)> {
@@ -227,22 +274,12 @@ impl<V: Copy> BlockMap<V> {
         self.iter().map(|(k, _)| k)
     }
 
-    pub fn values(&self) -> impl Iterator<Item = &V> {
-        self.iter().map(|(_, v)| v)
-    }
-
-    pub fn for_each_value_mut(&mut self, mut f: impl FnMut(&mut V)) {
-        let chunks = &mut self.chunks;
-        for s in self.table.iter() {
-            f(&mut at_mut(chunks, *s).1);
-        }
-    }
-
     /// Empties the map, handing each entry to `f` first, and frees its
     /// memory.
-    pub fn clear_each(&mut self, mut f: impl FnMut(EngineHash, V)) {
-        for (k, v) in self.iter() {
-            f(*k, *v);
+    /// (Detached entries go without a call.)
+    pub fn clear_each(&mut self, mut f: impl FnMut(u32, EngineHash, V)) {
+        for (s, k, v) in self.iter_slots() {
+            f(s, *k, *v);
         }
         *self = BlockMap::default();
     }
@@ -291,6 +328,90 @@ impl<'a, V: Copy> OccupiedEntry<'a, V> {
         self.free.push(slot);
         at(self.chunks, slot).1
     }
+
+    /// Takes the entry out of the table but leaves it in its slot, detached
+    /// (see `BlockMap::insert_detached`): its slot and value.
+    #[inline]
+    pub fn detach(self) -> (u32, V) {
+        let (slot, _) = self.entry.remove();
+        (slot, at(self.chunks, slot).1)
+    }
+}
+
+/// A slot for a new entry: a freed one, else the next one of the last chunk.
+#[inline(always)]
+fn alloc_slot<V>(
+    chunks: &mut Vec<Chunk<V>>,
+    free: &mut Vec<u32>,
+    key: EngineHash,
+    value: V,
+) -> u32 {
+    if let Some(slot) = free.pop() {
+        *at_mut(chunks, slot) = (key, value);
+        return slot;
+    }
+    match chunks.last() {
+        // The first chunk grows as a vector does (to exactly CHUNK, a
+        // power of two): a pod holding a few blocks costs a few entries,
+        // not a whole chunk, so a flood of pod names cannot multiply that
+        // by itself.
+        None => chunks.push(Vec::new()),
+        Some(c) if c.len() == CHUNK => chunks.push(Vec::with_capacity(CHUNK)),
+        Some(_) => {}
+    }
+    let n = chunks.len() - 1;
+    let last = &mut chunks[n];
+    last.push((key, value));
+    ((n << CHUNK_BITS) + last.len() - 1) as u32
+}
+
+/// Values kept beside a `BlockMap`'s entries, by slot number, for the maps
+/// that need them: a column instead of a wider entry, so a map that does
+/// without it pays nothing (see `pod`: keys that differ from the engine
+/// hash, store stamps under a capacity). Chunked as the entries are.
+#[derive(Default)]
+pub struct Column<T> {
+    chunks: Vec<Vec<T>>,
+}
+
+impl<T: Copy + Default> Column<T> {
+    /// The value in `slot` (the default if none was ever set).
+    #[inline]
+    pub fn get(&self, slot: u32) -> T {
+        self.chunks
+            .get((slot >> CHUNK_BITS) as usize)
+            .and_then(|c| c.get(slot as usize & (CHUNK - 1)))
+            .copied()
+            .unwrap_or_default()
+    }
+
+    #[inline]
+    pub fn set(&mut self, slot: u32, value: T) {
+        let (c, i) = ((slot >> CHUNK_BITS) as usize, slot as usize & (CHUNK - 1));
+        if c >= self.chunks.len() {
+            self.chunks.resize_with(c + 1, Vec::new);
+        }
+        let chunk = &mut self.chunks[c];
+        if i >= chunk.len() {
+            // Grows as a vector does, to exactly CHUNK at most.
+            chunk.resize(i + 1, T::default());
+        }
+        chunk[i] = value;
+    }
+
+    pub fn clear(&mut self) {
+        self.chunks = Vec::new();
+    }
+
+    /// Bytes held (for tests of what an entry costs).
+    pub fn allocation_size(&self) -> usize {
+        self.chunks.capacity() * std::mem::size_of::<Vec<T>>()
+            + self
+                .chunks
+                .iter()
+                .map(|c| c.capacity() * std::mem::size_of::<T>())
+                .sum::<usize>()
+    }
 }
 
 pub struct VacantEntry<'a, V> {
@@ -311,27 +432,7 @@ impl<'a, V: Copy> VacantEntry<'a, V> {
     /// that path 8% more instructions.
     #[inline(always)]
     pub fn insert_with_slot(self, value: V) -> (u32, &'a mut V) {
-        let slot = match self.free.pop() {
-            Some(slot) => {
-                *at_mut(self.chunks, slot) = (self.key, value);
-                slot
-            }
-            None => {
-                match self.chunks.last() {
-                    // The first chunk grows as a vector does (to exactly
-                    // CHUNK, a power of two): a pod holding a few blocks
-                    // costs a few entries, not a whole 10 KB chunk, so a
-                    // flood of pod names cannot multiply that by itself.
-                    None => self.chunks.push(Vec::new()),
-                    Some(c) if c.len() == CHUNK => self.chunks.push(Vec::with_capacity(CHUNK)),
-                    Some(_) => {}
-                }
-                let n = self.chunks.len() - 1;
-                let last = &mut self.chunks[n];
-                last.push((self.key, value));
-                ((n << CHUNK_BITS) + last.len() - 1) as u32
-            }
-        };
+        let slot = alloc_slot(self.chunks, self.free, self.key, value);
         self.entry.insert(slot);
         (slot, &mut at_mut(self.chunks, slot).1)
     }

@@ -14,7 +14,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use crate::block_map::{BlockMap, Entry};
+use crate::block_map::{BlockMap, Column, Entry};
 use crate::closure::Closure;
 
 use crate::event::{
@@ -26,40 +26,37 @@ use crate::repeats::Repeats;
 use crate::scheme::{EngineKeys, KeyMode};
 use crate::snapshot::SnapshotBlock;
 
-/// One held engine hash: 32 bytes, so a pod's map entry (hash and block)
-/// is 40. The entries are most of the index's memory (one per pod and
-/// block) and each change touches one at random: at 56 bytes they took 31%
-/// more memory per entry and 21% more cache misses per change.
-#[derive(Clone, Copy, Debug)]
+/// One held engine hash: 8 bytes, so a pod's map entry (hash and block)
+/// is 16. The entries are most of the index's memory (one per pod and
+/// block) and each change touches one at random: at 40 bytes (our key, the
+/// parent's hash, incarnation numbers and a stamp inline) they took 2.5
+/// times the memory and a cache line held 1.6 of them, not 4.
+///
+/// What the rest of the pod needs of a block lives elsewhere, only where
+/// it is needed: its key in `PodState::keys` (only once some key differs
+/// from its engine hash, i.e. token keys), its store stamp in
+/// `PodState::stamps` (only under a capacity).
+///
+/// An entry whose block left (removed, evicted) while held blocks are
+/// still linked to it as their parent stays in its slot, out of the table:
+/// *detached* (`BlockMap::insert_detached`), its `links` holding no tier,
+/// only the count of those children. Its slot is not reused while any
+/// child names it, so a child's `parent` slot always names the entry it was
+/// linked to, and a child whose parent is detached is an orphan; the slot
+/// is freed with the last such child. A block stored under a parent the pod
+/// does not hold is linked to a new detached entry of that parent's hash.
+/// (This replaced a parent hash and two incarnation numbers per entry.)
+#[derive(Clone, Copy, Debug, Default)]
 struct HeldBlock {
-    key: BlockKey,
-    /// The parent this block was stored under (if `links.has_parent()`) and
-    /// that parent entry's `born`, or 0 if the parent was not held then.
-    parent: EngineHash,
-    parent_born: u32,
-    /// This entry's incarnation (never 0), so a child can tell its parent
-    /// from a later re-store of the same hash.
-    born: u32,
-    /// When it was last stored, for eviction (see `Stamp`).
-    stamp: Stamp,
+    /// The slot of the entry this block was stored under, if
+    /// `links.has_parent()`.
+    parent: u32,
     links: Links,
 }
 
-impl HeldBlock {
-    fn new(key: BlockKey) -> HeldBlock {
-        HeldBlock {
-            key,
-            parent: EngineHash(0),
-            parent_born: 0,
-            born: 0,
-            stamp: Stamp(0),
-            links: Links::default(),
-        }
-    }
-}
-
 /// The tiers a block is held on, whether it has a parent, and how many held
-/// blocks are linked to it as their parent, in one word. A tier bit stands
+/// blocks are linked to it as their parent, in one word (no tier: a
+/// detached entry, see `HeldBlock`). A tier bit stands
 /// for the first store on that tier; further stores of the same hash and
 /// tier (vLLM can store a hash twice) are counted in `PodState::extra`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -108,13 +105,18 @@ impl Links {
         debug_assert!(self.children() > 0);
         self.0 -= 1 << CHILD_SHIFT;
     }
+
+    /// No tier, no parent: what a detached entry keeps (see `HeldBlock`).
+    fn children_only(self) -> Links {
+        Links(self.0 & !((1 << CHILD_SHIFT) - 1))
+    }
 }
 
 /// A store time: the pod's store clock in 32 bits. Stamps are compared as
 /// ages from the clock (wrapping), which is exact while every age is below
 /// 2^32: every `AGE_PASS` stores, `PodState::age_out` clamps ages above
 /// `MAX_AGE` to it, so none grows past `MAX_AGE + AGE_PASS`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Stamp(u32);
 
 const AGE_PASS: u64 = 1 << 30;
@@ -169,6 +171,13 @@ pub struct PodState {
     id: PodId,
     model: String,
     by_hash: BlockMap<HeldBlock>,
+    /// Each held block's key, by slot, once some block's key is not its
+    /// engine hash (token keys; adapters engine keys cannot reproduce):
+    /// until then `None`, and every key is its hash (engine keys).
+    keys: Option<Column<u64>>,
+    /// Each held block's store stamp, by slot: bounded pods only (only
+    /// eviction reads them).
+    stamps: Column<Stamp>,
     /// `group_idx` values a store declared to be sliding-window, mamba...:
     /// removals for them (which carry no kind) are ignored too.
     non_full_groups: HashSet<u32>,
@@ -202,7 +211,6 @@ pub struct PodState {
     /// Held blocks whose parent is not held: 0 means the held set is
     /// prefix-closed, which lets scoring binary-search it (see `score`).
     orphans: u64,
-    born_clock: u32,
     /// Index changes of the event being applied, flushed to the index in
     /// one batch at its end (`BlockIndex::apply`).
     pending: Vec<Change>,
@@ -227,6 +235,8 @@ impl PodState {
             id,
             model: model.into(),
             by_hash: BlockMap::default(),
+            keys: None,
+            stamps: Column::default(),
             non_full_groups: HashSet::new(),
             block_size: None,
             held_per_tier: [0; TIERS],
@@ -239,7 +249,6 @@ impl PodState {
             bounded: false,
             table_capacity: 0,
             orphans: 0,
-            born_clock: 0,
             pending: Vec::new(),
             closure: Arc::default(),
             published: Some(Tier::Gpu),
@@ -295,7 +304,14 @@ impl PodState {
 
     /// Our key of a block the pod holds, by its engine hash.
     pub fn key_of(&self, hash: EngineHash) -> Option<BlockKey> {
-        self.by_hash.get(&hash).map(|held| held.key)
+        let (slot, _) = self.by_hash.get_with_slot(&hash)?;
+        Some(self.key_at(slot, hash))
+    }
+
+    /// The key of the block held as `hash` in `slot`.
+    #[inline]
+    fn key_at(&self, slot: u32, hash: EngineHash) -> BlockKey {
+        key_in(&self.keys, slot, hash)
     }
 
     /// Distinct engine hashes held, per tier.
@@ -391,8 +407,8 @@ impl PodState {
                 first_block_extras: &extras_of(0),
             }
             .root_seed(),
-            Some(parent) => match self.by_hash.get(&parent) {
-                Some(held) => held.key.0,
+            Some(parent) => match self.key_of(parent) {
+                Some(key) => key.0,
                 None => {
                     stats.parent_unknown_blocks += n as u64;
                     return;
@@ -438,6 +454,7 @@ impl PodState {
                 stats.unknown_removals += 1;
                 continue;
             };
+            let slot = entry.slot();
             let held = entry.get_mut();
             if !held.links.holds(tier) {
                 stats.unknown_removals += 1;
@@ -448,11 +465,12 @@ impl PodState {
                 continue;
             }
             held.links.release(tier);
-            self.pending.push(Change::release(held.key, self.id, tier));
+            let key = key_in(&self.keys, slot, *hash);
+            self.pending.push(Change::release(key, self.id, tier));
             self.held_per_tier[tier.index()] -= 1;
             if !held.links.holds_any() {
-                let held = entry.remove();
-                self.unlink(&held);
+                let (slot, held) = entry.detach();
+                self.unlink(slot, held);
             }
         }
     }
@@ -463,11 +481,16 @@ impl PodState {
         let held = self.oldest_first();
         let blocks = held
             .iter()
-            .map(|(_, h, b)| (h.0, b.key.0, self.counts(*h, b)))
+            .map(|(slot, h, b)| (h.0, self.key_at(*slot, *h).0, self.counts(*h, b)))
             .collect();
+        // A parent's hash is in its slot, held or detached (see `HeldBlock`).
         let parents = held
             .iter()
-            .map(|(_, _, b)| b.links.has_parent().then_some(b.parent.0))
+            .map(|(_, _, b)| {
+                b.links
+                    .has_parent()
+                    .then(|| self.by_hash.slot(b.parent).0 .0)
+            })
             .collect();
         let mut non_full_groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
         non_full_groups.sort_unstable();
@@ -495,6 +518,10 @@ impl PodState {
         // Children may come before their parents: closed only once linked.
         self.closure.open();
         let known_parents = parents.len() == blocks.len();
+        // (slot, parent hash if known) of each block stored under a parent,
+        // linked once all are in (a parent re-stored after its child comes
+        // later in store order).
+        let mut links: Vec<(u32, Option<EngineHash>)> = Vec::new();
         for (i, (hash, key, counts)) in blocks.iter().enumerate() {
             if counts.iter().all(|c| *c == 0) {
                 continue;
@@ -502,59 +529,57 @@ impl PodState {
             self.reserve_one();
             // Blocks come oldest first: stamps keep that order.
             let stamp = self.tick();
-            let mut held = HeldBlock::new(BlockKey(*key));
-            held.stamp = stamp;
-            held.born = next_born(&mut self.born_clock);
-            match parents.get(i).copied().flatten() {
-                Some(p) => {
-                    held.links.set_has_parent();
-                    held.parent = EngineHash(p);
-                }
-                None if !known_parents => held.links.set_has_parent(),
-                None => {}
-            }
+            let hash = EngineHash(*hash);
+            let mut held = HeldBlock::default();
             for tier in Tier::ALL {
                 let count = counts[tier.index()];
                 if count > 0 {
                     held.links.hold(tier);
-                    self.extra.set(EngineHash(*hash), tier, count - 1);
+                    self.extra.set(hash, tier, count - 1);
                     self.pending
                         .push(Change::acquire(BlockKey(*key), self.id, tier));
                     self.held_per_tier[tier.index()] += 1;
                 }
             }
-            let slot = match self.by_hash.entry(EngineHash(*hash)) {
+            let slot = match self.by_hash.entry(hash) {
                 Entry::Occupied(mut e) => {
                     *e.get_mut() = held;
                     e.slot()
                 }
                 Entry::Vacant(v) => v.insert_with_slot(held).0,
             };
+            self.set_key(slot, hash, BlockKey(*key));
             if self.bounded {
+                self.stamps.set(slot, stamp);
                 self.order.push_back((slot, stamp));
+            }
+            match parents.get(i).copied().flatten() {
+                // A block cannot extend itself: linked so, it would count
+                // as its own child and never be a leaf.
+                Some(p) if p != hash.0 => links.push((slot, Some(EngineHash(p)))),
+                Some(_) => links.push((slot, None)),
+                None if !known_parents => links.push((slot, None)),
+                None => {}
             }
             if self.pending.len() >= 4096 {
                 self.apply_pending(index);
             }
         }
         self.apply_pending(index);
-        // Link children to parents once all are in (a parent re-stored
-        // after its child comes later in store order).
-        let links: Vec<(EngineHash, Option<EngineHash>)> = self
-            .by_hash
-            .iter()
-            .filter(|(_, b)| b.links.has_parent())
-            .map(|(h, b)| (*h, known_parents.then_some(b.parent)))
-            .collect();
-        for (hash, parent) in links {
-            let Some(parent) = parent else {
-                self.orphans += 1;
-                continue;
+        // A hash listed twice keeps its last record's link.
+        links.reverse();
+        links.sort_by_key(|(slot, _)| *slot);
+        links.dedup_by_key(|(slot, _)| *slot);
+        for (slot, parent) in links {
+            // An unknown parent (snapshots written before parents were
+            // kept): an orphan, walked block by block until it is gone.
+            let link = match parent {
+                Some(p) => self.link_to(p),
+                None => self.detached_link(EngineHash(0)),
             };
-            let born = self.adopt(parent);
-            if let Some(held) = self.by_hash.get_mut(&hash) {
-                held.parent_born = born;
-            }
+            let held = self.by_hash.slot_mut(slot);
+            held.links.set_has_parent();
+            held.parent = link.0;
         }
         self.published = self.closed_tier();
         self.closure.close(self.published);
@@ -568,11 +593,11 @@ impl PodState {
 
     /// Drops every block of this pod: O(blocks of this pod).
     pub fn clear(&mut self, index: &BlockIndex, stats: &mut ApplyStats) {
-        let (id, pending) = (self.id, &mut self.pending);
-        self.by_hash.clear_each(|_, held| {
+        let (id, pending, keys) = (self.id, &mut self.pending, &self.keys);
+        self.by_hash.clear_each(|slot, hash, held| {
             for tier in Tier::ALL {
                 if held.links.holds(tier) {
-                    pending.push(Change::release(held.key, id, tier));
+                    pending.push(Change::release(key_in(keys, slot, hash), id, tier));
                 }
             }
             if pending.len() >= 4096 {
@@ -581,6 +606,8 @@ impl PodState {
             }
         });
         // Empty (and so closed) before the flush publishes it.
+        self.keys = None;
+        self.stamps.clear();
         self.table_capacity = 0;
         self.held_per_tier = [0; TIERS];
         self.extra.clear();
@@ -686,33 +713,48 @@ impl PodState {
         let (slot, held, new) = match self.by_hash.entry(hash) {
             Entry::Occupied(e) => (e.slot(), e.into_mut(), false),
             Entry::Vacant(v) => {
-                let mut held = HeldBlock::new(key);
-                held.born = next_born(&mut self.born_clock);
+                let mut held = HeldBlock::default();
                 if let Some(link) = link {
                     held.links.set_has_parent();
-                    held.parent = link.parent;
-                    held.parent_born = link.born;
+                    held.parent = link.0;
                 }
                 let (slot, held) = v.insert_with_slot(held);
                 (slot, held, true)
             }
         };
-        if held.links.holds(tier) {
-            self.extra.add(hash, tier);
-        } else {
-            held.links.hold(tier);
-            self.pending.push(Change::acquire(held.key, self.id, tier));
-            self.held_per_tier[tier.index()] += 1;
+        let first_on_tier = !held.links.holds(tier);
+        held.links.hold(tier);
+        // The next block's link, counted in advance (a child count cannot
+        // overflow in practice: then the next block links as an orphan).
+        let counted = has_next && held.links.children() < MAX_CHILDREN;
+        if counted {
+            held.links.add_child();
         }
-        held.stamp = stamp;
-        let next = has_next.then(|| link_child(held, hash, &mut self.orphans));
+        if new {
+            self.set_key(slot, hash, key);
+        }
+        if first_on_tier {
+            let key = self.key_at(slot, hash);
+            self.pending.push(Change::acquire(key, self.id, tier));
+            self.held_per_tier[tier.index()] += 1;
+        } else {
+            self.extra.add(hash, tier);
+        }
+        let next = match (has_next, counted) {
+            (true, true) => Some(Link(slot)),
+            (true, false) => Some(self.detached_link(hash)),
+            (false, _) => None,
+        };
         if !new {
             if let Some(link) = link {
-                self.unlink_advance(link);
+                // Held already: the link made in advance is taken back.
+                self.drop_link(link);
             }
         }
-        // Only a bounded index evicts: the rest never reads `order`.
+        // Only a bounded index evicts: the rest never reads stamps or
+        // `order`.
         if self.bounded {
+            self.stamps.set(slot, stamp);
             self.order.push_back((slot, stamp));
             // Re-stores and removals leave stale order entries: rebuild
             // before they outnumber the live ones (O(1) amortised).
@@ -723,42 +765,64 @@ impl PodState {
         next
     }
 
-    /// A link for a block about to be stored under `parent` (see `adopt`).
+    /// A link for a block about to be stored under `parent`: the parent
+    /// counts one more child, or, if the pod does not hold it, the block is
+    /// an orphan linked to a detached entry of that hash (see `HeldBlock`).
     fn link_to(&mut self, parent: EngineHash) -> Link {
-        Link {
-            parent,
-            born: self.adopt(parent),
+        match self.by_hash.get_mut_with_slot(&parent) {
+            Some((slot, up)) if up.links.children() < MAX_CHILDREN => {
+                up.links.add_child();
+                Link(slot)
+            }
+            _ => self.detached_link(parent),
         }
     }
 
-    /// Takes back a link made in advance for a block that was held already.
-    fn unlink_advance(&mut self, link: Link) {
-        debug_assert!(
-            link.born == 0
-                || self
-                    .by_hash
-                    .get(&link.parent)
-                    .is_some_and(|up| up.born == link.born),
-            "the parent changed meanwhile"
-        );
-        self.drop_link(link);
+    /// A link to a new detached entry of `parent`: one more orphan.
+    fn detached_link(&mut self, parent: EngineHash) -> Link {
+        self.orphans += 1;
+        let mut links = Links::default();
+        links.add_child();
+        Link(
+            self.by_hash
+                .insert_detached(parent, HeldBlock { parent: 0, links }),
+        )
     }
 
-    /// Undoes what a link counted: one child of the parent it names, if
-    /// that incarnation is still held, else one orphan.
+    /// Undoes what a link counted: one child of the entry it names, and
+    /// one orphan if that entry is detached (freed with its last child).
     fn drop_link(&mut self, link: Link) {
-        match self.by_hash.get_mut_with_slot(&link.parent) {
-            Some((slot, up)) if link.born != 0 && up.born == link.born => {
-                up.links.remove_child();
-                // Only a bounded index evicts (see `store_block`).
-                if self.bounded && up.links.children() == 0 {
-                    let stamp = up.stamp;
-                    self.became_leaf(slot, stamp);
-                }
+        let up = self.by_hash.slot_mut(link.0);
+        up.links.remove_child();
+        let leaf = up.links.children() == 0;
+        if up.links.holds_any() {
+            // Only a bounded index evicts (see `store_block`).
+            if self.bounded && leaf {
+                let stamp = self.stamps.get(link.0);
+                self.became_leaf(link.0, stamp);
             }
-            _ => {
-                debug_assert!(self.orphans > 0, "orphan count out of step");
-                self.orphans -= 1;
+        } else {
+            debug_assert!(self.orphans > 0, "orphan count out of step");
+            self.orphans -= 1;
+            if leaf {
+                self.by_hash.free(link.0);
+            }
+        }
+    }
+
+    /// Sets the key of the new entry in `slot`: kept only once some key is
+    /// not its hash (see `keys`); the first such key fills the column in.
+    fn set_key(&mut self, slot: u32, hash: EngineHash, key: BlockKey) {
+        match &mut self.keys {
+            Some(keys) => keys.set(slot, key.0),
+            None if key.0 == hash.0 => {}
+            None => {
+                let mut keys = Column::default();
+                for (s, h, _) in self.by_hash.iter_slots() {
+                    keys.set(s, h.0);
+                }
+                keys.set(slot, key.0);
+                self.keys = Some(keys);
             }
         }
     }
@@ -774,28 +838,31 @@ impl PodState {
         })
     }
 
-    /// Counts a new entry as a child of `parent`: returns the parent's
-    /// incarnation, or 0 (and one more orphan) if the parent is not held.
-    fn adopt(&mut self, parent: EngineHash) -> u32 {
-        count_child(self.by_hash.get_mut(&parent), &mut self.orphans)
+    /// Removes an entry (see `unlink`): what it held, and its key.
+    fn forget(&mut self, hash: EngineHash) -> Option<(HeldBlock, BlockKey)> {
+        let (slot, held) = self.by_hash.find_entry(hash)?.detach();
+        let key = self.key_at(slot, hash);
+        self.unlink(slot, held);
+        Some((held, key))
     }
 
-    /// Removes an entry (see `unlink`).
-    fn forget(&mut self, hash: EngineHash) -> Option<HeldBlock> {
-        let held = self.by_hash.remove(&hash)?;
-        self.unlink(&held);
-        Some(held)
-    }
-
-    /// Keeps `orphans` exact after `held` left: its children become
-    /// orphans; it stops being one, or stops counting as its parent's child.
-    fn unlink(&mut self, held: &HeldBlock) {
-        self.orphans += u64::from(held.links.children());
+    /// Keeps `orphans` exact after the block `held` in `slot` left the
+    /// table: its children become orphans (it stays there, detached, for
+    /// them, see `HeldBlock`; with none its slot is freed); it stops being
+    /// one, or stops counting as its parent's child.
+    fn unlink(&mut self, slot: u32, held: HeldBlock) {
+        let children = held.links.children();
+        self.orphans += u64::from(children);
         if held.links.has_parent() {
-            self.drop_link(Link {
-                parent: held.parent,
-                born: held.parent_born,
-            });
+            self.drop_link(Link(held.parent));
+        }
+        if children == 0 {
+            self.by_hash.free(slot);
+        } else {
+            *self.by_hash.slot_mut(slot) = HeldBlock {
+                parent: 0,
+                links: held.links.children_only(),
+            };
         }
     }
 
@@ -830,46 +897,19 @@ impl PodState {
     }
 }
 
-/// A new incarnation number from a pod's `born_clock` (never 0: 0 means
-/// "no parent held"). A free function: it is called while the pod's table
-/// is borrowed.
-fn next_born(born_clock: &mut u32) -> u32 {
-    *born_clock = born_clock.wrapping_add(1).max(1);
-    *born_clock
-}
-
 /// A new block's link to its parent, made before the block's own lookup:
-/// the parent's `born` (the parent counts one more child), or 0 (the pod
-/// counts one more orphan). See `PodState::store_block`.
+/// the slot of the parent entry, which counts it as a child (see
+/// `PodState::store_block`).
 #[derive(Clone, Copy, Debug)]
-struct Link {
-    parent: EngineHash,
-    born: u32,
-}
+struct Link(u32);
 
-/// Counts one more child of `held` (stored as `hash`): the link for the
-/// block stored next under it.
-fn link_child(held: &mut HeldBlock, hash: EngineHash, orphans: &mut u64) -> Link {
-    Link {
-        parent: hash,
-        born: count_child(Some(held), orphans),
-    }
-}
-
-/// Counts a new block as a child of `parent`: the parent's incarnation, or
-/// 0 and one more orphan if it is not held (or, beyond any real pod, out of
-/// child counts: an orphan only costs the binary search). A free function:
-/// callers hold the parent borrowed from the pod's table.
-fn count_child(parent: Option<&mut HeldBlock>, orphans: &mut u64) -> u32 {
-    match parent {
-        Some(up) if up.links.children() < MAX_CHILDREN => {
-            up.links.add_child();
-            up.born
-        }
-        _ => {
-            *orphans += 1;
-            0
-        }
+/// The key of the block held as `hash` in `slot`, given a pod's `keys`. A
+/// free function: callers hold the pod's table borrowed.
+#[inline]
+fn key_in(keys: &Option<Column<u64>>, slot: u32, hash: EngineHash) -> BlockKey {
+    match keys {
+        Some(keys) => BlockKey(keys.get(slot)),
+        None => BlockKey(hash.0),
     }
 }
 

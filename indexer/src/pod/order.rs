@@ -12,7 +12,8 @@ impl PodState {
     /// that one, so the held set stays prefix-closed where it was and an
     /// eviction only ever shortens a match from its end. Returns how many
     /// were evicted: `n`, or every block if fewer (a non-empty held set
-    /// always has a leaf: links only point to older incarnations).
+    /// always has a leaf: a link only points to an entry older than its
+    /// block).
     ///
     /// O(log) amortised per block: `order` is walked once, a block passed
     /// for its children waits for its last child to go (`became_leaf`).
@@ -28,7 +29,9 @@ impl PodState {
                 break;
             };
             let (hash, leaf) = match self.by_hash.at_slot(slot) {
-                Some((hash, b)) if b.stamp == stamp => (hash, b.links.children() == 0),
+                Some((hash, b)) if self.stamps.get(slot) == stamp => {
+                    (hash, b.links.children() == 0)
+                }
                 // Re-stored or removed since (the slot maybe reused).
                 _ => continue,
             };
@@ -36,11 +39,11 @@ impl PodState {
                 // Passed: `released` takes it when its last child goes.
                 continue;
             }
-            if let Some(held) = self.forget(hash) {
+            if let Some((held, key)) = self.forget(hash) {
                 for tier in Tier::ALL {
                     if held.links.holds(tier) {
                         self.extra.forget(hash, tier);
-                        self.pending.push(Change::release(held.key, self.id, tier));
+                        self.pending.push(Change::release(key, self.id, tier));
                         self.held_per_tier[tier.index()] -= 1;
                     }
                 }
@@ -94,14 +97,17 @@ impl PodState {
     pub(super) fn age_out(&mut self) {
         let clock = self.clock as u32;
         let oldest = Stamp(clock.wrapping_sub(MAX_AGE));
-        self.by_hash.for_each_value_mut(|held| {
-            if clock.wrapping_sub(held.stamp.0) >= MAX_AGE {
-                held.stamp = oldest;
-            }
-        });
-        if self.bounded {
-            self.rebuild_order();
+        // Only bounded pods keep stamps (see `stamps`).
+        if !self.bounded {
+            return;
         }
+        let slots: Vec<u32> = self.by_hash.iter_slots().map(|(s, _, _)| s).collect();
+        for slot in slots {
+            if clock.wrapping_sub(self.stamps.get(slot).0) >= MAX_AGE {
+                self.stamps.set(slot, oldest);
+            }
+        }
+        self.rebuild_order();
     }
 
     /// The eviction order of the live entries, oldest first (every one
@@ -111,20 +117,20 @@ impl PodState {
         let order = self
             .oldest_first()
             .into_iter()
-            .map(|(slot, _, b)| (slot, b.stamp))
+            .map(|(slot, _, _)| (slot, self.stamps.get(slot)))
             .collect();
         self.order = order;
     }
 
     /// The held blocks with their slots, least recently stored first (ties
-    /// by hash).
+    /// by hash; an unbounded pod keeps no stamps, so all of its blocks tie).
     pub(super) fn oldest_first(&self) -> Vec<(u32, EngineHash, &HeldBlock)> {
         let mut held: Vec<(u32, EngineHash, &HeldBlock)> = self
             .by_hash
             .iter_slots()
             .map(|(slot, h, b)| (slot, *h, b))
             .collect();
-        held.sort_unstable_by_key(|(_, h, b)| (Reverse(self.age(b.stamp)), *h));
+        held.sort_unstable_by_key(|(slot, h, _)| (Reverse(self.age(self.stamps.get(*slot))), *h));
         held
     }
 }

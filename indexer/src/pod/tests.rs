@@ -148,20 +148,19 @@ fn a_bounded_pods_table_keeps_its_size_under_churn() {
     assert!(most <= 1792, "capacity {most}");
 }
 
-/// Children and orphans counted from scratch: what `adopt`, the links
-/// made in advance and `unlink` must keep.
-fn recount(pod: &PodState) -> (u64, HashMap<EngineHash, u32>) {
+/// Children and orphans counted from scratch: what `link_to`, the links
+/// made in advance and `unlink` must keep. Children per slot: the held
+/// blocks linked to it, held itself or detached.
+fn recount(pod: &PodState) -> (u64, HashMap<u32, u32>) {
     let mut orphans = 0;
-    let mut children: HashMap<EngineHash, u32> = HashMap::new();
-    for held in pod.by_hash.values() {
+    let mut children: HashMap<u32, u32> = HashMap::new();
+    for (_, _, held) in pod.by_hash.iter_slots() {
         if !held.links.has_parent() {
             continue;
         }
-        match pod.by_hash.get(&held.parent) {
-            Some(up) if held.parent_born != 0 && up.born == held.parent_born => {
-                *children.entry(held.parent).or_default() += 1;
-            }
-            _ => orphans += 1,
+        *children.entry(held.parent).or_default() += 1;
+        if pod.by_hash.at_slot(held.parent).is_none() {
+            orphans += 1;
         }
     }
     (orphans, children)
@@ -203,12 +202,25 @@ fn child_and_orphan_counts_stay_exact_under_random_events() {
                 _ if rnd(20) == 0 => pod.clear(&index, &mut stats),
                 _ => {}
             }
-            let (orphans, children) = recount(&pod);
+            let (orphans, mut children) = recount(&pod);
             assert_eq!(pod.orphans, orphans, "step {step}");
-            for (hash, held) in pod.by_hash.iter() {
-                let want = children.get(hash).copied().unwrap_or(0);
+            for (slot, hash, held) in pod.by_hash.iter_slots() {
+                let want = children.remove(&slot).unwrap_or(0);
                 assert_eq!(held.links.children(), want, "step {step}, block {hash:?}");
             }
+            // A detached entry stays exactly while children name it.
+            for slot in pod.by_hash.detached_slots() {
+                let (hash, held) = pod.by_hash.slot(slot);
+                let want = children.remove(&slot).unwrap_or(0);
+                assert!(want > 0, "step {step}: detached {hash:?} kept for no child");
+                assert_eq!(
+                    held.links.children(),
+                    want,
+                    "step {step}, detached {hash:?}"
+                );
+                assert!(!held.links.holds_any() && !held.links.has_parent());
+            }
+            assert!(children.is_empty(), "step {step}: links to freed slots");
         }
         assert!(
             stats.stored_blocks > 1000 && stats.removed_blocks > 300,
@@ -217,17 +229,15 @@ fn child_and_orphan_counts_stay_exact_under_random_events() {
     }
 }
 
-/// A held block's incarnation and the parent (hash, incarnation) it is
-/// linked to, if it was stored under a held parent.
-type Linked = HashMap<EngineHash, (u32, Option<(EngineHash, u32)>)>;
+/// Each held block's slot and whether it is linked to a held parent.
+type Linked = HashMap<EngineHash, (u32, bool)>;
 
 fn links_of(pod: &PodState) -> Linked {
     pod.by_hash
-        .iter()
-        .map(|(h, b)| {
-            let parent =
-                (b.links.has_parent() && b.parent_born != 0).then_some((b.parent, b.parent_born));
-            (*h, (b.born, parent))
+        .iter_slots()
+        .map(|(slot, h, b)| {
+            let held_parent = b.links.has_parent() && pod.by_hash.at_slot(b.parent).is_some();
+            (*h, (slot, held_parent))
         })
         .collect()
 }
@@ -236,14 +246,14 @@ fn links_of(pod: &PodState) -> Linked {
 /// parent before still has that parent (so an evicted block only ever
 /// shortened a match from its end).
 fn assert_prefixes_kept(before: &Linked, pod: &PodState, what: &str) {
-    for (hash, (_, parent)) in links_of(pod) {
-        let Some((p, born)) = parent else { continue };
-        let held_before = before.get(&p).is_some_and(|(b, _)| *b == born);
-        let held_now = pod.by_hash.get(&p).is_some_and(|up| up.born == born);
-        assert!(
-            !held_before || held_now,
-            "{what}: {hash:?} kept, its parent {p:?} evicted"
-        );
+    let now = links_of(pod);
+    for (hash, (slot, held_parent)) in before {
+        if let Some((now_slot, now_parent)) = now.get(hash) {
+            assert!(
+                !held_parent || slot != now_slot || *now_parent,
+                "{what}: {hash:?} kept, its parent evicted"
+            );
+        }
     }
 }
 
@@ -361,8 +371,8 @@ fn eviction_keeps_every_prefix_under_random_histories() {
 }
 
 #[test]
-fn a_slot_is_forty_bytes() {
-    assert_eq!(std::mem::size_of::<(EngineHash, HeldBlock)>(), 40);
+fn a_slot_is_sixteen_bytes() {
+    assert_eq!(std::mem::size_of::<(EngineHash, HeldBlock)>(), 16);
 }
 
 #[test]
@@ -376,7 +386,7 @@ fn an_evicted_block_takes_its_extra_stores_with_it() {
     }
     assert_eq!(
         pod.export().blocks,
-        vec![(1, pod.by_hash[&EngineHash(1)].key.0, [3, 0, 0])]
+        vec![(1, pod.key_of(EngineHash(1)).unwrap().0, [3, 0, 0])]
     );
     assert_eq!(pod.evict_oldest(&index, 1), 1);
     assert!(pod.extra.is_empty() && index.is_empty());
