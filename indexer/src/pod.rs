@@ -475,7 +475,8 @@ impl PodState {
         }
     }
 
-    /// Blocks as (hash, key, counts), least recently stored first, and the
+    /// Blocks as (hash, key, counts), least recently stored first (bounded
+    /// pods; unbounded ones keep no stamps and list them by hash), and the
     /// groups known not to be full attention: what a snapshot keeps.
     pub fn export(&self) -> PodExport {
         let held = self.oldest_first();
@@ -734,7 +735,7 @@ impl PodState {
             self.set_key(slot, hash, key);
         }
         if first_on_tier {
-            let key = self.key_at(slot, hash);
+            let key = if new { key } else { self.key_at(slot, hash) };
             self.pending.push(Change::acquire(key, self.id, tier));
             self.held_per_tier[tier.index()] += 1;
         } else {

@@ -45,7 +45,9 @@ pub struct PodSnapshot {
     pub last_seq: Option<u64>,
     pub incomplete: bool,
     pub non_full_groups: Vec<u32>,
-    /// (engine hash, key, counts per tier), least recently stored first.
+    /// (engine hash, key, counts per tier), least recently stored first
+    /// (by hash when written by an unbounded index, which keeps no store
+    /// order: a capacity set at the restart then evicts them in that order).
     pub blocks: Vec<SnapshotBlock>,
     /// Each block's parent hash, parallel to `blocks` (what keeps a restored
     /// pod's prefix closure known).

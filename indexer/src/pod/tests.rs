@@ -685,3 +685,44 @@ fn a_restored_pod_keeps_its_prefix_closure() {
     assert_eq!(old.orphans, 4);
     assert_eq!(old.closed_tier(), None);
 }
+
+/// Engine keys are the hashes: a pod keeps no key column until a block
+/// needs a key of its own (an adapter whose hashes engine keys cannot
+/// reproduce is keyed by its tokens). Then the column is filled in for
+/// the blocks held before, and every block is released under the key it
+/// was acquired with.
+#[test]
+fn keys_are_kept_only_once_one_differs_from_its_hash() {
+    let engine = crate::engine_hash::EngineHasher::new(
+        crate::engine_hash::HashAlgo::Sha256,
+        crate::engine_hash::DEFAULT_SEED,
+        crate::engine_hash::ExtraKeyStyle::Tagged,
+    );
+    let engine = KeySchemes::engine(engine, false, 0).default;
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    pod.store(
+        &index,
+        &store(&[1, 2], None, &tokens(8, 0)),
+        &engine,
+        &mut stats,
+    );
+    assert!(pod.keys.is_none());
+    assert_eq!(pod.key_of(EngineHash(2)), Some(BlockKey(2)));
+    let mut adapter = store(&[3], None, &tokens(4, 50));
+    adapter.lora_name = Some("unknown-adapter".into());
+    pod.store(&index, &adapter, &engine, &mut stats);
+    assert!(pod.keys.is_some());
+    let token_key = pod.key_of(EngineHash(3)).unwrap();
+    assert_ne!(token_key, BlockKey(3));
+    assert_eq!(pod.key_of(EngineHash(1)), Some(BlockKey(1)));
+    assert_eq!(index.len(), 3);
+    index.with_holders(token_key, |h| assert!(h.is_some()));
+    pod.remove(&index, &removed(&[1, 2, 3]), &mut stats);
+    assert!(index.is_empty(), "every block released under its own key");
+    // A clear forgets the column with the blocks.
+    pod.store(&index, &adapter, &engine, &mut stats);
+    pod.clear(&index, &mut stats);
+    assert!(pod.keys.is_none() && index.is_empty());
+}
