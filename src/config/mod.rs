@@ -301,12 +301,14 @@ fn invalid(
 
 /// Memory one (pod, block) entry costs at capacity, all structures and
 /// allocator overhead included: tests/memory.rs measures what 200,000
-/// entries add to the process's resident memory at capacity, 130-135 bytes
-/// each (debug and release builds; one holder per key, the index's worst
+/// entries add to the process's resident memory at capacity, 107-111 bytes
+/// each (release and debug builds; one holder per key, the index's worst
 /// case), and checks it against this. 256 leaves room for what that test
-/// does not do: re-stores (stale eviction-order entries) and tables that
-/// have just doubled. It was 400 while the index's tables were sized at
-/// twice their share (~200 bytes measured then).
+/// does not do: token keys (8 bytes more per entry), blocks linked to
+/// parents the pod no longer holds (up to 16), re-stores (stale
+/// eviction-order entries) and tables that have just doubled. It was 400
+/// while the index's tables were sized at twice their share (~200 bytes
+/// measured then).
 pub const BYTES_PER_ENTRY: usize = 256;
 
 /// Memory a cache domain costs before it holds any block (its pod record,
