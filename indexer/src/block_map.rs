@@ -190,8 +190,9 @@ impl<V: Copy> BlockMap<V> {
         self.find_entry(*key).map(OccupiedEntry::remove)
     }
 
-    /// The entry in `slot`, if one is live there: a slot names an entry
-    /// for as long as it is held (see `Entry`), and is reused after.
+    /// The entry in `slot`, if one is live there (in the table: not
+    /// detached, not freed): a slot names an entry for as long as it is in
+    /// the table, and is reused after it is freed.
     #[inline]
     pub fn at_slot(&self, slot: u32) -> Option<(EngineHash, &V)> {
         let (key, value) = self
@@ -212,6 +213,12 @@ impl<V: Copy> BlockMap<V> {
         alloc_slot(&mut self.chunks, &mut self.free, key, value)
     }
 
+    /// Slots handed out so far (live, detached or free): every slot number
+    /// is below it.
+    pub fn slot_count(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+
     /// Hands back a detached entry's slot (see `insert_detached`), to be
     /// reused by the next insert.
     pub fn free(&mut self, slot: u32) {
@@ -221,14 +228,14 @@ impl<V: Copy> BlockMap<V> {
     /// The entry in `slot`, live or detached, whatever it is: for callers
     /// that know the slot names the entry they linked to.
     #[inline]
-    pub fn slot(&self, slot: u32) -> (EngineHash, &V) {
+    pub fn any_at(&self, slot: u32) -> (EngineHash, &V) {
         let (key, value) = at(&self.chunks, slot);
         (*key, value)
     }
 
-    /// As `slot`, mutably.
+    /// As `any_at`, mutably.
     #[inline]
-    pub fn slot_mut(&mut self, slot: u32) -> &mut V {
+    pub fn any_at_mut(&mut self, slot: u32) -> &mut V {
         &mut at_mut(&mut self.chunks, slot).1
     }
 
@@ -393,7 +400,13 @@ impl<T: Copy + Default> Column<T> {
         }
         let chunk = &mut self.chunks[c];
         if i >= chunk.len() {
-            // Grows as a vector does, to exactly CHUNK at most.
+            // Grows as a vector does, but to CHUNK at most (slots can be
+            // set out of order: from 201 to 256 entries a vector would
+            // double to 402).
+            if i >= chunk.capacity() {
+                let want = (2 * chunk.capacity()).clamp(i + 1, CHUNK);
+                chunk.reserve_exact(want - chunk.len());
+            }
             chunk.resize(i + 1, T::default());
         }
         chunk[i] = value;
@@ -514,6 +527,44 @@ mod tests {
             m.iter_slots().map(|(s, k, _)| (s, *k)).collect::<Vec<_>>(),
             vec![(a, EngineHash(8))]
         );
+    }
+
+    #[test]
+    fn a_column_keeps_values_by_slot_in_chunks_of_at_most_chunk() {
+        let mut c: Column<u64> = Column::default();
+        assert_eq!(c.get(5), 0);
+        // Out of order, as a backfill in table order sets them.
+        for s in [200u32, 255, 3, 256 + 7, 256 + 255, 100] {
+            c.set(s, u64::from(s) + 1);
+        }
+        for s in [200u32, 255, 3, 256 + 7, 256 + 255, 100] {
+            assert_eq!(c.get(s), u64::from(s) + 1);
+        }
+        assert_eq!(c.get(4), 0);
+        assert!(c.chunks.iter().all(|chunk| chunk.capacity() <= CHUNK));
+        c.clear();
+        assert_eq!((c.get(200), c.allocation_size()), (0, 0));
+    }
+
+    #[test]
+    fn detached_entries_keep_their_slot_until_freed() {
+        let mut m: BlockMap<u64> = BlockMap::default();
+        m.insert(EngineHash(1), 10);
+        let Some(e) = m.find_entry(EngineHash(1)) else {
+            unreachable!()
+        };
+        let (slot, value) = e.detach();
+        assert_eq!((value, m.len(), m.get(&EngineHash(1))), (10, 0, None));
+        assert_eq!(m.at_slot(slot), None, "detached is not live");
+        assert_eq!(m.any_at(slot), (EngineHash(1), &10));
+        // Not reused while detached.
+        m.insert(EngineHash(2), 20);
+        let other = m.insert_detached(EngineHash(3), 30);
+        assert_eq!(m.detached_slots(), vec![slot, other]);
+        m.free(slot);
+        m.insert(EngineHash(4), 40);
+        assert_eq!(m.at_slot(slot), Some((EngineHash(4), &40)), "freed, reused");
+        assert_eq!(m.detached_slots(), vec![other]);
     }
 
     #[test]

@@ -64,7 +64,7 @@ struct Links(u32);
 
 const HAS_PARENT: u32 = 1 << TIERS;
 const CHILD_SHIFT: u32 = TIERS as u32 + 1;
-/// Children a block can count (2^28: more than any pod holds blocks).
+/// Children a block can count (2^28 - 1: more than any pod holds blocks).
 const MAX_CHILDREN: u32 = u32::MAX >> CHILD_SHIFT;
 
 impl Links {
@@ -208,8 +208,10 @@ pub struct PodState {
     bounded: bool,
     /// Bounded: the capacity `by_hash` was last sized to (`make_room`).
     table_capacity: usize,
-    /// Held blocks whose parent is not held: 0 means the held set is
-    /// prefix-closed, which lets scoring binary-search it (see `score`).
+    /// Links to detached entries (see `HeldBlock`): held blocks whose
+    /// parent is not held (and, within an event, the next block's link made
+    /// in advance when its parent could not count it). 0 means the held set
+    /// is prefix-closed, which lets scoring binary-search it (see `score`).
     orphans: u64,
     /// Index changes of the event being applied, flushed to the index in
     /// one batch at its end (`BlockIndex::apply`).
@@ -490,7 +492,7 @@ impl PodState {
             .map(|(_, _, b)| {
                 b.links
                     .has_parent()
-                    .then(|| self.by_hash.slot(b.parent).0 .0)
+                    .then(|| self.by_hash.any_at(b.parent).0 .0)
             })
             .collect();
         let mut non_full_groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
@@ -502,10 +504,12 @@ impl PodState {
         }
     }
 
-    /// Restores what `export` returned, into an empty pod. Without
-    /// `parents` (snapshots written before they were kept) every block
-    /// counts as an orphan, so the pod is walked block by block until those
-    /// blocks are gone.
+    /// Restores what `export` returned. A pod that holds blocks already (a
+    /// snapshot listing one pod twice) is cleared first: the last record
+    /// wins; a hash listed twice in one record keeps its first listing.
+    /// Without `parents` (snapshots written before they were kept) every
+    /// block counts as an orphan, so the pod is walked block by block until
+    /// those blocks are gone.
     pub fn import(
         &mut self,
         index: &BlockIndex,
@@ -514,6 +518,9 @@ impl PodState {
         non_full_groups: &[u32],
         block_size: Option<u32>,
     ) {
+        if !self.by_hash.is_empty() {
+            self.clear(index, &mut ApplyStats::default());
+        }
         self.block_size = block_size;
         self.non_full_groups = non_full_groups.iter().copied().collect();
         // Children may come before their parents: closed only once linked.
@@ -524,13 +531,13 @@ impl PodState {
         // later in store order).
         let mut links: Vec<(u32, Option<EngineHash>)> = Vec::new();
         for (i, (hash, key, counts)) in blocks.iter().enumerate() {
-            if counts.iter().all(|c| *c == 0) {
+            let hash = EngineHash(*hash);
+            if counts.iter().all(|c| *c == 0) || self.by_hash.contains_key(&hash) {
                 continue;
             }
             self.reserve_one();
             // Blocks come oldest first: stamps keep that order.
             let stamp = self.tick();
-            let hash = EngineHash(*hash);
             let mut held = HeldBlock::default();
             for tier in Tier::ALL {
                 let count = counts[tier.index()];
@@ -543,11 +550,8 @@ impl PodState {
                 }
             }
             let slot = match self.by_hash.entry(hash) {
-                Entry::Occupied(mut e) => {
-                    *e.get_mut() = held;
-                    e.slot()
-                }
                 Entry::Vacant(v) => v.insert_with_slot(held).0,
+                Entry::Occupied(_) => unreachable!("listed twice: skipped above"),
             };
             self.set_key(slot, hash, BlockKey(*key));
             if self.bounded {
@@ -567,10 +571,6 @@ impl PodState {
             }
         }
         self.apply_pending(index);
-        // A hash listed twice keeps its last record's link.
-        links.reverse();
-        links.sort_by_key(|(slot, _)| *slot);
-        links.dedup_by_key(|(slot, _)| *slot);
         for (slot, parent) in links {
             // An unknown parent (snapshots written before parents were
             // kept): an orphan, walked block by block until it is gone.
@@ -578,12 +578,58 @@ impl PodState {
                 Some(p) => self.link_to(p),
                 None => self.detached_link(EngineHash(0)),
             };
-            let held = self.by_hash.slot_mut(slot);
+            let held = self.by_hash.any_at_mut(slot);
             held.links.set_has_parent();
             held.parent = link.0;
         }
+        self.break_link_cycles();
         self.published = self.closed_tier();
         self.closure.close(self.published);
+    }
+
+    /// Breaks every cycle of links among held blocks, which a snapshot can
+    /// hold where the live pod had none: 2 stored under 1 while 1 was not
+    /// held (linked to a detached 1), then 1 under 2; restored, each links
+    /// to the other. A block on a cycle would never be a leaf, so never be
+    /// evicted. Each cycle loses one link, whose block becomes an orphan
+    /// (linked to a detached entry of the same parent hash). O(blocks):
+    /// each block's chain of parents is walked once.
+    fn break_link_cycles(&mut self) {
+        const NEW: u8 = 0;
+        const ON_WALK: u8 = 1;
+        const DONE: u8 = 2;
+        let mut state = vec![NEW; self.by_hash.slot_count()];
+        let live: Vec<u32> = self.by_hash.iter_slots().map(|(s, _, _)| s).collect();
+        let mut walk = Vec::new();
+        for start in live {
+            let mut at = start;
+            loop {
+                match state[at as usize] {
+                    DONE => break,
+                    ON_WALK => {
+                        // `at`'s parents lead back to it: cut its link.
+                        let parent = self.by_hash.any_at(at).1.parent;
+                        let parent_hash = self.by_hash.any_at(parent).0;
+                        self.drop_link(Link(parent));
+                        let orphan = self.detached_link(parent_hash);
+                        self.by_hash.any_at_mut(at).parent = orphan.0;
+                        break;
+                    }
+                    _ => {}
+                }
+                state[at as usize] = ON_WALK;
+                walk.push(at);
+                let held = self.by_hash.any_at(at).1;
+                // A detached parent has no parent: the chain ends there.
+                if !held.links.has_parent() || self.by_hash.at_slot(held.parent).is_none() {
+                    break;
+                }
+                at = held.parent;
+            }
+            for s in walk.drain(..) {
+                state[s as usize] = DONE;
+            }
+        }
     }
 
     /// Distinct blocks (engine hashes) held, any tier: this pod's share of
@@ -793,7 +839,7 @@ impl PodState {
     /// Undoes what a link counted: one child of the entry it names, and
     /// one orphan if that entry is detached (freed with its last child).
     fn drop_link(&mut self, link: Link) {
-        let up = self.by_hash.slot_mut(link.0);
+        let up = self.by_hash.any_at_mut(link.0);
         up.links.remove_child();
         let leaf = up.links.children() == 0;
         if up.links.holds_any() {
@@ -860,7 +906,7 @@ impl PodState {
         if children == 0 {
             self.by_hash.free(slot);
         } else {
-            *self.by_hash.slot_mut(slot) = HeldBlock {
+            *self.by_hash.any_at_mut(slot) = HeldBlock {
                 parent: 0,
                 links: held.links.children_only(),
             };

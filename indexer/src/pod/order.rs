@@ -12,8 +12,9 @@ impl PodState {
     /// that one, so the held set stays prefix-closed where it was and an
     /// eviction only ever shortens a match from its end. Returns how many
     /// were evicted: `n`, or every block if fewer (a non-empty held set
-    /// always has a leaf: a link only points to an entry older than its
-    /// block).
+    /// always has a leaf: links make no cycle, as a store links only to an
+    /// entry that was there before it, and `import` breaks any cycle a
+    /// snapshot holds).
     ///
     /// O(log) amortised per block: `order` is walked once, a block passed
     /// for its children waits for its last child to go (`became_leaf`).

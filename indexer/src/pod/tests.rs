@@ -166,6 +166,25 @@ fn recount(pod: &PodState) -> (u64, HashMap<u32, u32>) {
     (orphans, children)
 }
 
+/// The pod's children and orphan counts equal a recount; a detached entry
+/// stays exactly while children name it.
+fn assert_counts_exact(pod: &PodState, what: &str) {
+    let (orphans, mut children) = recount(pod);
+    assert_eq!(pod.orphans, orphans, "{what}");
+    for (slot, hash, held) in pod.by_hash.iter_slots() {
+        let want = children.remove(&slot).unwrap_or(0);
+        assert_eq!(held.links.children(), want, "{what}, block {hash:?}");
+    }
+    for slot in pod.by_hash.detached_slots() {
+        let (hash, held) = pod.by_hash.any_at(slot);
+        let want = children.remove(&slot).unwrap_or(0);
+        assert!(want > 0, "{what}: detached {hash:?} kept for no child");
+        assert_eq!(held.links.children(), want, "{what}, detached {hash:?}");
+        assert!(!held.links.holds_any() && !held.links.has_parent());
+    }
+    assert!(children.is_empty(), "{what}: links to freed slots");
+}
+
 #[test]
 fn child_and_orphan_counts_stay_exact_under_random_events() {
     let index = BlockIndex::new();
@@ -180,6 +199,7 @@ fn child_and_orphan_counts_stay_exact_under_random_events() {
         // Bounded, so evictions take part too.
         let mut pod = PodState::new(PodId(0), "m").bounded();
         let mut stats = ApplyStats::default();
+        let mut restores = 0;
         for step in 0..3000 {
             // A small hash space: re-stores, repeats within an event,
             // blocks that are their own parent, unknown parents.
@@ -202,28 +222,37 @@ fn child_and_orphan_counts_stay_exact_under_random_events() {
                 _ if rnd(20) == 0 => pod.clear(&index, &mut stats),
                 _ => {}
             }
-            let (orphans, mut children) = recount(&pod);
-            assert_eq!(pod.orphans, orphans, "step {step}");
-            for (slot, hash, held) in pod.by_hash.iter_slots() {
-                let want = children.remove(&slot).unwrap_or(0);
-                assert_eq!(held.links.children(), want, "step {step}, block {hash:?}");
-            }
-            // A detached entry stays exactly while children name it.
-            for slot in pod.by_hash.detached_slots() {
-                let (hash, held) = pod.by_hash.slot(slot);
-                let want = children.remove(&slot).unwrap_or(0);
-                assert!(want > 0, "step {step}: detached {hash:?} kept for no child");
-                assert_eq!(
-                    held.links.children(),
-                    want,
-                    "step {step}, detached {hash:?}"
+            assert_counts_exact(&pod, &format!("step {step}"));
+            // Now and then a snapshot of it, restored: counted exactly too,
+            // and every block of it evictable (links make no cycle, which
+            // the live pod's store order rules out but a snapshot does
+            // not: see `import`).
+            if step % 50 == 0 {
+                let export = pod.export();
+                let mut restored = PodState::new(PodId(0), "m").bounded();
+                let restored_index = BlockIndex::new();
+                restored.import(
+                    &restored_index,
+                    &export.blocks,
+                    &export.parents,
+                    &export.non_full_groups,
+                    Some(BS as u32),
                 );
-                assert!(!held.links.holds_any() && !held.links.has_parent());
+                let what = format!("step {step}, restored");
+                assert_counts_exact(&restored, &what);
+                assert_eq!(restored.entries(), pod.entries(), "{what}");
+                let all = restored.entries();
+                assert_eq!(
+                    restored.evict_oldest(&restored_index, usize::MAX),
+                    all,
+                    "{what}"
+                );
+                assert!(restored_index.is_empty(), "{what}");
+                restores += 1;
             }
-            assert!(children.is_empty(), "step {step}: links to freed slots");
         }
         assert!(
-            stats.stored_blocks > 1000 && stats.removed_blocks > 300,
+            stats.stored_blocks > 1000 && stats.removed_blocks > 300 && restores > 50,
             "{stats:?}"
         );
     }
