@@ -243,8 +243,7 @@ impl<V: Copy> BlockMap<V> {
     /// live nor freed.
     #[cfg(test)]
     pub(crate) fn detached_slots(&self) -> Vec<u32> {
-        let total: usize = self.chunks.iter().map(Vec::len).sum();
-        (0..total as u32)
+        (0..self.slot_count() as u32)
             .filter(|s| !self.free.contains(s) && self.at_slot(*s).is_none())
             .collect()
     }

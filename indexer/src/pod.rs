@@ -56,9 +56,9 @@ struct HeldBlock {
 
 /// The tiers a block is held on, whether it has a parent, and how many held
 /// blocks are linked to it as their parent, in one word (no tier: a
-/// detached entry, see `HeldBlock`). A tier bit stands
-/// for the first store on that tier; further stores of the same hash and
-/// tier (vLLM can store a hash twice) are counted in `PodState::extra`.
+/// detached entry, see `HeldBlock`). A tier bit stands for the first store
+/// on that tier; further stores of the same hash and tier (vLLM can store a
+/// hash twice) are counted in `PodState::extra`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Links(u32);
 
