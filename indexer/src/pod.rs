@@ -532,12 +532,15 @@ impl PodState {
         let mut links: Vec<(u32, Option<EngineHash>)> = Vec::new();
         for (i, (hash, key, counts)) in blocks.iter().enumerate() {
             let hash = EngineHash(*hash);
-            if counts.iter().all(|c| *c == 0) || self.by_hash.contains_key(&hash) {
+            if counts.iter().all(|c| *c == 0) {
                 continue;
             }
             self.reserve_one();
             // Blocks come oldest first: stamps keep that order.
             let stamp = self.tick();
+            let Entry::Vacant(vacant) = self.by_hash.entry(hash) else {
+                continue;
+            };
             let mut held = HeldBlock::default();
             for tier in Tier::ALL {
                 let count = counts[tier.index()];
@@ -549,20 +552,16 @@ impl PodState {
                     self.held_per_tier[tier.index()] += 1;
                 }
             }
-            let slot = match self.by_hash.entry(hash) {
-                Entry::Vacant(v) => v.insert_with_slot(held).0,
-                Entry::Occupied(_) => unreachable!("listed twice: skipped above"),
-            };
+            let slot = vacant.insert_with_slot(held).0;
             self.set_key(slot, hash, BlockKey(*key));
             if self.bounded {
                 self.stamps.set(slot, stamp);
                 self.order.push_back((slot, stamp));
             }
+            // (A block listed as its own parent links to itself here: a
+            // cycle, broken below like any other.)
             match parents.get(i).copied().flatten() {
-                // A block cannot extend itself: linked so, it would count
-                // as its own child and never be a leaf.
-                Some(p) if p != hash.0 => links.push((slot, Some(EngineHash(p)))),
-                Some(_) => links.push((slot, None)),
+                Some(p) => links.push((slot, Some(EngineHash(p)))),
                 None if !known_parents => links.push((slot, None)),
                 None => {}
             }

@@ -102,8 +102,7 @@ impl PodState {
         if !self.bounded {
             return;
         }
-        let slots: Vec<u32> = self.by_hash.iter_slots().map(|(s, _, _)| s).collect();
-        for slot in slots {
+        for (slot, _, _) in self.by_hash.iter_slots() {
             if clock.wrapping_sub(self.stamps.get(slot).0) >= MAX_AGE {
                 self.stamps.set(slot, oldest);
             }

@@ -30,6 +30,16 @@ fn store(hashes: &[u64], parent: Option<u64>, toks: &[u32]) -> BlockStored {
     }
 }
 
+/// Engine keys (SHA-256, vLLM's default seed, tagged extra keys).
+fn engine_keys() -> KeyMode {
+    let hasher = crate::engine_hash::EngineHasher::new(
+        crate::engine_hash::HashAlgo::Sha256,
+        crate::engine_hash::DEFAULT_SEED,
+        crate::engine_hash::ExtraKeyStyle::Tagged,
+    );
+    KeySchemes::engine(hasher, false, 0).default
+}
+
 fn removed(hashes: &[u64]) -> BlockRemoved {
     BlockRemoved {
         block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
@@ -189,12 +199,7 @@ fn assert_counts_exact(pod: &PodState, what: &str) {
 fn child_and_orphan_counts_stay_exact_under_random_events() {
     let index = BlockIndex::new();
     let mut rnd = crate::test_rng::xorshift(0x5eed_0fc4_11d5);
-    let engine = crate::engine_hash::EngineHasher::new(
-        crate::engine_hash::HashAlgo::Sha256,
-        crate::engine_hash::DEFAULT_SEED,
-        crate::engine_hash::ExtraKeyStyle::Tagged,
-    );
-    let engine = KeySchemes::engine(engine, false, 0).default;
+    let engine = engine_keys();
     for mode in [KeyMode::Token, engine] {
         // Bounded, so evictions take part too.
         let mut pod = PodState::new(PodId(0), "m").bounded();
@@ -336,12 +341,7 @@ fn eviction_takes_leaves_first_and_keeps_the_prefixes_a_pod_extends() {
 /// set always has a leaf), makes no orphan, and keeps every prefix.
 #[test]
 fn eviction_keeps_every_prefix_under_random_histories() {
-    let engine = crate::engine_hash::EngineHasher::new(
-        crate::engine_hash::HashAlgo::Sha256,
-        crate::engine_hash::DEFAULT_SEED,
-        crate::engine_hash::ExtraKeyStyle::Tagged,
-    );
-    let engine = KeySchemes::engine(engine, false, 0).default;
+    let engine = engine_keys();
     let mut evictions = 0;
     for seed in 1..=24u64 {
         let mode = if seed % 2 == 0 {
@@ -722,12 +722,7 @@ fn a_restored_pod_keeps_its_prefix_closure() {
 /// was acquired with.
 #[test]
 fn keys_are_kept_only_once_one_differs_from_its_hash() {
-    let engine = crate::engine_hash::EngineHasher::new(
-        crate::engine_hash::HashAlgo::Sha256,
-        crate::engine_hash::DEFAULT_SEED,
-        crate::engine_hash::ExtraKeyStyle::Tagged,
-    );
-    let engine = KeySchemes::engine(engine, false, 0).default;
+    let engine = engine_keys();
     let index = BlockIndex::new();
     let mut pod = PodState::new(PodId(0), "m");
     let mut stats = ApplyStats::default();
