@@ -10,9 +10,9 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
 use hashbrown::hash_table::{Entry, HashTable};
 use parking_lot::RwLock;
-use smallvec::SmallVec;
 
-use crate::event::{Tier, TIERS};
+use crate::event::Tier;
+pub use crate::holders::{Holder, HolderSet, Holders, MAX_PODS};
 use crate::keys::BlockKey;
 use crate::repeats::Repeats;
 
@@ -37,48 +37,6 @@ impl TierMask {
         Tier::ALL.into_iter().filter(move |t| self.contains(*t))
     }
 }
-
-/// One pod holding one key, in one word: the pod's id in the low bits and
-/// the tiers it holds the key on in the top `TIERS` bits. A word, not a
-/// struct with per-tier counts, so a key's holder list stays inline in its
-/// table slot for up to `INLINE_HOLDERS` pods: at 128 pods a spilled list
-/// was a second cache miss on every change and lookup of a shared key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Holder(u32);
-
-const TIER_SHIFT: u32 = u32::BITS - TIERS as u32;
-
-/// Pod ids must leave room for the tier bits.
-pub const MAX_PODS: u32 = 1 << TIER_SHIFT;
-
-impl Holder {
-    fn new(pod: PodId, tier: Tier) -> Holder {
-        debug_assert!(pod.0 < MAX_PODS);
-        Holder(pod.0 | 1 << (TIER_SHIFT + tier.index() as u32))
-    }
-
-    pub fn pod(self) -> PodId {
-        PodId(self.0 & (MAX_PODS - 1))
-    }
-
-    pub fn tiers(self) -> TierMask {
-        TierMask((self.0 >> TIER_SHIFT) as u8)
-    }
-
-    fn with(self, tier: Tier) -> Holder {
-        Holder(self.0 | 1 << (TIER_SHIFT + tier.index() as u32))
-    }
-
-    fn without(self, tier: Tier) -> Holder {
-        Holder(self.0 & !(1 << (TIER_SHIFT + tier.index() as u32)))
-    }
-}
-
-/// Holders kept in the slot itself before the list spills to the heap.
-const INLINE_HOLDERS: usize = 4;
-
-/// Holders of a key, sorted by pod id so scoring can intersect in one pass.
-pub type Holders = SmallVec<[Holder; INLINE_HOLDERS]>;
 
 /// Hasher for 64-bit keys: one finalizer round (murmur3's fmix64) instead
 /// of SipHash. Our keys are xxh3 values, but engine hashes come from the
@@ -374,7 +332,7 @@ impl BlockIndex {
             // samples).
             for c in group {
                 if let Some((_, holders)) = map.holders.find(c.key, |(k, _)| *k == c.key) {
-                    std::hint::black_box((holders.first().copied(), holders.last().copied()));
+                    holders.touch();
                 }
             }
             for c in group {
@@ -387,14 +345,14 @@ impl BlockIndex {
         self.shard(c.key).write().change(&c);
     }
 
-    /// Runs `f` on the holders of `key` (`None` if nobody holds it).
-    pub fn with_holders<R>(&self, key: BlockKey, f: impl FnOnce(Option<&[Holder]>) -> R) -> R {
+    /// Runs `f` on the holders of `key` (empty if nobody holds it).
+    pub fn with_holders<R>(&self, key: BlockKey, f: impl FnOnce(HolderSet<'_>) -> R) -> R {
         let key = mixed(key);
         let shard = read_spinning(self.shard(key));
         f(shard
             .holders
             .find(key, |(k, _)| *k == key)
-            .map(|(_, h)| h.as_slice()))
+            .map_or(HolderSet::EMPTY, |(_, h)| h.view()))
     }
 
     /// Number of distinct keys held by at least one pod.
@@ -459,19 +417,16 @@ impl Shard {
 
     fn take(&mut self, key: u64, pod: PodId, tier: Tier) {
         self.make_room();
-        let holders = match self.holders.entry(key, |(k, _)| *k == key, |(k, _)| *k) {
+        match self.holders.entry(key, |(k, _)| *k == key, |(k, _)| *k) {
             // The common case while caches fill: a key's first holder.
             Entry::Vacant(v) => {
-                let first = Holders::from_buf_and_len([Holder::new(pod, tier); INLINE_HOLDERS], 1);
-                v.insert((key, first));
-                return;
+                v.insert((key, Holders::one(pod, tier)));
             }
-            Entry::Occupied(o) => &mut o.into_mut().1,
-        };
-        match holders.binary_search_by_key(&pod, |h| h.pod()) {
-            Ok(i) if holders[i].tiers().contains(tier) => self.extra.add((key, pod), tier),
-            Ok(i) => holders[i] = holders[i].with(tier),
-            Err(i) => holders.insert(i, Holder::new(pod, tier)),
+            Entry::Occupied(o) => {
+                if !o.into_mut().1.add(pod, tier) {
+                    self.extra.add((key, pod), tier);
+                }
+            }
         }
     }
 
@@ -481,19 +436,13 @@ impl Shard {
             return;
         };
         let holders = &mut entry.get_mut().1;
-        let Ok(i) = holders.binary_search_by_key(&pod, |h| h.pod()) else {
-            return;
-        };
-        if !holders[i].tiers().contains(tier) {
+        if !holders.view().get(pod).is_some_and(|t| t.contains(tier)) {
             return;
         }
         if self.extra.take((key, pod), tier) {
             return;
         }
-        holders[i] = holders[i].without(tier);
-        if holders[i].tiers().is_empty() {
-            holders.remove(i);
-        }
+        holders.remove(pod, tier);
         if holders.is_empty() {
             entry.remove();
         }
@@ -506,10 +455,7 @@ mod tests {
 
     fn tiers_of(index: &BlockIndex, key: BlockKey) -> Vec<(u32, u8)> {
         index.with_holders(key, |h| {
-            h.unwrap_or(&[])
-                .iter()
-                .map(|h| (h.pod().0, h.tiers().0))
-                .collect()
+            h.iter().map(|h| (h.pod().0, h.tiers().0)).collect()
         })
     }
 
@@ -580,11 +526,8 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_is_half_a_cache_line_with_four_holders_inline() {
-        assert_eq!(std::mem::size_of::<(BlockKey, Holders)>(), 32);
-        // A change's shard sits in what was its padding.
+    fn a_change_keeps_its_shard_in_what_was_padding() {
         assert_eq!(std::mem::size_of::<Change>(), 16);
-        assert!(!Holders::from_slice(&[Holder::new(PodId(0), Tier::Gpu); 4]).spilled());
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod block_map;
 pub mod closure;
 pub mod engine_hash;
 pub mod event;
+pub mod holders;
 pub mod index;
 mod indexer;
 pub mod keys;

@@ -2,7 +2,7 @@
 //! holds, and a tier-weighted score.
 
 use crate::event::{Tier, TIERS};
-use crate::index::{BlockIndex, Holder, PodId, TierMask};
+use crate::index::{BlockIndex, PodId, TierMask};
 use crate::keys::BlockKey;
 
 /// How much a matched block is worth by the tier it is held on. A block held
@@ -82,10 +82,9 @@ pub fn walk(
             break;
         }
         index.with_holders(*key, |holders| {
-            let holders = holders.unwrap_or(&[]);
-            active.retain(|&pos| match find(holders, candidates[pos]) {
-                Some(holder) => {
-                    record(&mut matches[pos], holder.tiers(), weights);
+            active.retain(|&pos| match holders.get(candidates[pos]) {
+                Some(tiers) => {
+                    record(&mut matches[pos], tiers, weights);
                     true
                 }
                 None => false,
@@ -121,11 +120,15 @@ pub fn walk(
 /// block 0 go since is searched as if it held it; its answer (at least 1)
 /// is still one it had during the lookup, which began with that probe.
 ///
-/// The pods of a range are a bit set over their positions in `pods`, held
-/// in words on the stack: a probe sets the bits of the key's holders and
-/// splits the range with a few word operations. Splitting lists of
-/// positions cost ~500 instructions per probe with 16 pods, two thirds of a
-/// lookup (callgrind). Pods are searched `MAX_SET` at a time.
+/// The pods of a range are a bit set over their ids, held in words on the
+/// stack: a probe marks the key's holders (for a key held as bits, a word
+/// operation per 64 pods: `HolderSet::mark`) and splits the range with a
+/// few word operations. Splitting lists of positions cost ~500
+/// instructions per probe with 16 pods, two thirds of a lookup
+/// (callgrind); matching each holder against the pods searched was most of
+/// a 128-pod lookup of a widely held prompt. Pods are searched in sets
+/// whose ids span at most `MAX_WORDS` words: a model's pods, their ids
+/// given out densely, are one set.
 pub fn jump<'s>(
     index: &BlockIndex,
     keys: &[BlockKey],
@@ -134,11 +137,7 @@ pub fn jump<'s>(
     scratch: &'s mut Scratch,
 ) -> &'s [u32] {
     debug_assert!(pods.windows(2).all(|w| w[0] < w[1]));
-    let Scratch {
-        depth,
-        search_places,
-        ..
-    } = scratch;
+    let depth = &mut scratch.depth;
     depth.clear();
     depth.resize(pods.len(), 0);
     if keys.is_empty() {
@@ -147,52 +146,63 @@ pub fn jump<'s>(
     // A prompt of 2^32 blocks is 2^36 tokens or more: far beyond any limit
     // the service lets through.
     let keys = &keys[..keys.len().min(u32::MAX as usize)];
-    for (pods, depth) in pods.chunks(MAX_SET).zip(depth.chunks_mut(MAX_SET)) {
-        for (pos, pod) in pods.iter().enumerate() {
-            search_places.set(*pod, pos);
+    let mut start = 0;
+    while start < pods.len() {
+        let base = pods[start].0 / 64;
+        let end = start + pods[start..].partition_point(|p| p.0 / 64 - base < MAX_WORDS as u32);
+        let set = &pods[start..end];
+        let search = Search { index, keys, base };
+        let depth = &mut depth[start..end];
+        match (set[set.len() - 1].0 / 64 - base) as usize + 1 {
+            1 => search.run::<1>(set, first_held, depth),
+            2 => search.run::<2>(set, first_held, depth),
+            3 | 4 => search.run::<4>(set, first_held, depth),
+            5..=16 => search.run::<16>(set, first_held, depth),
+            _ => search.run::<MAX_WORDS>(set, first_held, depth),
         }
-        let search = Search {
-            index,
-            keys,
-            pods,
-            places: search_places,
-        };
-        match pods.len().div_ceil(64) {
-            1 => search.run::<1>(first_held, depth),
-            2 => search.run::<2>(first_held, depth),
-            3 | 4 => search.run::<4>(first_held, depth),
-            _ => search.run::<{ MAX_SET / 64 }>(first_held, depth),
-        }
+        start = end;
     }
     depth
 }
 
-/// Pods searched together at most (a bit set of this many on the stack per
-/// pending range).
-const MAX_SET: usize = 1024;
+/// Words of pod ids one search spans at most (a bit set of this many on the
+/// stack per pending range). Pods further apart are searched separately.
+const MAX_WORDS: usize = 64;
 
 /// Ranges pending at once: the search descends one level per probe and
 /// leaves at most one sibling per level, and a level halves the range
 /// (prompts are under 2^32 blocks; `jump` checks).
 const MAX_PENDING: usize = u32::BITS as usize + 2;
 
-/// One search over up to `MAX_SET` pods.
+/// One search over pods whose ids lie in `base * 64 .. (base + W) * 64`:
+/// bit `i` of word `w` of a set is pod `(base + w) * 64 + i`.
 struct Search<'a> {
     index: &'a BlockIndex,
     keys: &'a [BlockKey],
-    pods: &'a [PodId],
-    /// Where each of `pods` sits in it.
-    places: &'a Places,
+    base: u32,
 }
 
 impl Search<'_> {
-    fn run<const W: usize>(&self, first_held: bool, depth: &mut [u32]) {
+    fn run<const W: usize>(&self, pods: &[PodId], first_held: bool, depth: &mut [u32]) {
         let n = self.keys.len() as u32;
-        let all: [u64; W] = std::array::from_fn(|w| match self.pods.len().saturating_sub(w * 64) {
-            0 => 0,
-            left if left >= 64 => !0,
-            left => (1 << left) - 1,
-        });
+        let mut all = [0u64; W];
+        for pod in pods {
+            let off = pod.0 - self.base * 64;
+            all[off as usize / 64] |= 1 << (off % 64);
+        }
+        // A pod's place in `pods` (and `depth`): the pods below it in the
+        // set, the ids being sorted.
+        let mut below = [0u32; W];
+        for w in 1..W {
+            below[w] = below[w - 1] + all[w - 1].count_ones();
+        }
+        let settle = |set: &[u64; W], d: u32, depth: &mut [u32]| {
+            for_each_pod(set, |bit| {
+                let (w, b) = (bit / 64, bit % 64);
+                let place = below[w] + (all[w] & ((1 << b) - 1)).count_ones();
+                depth[place as usize] = d;
+            });
+        };
         let first = if first_held {
             all
         } else {
@@ -235,31 +245,23 @@ impl Search<'_> {
     fn who_holds<const W: usize>(&self, key: BlockKey, of: &[u64; W]) -> [u64; W] {
         let mut held = [0u64; W];
         self.index.with_holders(key, |holders| {
-            let holders = holders.unwrap_or(&[]);
-            let few_live = || {
+            if !holders.is_dense() && holders.len() >= 8 {
                 let live: u32 = of.iter().map(|w| w.count_ones()).sum();
-                (live as usize) * 4 <= holders.len()
-            };
-            if holders.len() >= 8 && few_live() {
-                // A few pods left against a long holder list (a system
-                // prompt's blocks, held by the whole fleet).
-                for_each_pod(of, |pos| {
-                    let pod = self.pods[pos];
-                    if find(holders, pod).is_some() {
-                        held[pos / 64] |= 1 << (pos % 64);
-                    }
-                });
-                return;
-            }
-            for h in holders {
-                if let Some(pos) = self.places.get(self.pods, h.pod()) {
-                    held[pos / 64] |= 1 << (pos % 64);
+                if live as usize * 4 <= holders.len() {
+                    // A few pods left against a long holder list.
+                    for_each_pod(of, |bit| {
+                        if holders.get(PodId(self.base * 64 + bit as u32)).is_some() {
+                            held[bit / 64] |= 1 << (bit % 64);
+                        }
+                    });
+                    return;
                 }
             }
-            for (h, o) in held.iter_mut().zip(of) {
-                *h &= o;
-            }
+            holders.mark(self.base, &mut held);
         });
+        for (h, o) in held.iter_mut().zip(of) {
+            *h &= o;
+        }
         held
     }
 }
@@ -294,12 +296,7 @@ fn minus<const W: usize>(set: &[u64; W], without: &[u64; W]) -> [u64; W] {
     std::array::from_fn(|w| set[w] & !without[w])
 }
 
-/// Every pod of `set` matches `d` blocks.
-fn settle<const W: usize>(set: &[u64; W], d: u32, depth: &mut [u32]) {
-    for_each_pod(set, |pos| depth[pos] = d);
-}
-
-/// Calls `f` with the position of every pod in `set`, in order.
+/// Calls `f` with every set bit of `set`, in order.
 #[inline]
 fn for_each_pod<const W: usize>(set: &[u64; W], mut f: impl FnMut(usize)) {
     for (w, word) in set.iter().enumerate() {
@@ -317,8 +314,6 @@ fn for_each_pod<const W: usize>(set: &[u64; W], mut f: impl FnMut(usize)) {
 #[derive(Default)]
 pub struct Scratch {
     depth: Vec<u32>,
-    /// The pods of the current search.
-    search_places: Places,
     /// The pods of the list `holding` last saw (a model's, usually).
     model_places: Places,
 }
@@ -341,7 +336,7 @@ pub fn holding(
     out.clear();
     let places = &mut scratch.model_places;
     index.with_holders(key, |holders| {
-        for h in holders.unwrap_or(&[]) {
+        for h in holders.iter() {
             let pod = h.pod();
             let pos = match places.get(pods, pod) {
                 Some(pos) => pos,
@@ -356,18 +351,6 @@ pub fn holding(
             out.push(pos as u32);
         }
     });
-}
-
-/// Holders are sorted by pod id; most keys have one or two.
-fn find(holders: &[Holder], pod: PodId) -> Option<&Holder> {
-    if holders.len() <= 8 {
-        holders.iter().find(|h| h.pod() == pod)
-    } else {
-        holders
-            .binary_search_by_key(&pod, |h| h.pod())
-            .ok()
-            .map(|i| &holders[i])
-    }
 }
 
 /// Prefix closure: vLLM evicts a block only after its descendants, so a pod
@@ -402,10 +385,9 @@ pub fn extend_prefix_closed(
             break;
         }
         index.with_holders(keys[i], |holders| {
-            let holders = holders.unwrap_or(&[]);
-            looking.retain(|&c| match find(holders, candidates[c]) {
-                Some(h) => {
-                    deepest[c] = Some((i, h.tiers()));
+            looking.retain(|&c| match holders.get(candidates[c]) {
+                Some(tiers) => {
+                    deepest[c] = Some((i, tiers));
                     false
                 }
                 None => true,
@@ -418,9 +400,7 @@ pub fn extend_prefix_closed(
         };
         let m = &mut matches[c];
         for key in &keys[m.matched_blocks as usize..=d] {
-            let known = index.with_holders(*key, |h| {
-                find(h.unwrap_or(&[]), candidates[c]).map_or(TierMask(0), |h| h.tiers())
-            });
+            let known = index.with_holders(*key, |h| h.get(candidates[c]).unwrap_or_default());
             record(m, TierMask(known.0 | deepest_tiers.0), weights);
         }
         m.weigh(weights);
@@ -578,7 +558,7 @@ mod tests {
     fn jump_searches_large_fleets_a_set_at_a_time() {
         let index = BlockIndex::new();
         let keys: Vec<BlockKey> = (0..64).map(BlockKey).collect();
-        let ids: Vec<PodId> = (0..MAX_SET as u32 * 2 + 77).map(PodId).collect();
+        let ids: Vec<PodId> = (0..MAX_WORDS as u32 * 64 * 2 + 77).map(PodId).collect();
         let want: Vec<u32> = ids.iter().map(|p| (p.0 * 7 + 3) % 65).collect();
         for (pod, d) in ids.iter().zip(&want) {
             for key in &keys[..*d as usize] {
@@ -605,8 +585,11 @@ mod tests {
             let keys: Vec<BlockKey> = (0..n as u64)
                 .map(|k| BlockKey(k + 1000 * case as u64))
                 .collect();
-            // Sparse ids, so positions and ids differ.
-            let ids: Vec<PodId> = (0..pods).map(|p| PodId(p * 3 + 1)).collect();
+            // Sparse ids, so positions and ids differ; every other case
+            // so sparse that a word of ids holds one pod at most, and 300
+            // pods span several sets.
+            let stride = [3, 70][(case / 6) % 2];
+            let ids: Vec<PodId> = (0..pods).map(|p| PodId(p * stride + 1)).collect();
             // A few distinct lengths, shared by many pods, plus the extremes.
             let lengths: Vec<usize> = (0..1 + rnd(12))
                 .map(|_| rnd(n as u64 + 1) as usize)

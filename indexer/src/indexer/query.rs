@@ -278,8 +278,7 @@ impl Indexer {
             .map(|key| KeyHolders {
                 key: *key,
                 pods: self.blocks.with_holders(*key, |h| {
-                    h.unwrap_or(&[])
-                        .iter()
+                    h.iter()
                         .filter_map(|h| Some((pods.get(h.pod())?.name.clone(), h.tiers())))
                         .collect()
                 }),

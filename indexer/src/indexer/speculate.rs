@@ -38,9 +38,7 @@ impl Indexer {
 
     /// Whether the pod holds `key` exactly (any tier).
     pub(super) fn holds_exactly(&self, pod: PodId, key: BlockKey) -> bool {
-        self.blocks.with_holders(key, |h| {
-            h.is_some_and(|h| h.binary_search_by_key(&pod, |h| h.pod()).is_ok())
-        })
+        self.blocks.with_holders(key, |h| h.get(pod).is_some())
     }
 
     /// Our keys of blocks `pod` holds, by engine hash (`None`: not held).
