@@ -579,11 +579,14 @@ fn profile_apply() {
 
 /// `--profile-find`: each indexer filled with the quick trace, its query
 /// set of each size answered once to warm the caches (as in the timed
-/// rounds), then `FIND_PASSES` more times and nothing else, for `valgrind
+/// rounds), then 19 more times and nothing else, for `valgrind
 /// --tool=callgrind --toggle-collect='compare::find_pass*'` (the same
 /// filters as `--profile-apply`, and `COMPARE_SIZE=128`, `2048` or `8192`).
 fn profile_find() {
-    const FIND_PASSES: usize = 19;
+    // `COMPARE_FIND_PASSES`: more, for a sampling profiler.
+    let passes: usize = env_filter("COMPARE_FIND_PASSES")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(19);
     let size_only: Option<usize> = env_filter("COMPARE_SIZE").and_then(|s| s.parse().ok());
     for_each_profiled(40, |fleet, trace, input, e| {
         let filled = (e.fill)(trace, input, &mut Measured::default());
@@ -595,9 +598,7 @@ fn profile_find() {
             for q in 0..filled.queries(si) {
                 filled.time_find(si, q);
             }
-            let finds: usize = (0..FIND_PASSES)
-                .map(|_| find_pass(filled.as_ref(), si))
-                .sum();
+            let finds: usize = (0..passes).map(|_| find_pass(filled.as_ref(), si)).sum();
             println!(
                 "{} pods, {}, {}, {size} blocks: {finds} finds profiled",
                 fleet.pods,
@@ -634,11 +635,14 @@ fn profiled_fleets() -> impl Iterator<Item = &'static Fleet> {
 }
 
 /// The quick traces' (fleet, input, indexer) combinations that
-/// `COMPARE_PODS`, `COMPARE_INPUT` and `COMPARE_ONLY` let through.
+/// `COMPARE_PODS`, `COMPARE_INPUT` and `COMPARE_ONLY` let through
+/// (`COMPARE_TRACE=full`: the full traces').
 fn for_each_profiled(queries_per_size: usize, mut each: impl FnMut(&Fleet, &Trace, Input, &Entry)) {
     let input_only = env_filter("COMPARE_INPUT");
+    // `COMPARE_TRACE=full`: the full trace (its fleets share more).
+    let quick = env_filter("COMPARE_TRACE").as_deref() != Some("full");
     for fleet in profiled_fleets() {
-        let trace = fleet.trace(true, queries_per_size);
+        let trace = fleet.trace(quick, queries_per_size);
         for input in [Input::PreHashed, Input::Tokens] {
             if input_only.as_deref().is_some_and(|i| i != input.name()) {
                 continue;
