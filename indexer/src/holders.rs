@@ -180,21 +180,27 @@ impl Holders {
             }
             Holders::Dense(words) => {
                 let index = pod.0 / 64;
-                let at = match find_word(words, index) {
-                    Ok(at) => at,
+                let (at, new_word) = match find_word(words, index) {
+                    Ok(at) => (at, false),
                     Err(at) => {
                         let word = Word {
                             index,
                             tiers: [0; TIERS],
                         };
                         words.insert(at, word);
-                        at
+                        (at, true)
                     }
                 };
                 let bits = &mut words[at].tiers[tier.index()];
                 let bit = 1 << (pod.0 % 64);
                 let added = *bits & bit == 0;
                 *bits |= bit;
+                // Holders arriving one per word (ids far apart) would make
+                // bits cost up to 8x the list: counted whenever a word is
+                // added, as `remove` counts when one runs thin.
+                if new_word {
+                    self.sparse_back();
+                }
                 added
             }
         }
@@ -233,16 +239,22 @@ impl Holders {
                 }
                 // Counting every word only when this one runs thin.
                 if left < SPARSE_PER_WORD {
-                    let holders = self.view().len();
-                    let words = match self {
-                        Holders::Dense(words) => words.len(),
-                        _ => unreachable!(),
-                    };
-                    if holders < SPARSE_PER_WORD * words || holders < DENSE_MIN / 2 {
-                        *self = Holders::Spilled(self.view().iter().collect());
-                    }
+                    self.sparse_back();
                 }
             }
+        }
+    }
+
+    /// Turns bits back into a list once they hold fewer than
+    /// `SPARSE_PER_WORD` holders per word (or very few in all).
+    fn sparse_back(&mut self) {
+        let Holders::Dense(words) = self else {
+            return;
+        };
+        let words = words.len();
+        let holders = self.view().len();
+        if holders < SPARSE_PER_WORD * words || holders < DENSE_MIN / 2 {
+            *self = Holders::Spilled(self.view().iter().collect());
         }
     }
 }
@@ -510,6 +522,26 @@ mod tests {
             as_map(holders.view()),
             BTreeMap::from([(5, 0b010), (126, 1), (127, 1)])
         );
+    }
+
+    /// Bits for a key a packed fleet holds; then holders one per word of
+    /// ids, far apart: the bits turn back into a list before they cost
+    /// more than `SPARSE_PER_WORD` holders' worth per word.
+    #[test]
+    fn holders_far_apart_turn_bits_back_into_a_list() {
+        let mut holders = Holders::one(PodId(0), Tier::Gpu);
+        for pod in 1..64 {
+            holders.add(PodId(pod), Tier::Gpu);
+        }
+        assert_eq!(form(&holders), "dense");
+        let mut added = 0;
+        while form(&holders) == "dense" && added < 100 {
+            added += 1;
+            holders.add(PodId(64 * (1 + added)), Tier::Gpu);
+        }
+        // 64 + n holders over 1 + n words: below 4 per word from n = 21.
+        assert_eq!(added, 21, "{}", form(&holders));
+        assert_eq!(holders.view().len(), 64 + 21);
     }
 
     #[test]
