@@ -3,7 +3,8 @@
 //! its first 32, 64, ... 2,048 blocks (every pod ends at a different depth,
 //! the most probes a search can take), against 64 pods all holding the same
 //! 1,024 blocks, and a one-block prompt (the per-request cost of naming and
-//! sorting 64 pods). `cargo bench -p indexer --bench score` prints medians.
+//! sorting 64 pods); also the first case with the pods' ids 150 apart, among
+//! 9,536 pods of another model. `cargo bench -p indexer --bench score` prints medians.
 
 #[path = "common/measure.rs"]
 mod measure;
@@ -20,8 +21,17 @@ const BLOCKS: usize = 2048;
 const PODS: usize = 64;
 
 fn fleet(depth: impl Fn(usize) -> usize, tokens: &[u32]) -> Indexer {
+    fleet_among(0, depth, tokens)
+}
+
+/// `fleet`, with `others` pods of another model registered before each of
+/// its pods, so its pod ids lie that far apart (a fleet of many models).
+fn fleet_among(others: usize, depth: impl Fn(usize) -> usize, tokens: &[u32]) -> Indexer {
     let ix = Indexer::new(IndexerConfig::default());
     for i in 0..PODS {
+        for j in 0..others {
+            ix.pod("other", &format!("other-{i:02}-{j:03}"), None);
+        }
         let pod = ix.pod("m", &format!("pod-{i:02}"), None);
         let d = depth(i);
         let stored = KvEvent::Stored(BlockStored {
@@ -65,10 +75,16 @@ fn main() {
         })
         .collect();
     println!("Indexer::score, {PODS} pods, block size {BLOCK}; median (p90) per request");
-    let cases: [(&str, Indexer, usize, usize); 4] = [
+    let cases: [(&str, Indexer, usize, usize); 5] = [
         (
             "2048 blocks, 64 different depths",
             fleet(|i| (i + 1) * BLOCKS / PODS, &tokens),
+            BLOCKS,
+            BLOCKS * PODS / 2 + BLOCKS / 2,
+        ),
+        (
+            "the same, pod ids 150 apart",
+            fleet_among(149, |i| (i + 1) * BLOCKS / PODS, &tokens),
             BLOCKS,
             BLOCKS * PODS / 2 + BLOCKS / 2,
         ),

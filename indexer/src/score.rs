@@ -2,7 +2,7 @@
 //! holds, and a tier-weighted score.
 
 use crate::event::{Tier, TIERS};
-use crate::index::{BlockIndex, PodId, TierMask};
+use crate::index::{BlockIndex, HolderSet, PodId, TierMask};
 use crate::keys::BlockKey;
 
 /// How much a matched block is worth by the tier it is held on. A block held
@@ -120,15 +120,16 @@ pub fn walk(
 /// block 0 go since is searched as if it held it; its answer (at least 1)
 /// is still one it had during the lookup, which began with that probe.
 ///
-/// The pods of a range are a bit set over their ids, held in words on the
-/// stack: a probe marks the key's holders (for a key held as bits, a word
-/// operation per 64 pods: `HolderSet::mark`) and splits the range with a
-/// few word operations. Splitting lists of positions cost ~500
-/// instructions per probe with 16 pods, two thirds of a lookup
-/// (callgrind); matching each holder against the pods searched was most of
-/// a 128-pod lookup of a widely held prompt. Pods are searched in sets
-/// whose ids span at most `MAX_WORDS` words: a model's pods, their ids
-/// given out densely, are one set.
+/// The pods of a range are a bit set, held in words on the stack: a probe
+/// marks the key's holders and splits the range with a few word
+/// operations. Splitting lists of positions cost ~500 instructions per
+/// probe with 16 pods, two thirds of a lookup (callgrind). A bit stands for
+/// a pod by its id when the pods' ids lie within `MAX_SET` of each other (a
+/// model's pods, ids given out densely): a key held as bits then marks its
+/// holders with a word operation per 64 pods (`HolderSet::mark`), where
+/// matching each holder to its pod was most of a 128-pod lookup of a widely
+/// held prompt. Otherwise (a model's pods among many other pods) a bit
+/// stands for a pod by its position in `pods`, `MAX_SET` pods at a time.
 pub fn jump<'s>(
     index: &BlockIndex,
     keys: &[BlockKey],
@@ -137,82 +138,173 @@ pub fn jump<'s>(
     scratch: &'s mut Scratch,
 ) -> &'s [u32] {
     debug_assert!(pods.windows(2).all(|w| w[0] < w[1]));
-    let depth = &mut scratch.depth;
+    let Scratch {
+        depth,
+        search_places,
+        ..
+    } = scratch;
     depth.clear();
     depth.resize(pods.len(), 0);
+    let (Some(first), Some(last)) = (pods.first(), pods.last()) else {
+        return depth;
+    };
     if keys.is_empty() {
         return depth;
     }
     // A prompt of 2^32 blocks is 2^36 tokens or more: far beyond any limit
     // the service lets through.
     let keys = &keys[..keys.len().min(u32::MAX as usize)];
-    let mut start = 0;
-    while start < pods.len() {
-        let base = pods[start].0 / 64;
-        let end = start + pods[start..].partition_point(|p| p.0 / 64 - base < MAX_WORDS as u32);
-        let set = &pods[start..end];
-        let search = Search { index, keys, base };
-        let depth = &mut depth[start..end];
-        match (set[set.len() - 1].0 / 64 - base) as usize + 1 {
-            1 => search.run::<1>(set, first_held, depth),
-            2 => search.run::<2>(set, first_held, depth),
-            3 | 4 => search.run::<4>(set, first_held, depth),
-            5..=16 => search.run::<16>(set, first_held, depth),
-            _ => search.run::<MAX_WORDS>(set, first_held, depth),
+    let search = Search { index, keys };
+    let base = first.0 / 64;
+    let id_words = (last.0 / 64 - base) as usize + 1;
+    if id_words * 64 <= MAX_SET {
+        let ids = Ids::new(base, pods);
+        match id_words {
+            1 => search.run::<1>(&ids, first_held, depth),
+            2 => search.run::<2>(&ids, first_held, depth),
+            3 | 4 => search.run::<4>(&ids, first_held, depth),
+            _ => search.run::<{ MAX_SET / 64 }>(&ids, first_held, depth),
         }
-        start = end;
+        return depth;
+    }
+    for (pods, depth) in pods.chunks(MAX_SET).zip(depth.chunks_mut(MAX_SET)) {
+        for (pos, pod) in pods.iter().enumerate() {
+            search_places.set(*pod, pos);
+        }
+        let positions = Positions {
+            pods,
+            places: search_places,
+        };
+        match pods.len().div_ceil(64) {
+            1 => search.run::<1>(&positions, first_held, depth),
+            2 => search.run::<2>(&positions, first_held, depth),
+            3 | 4 => search.run::<4>(&positions, first_held, depth),
+            _ => search.run::<{ MAX_SET / 64 }>(&positions, first_held, depth),
+        }
     }
     depth
 }
 
-/// Words of pod ids one search spans at most (a bit set of this many on the
-/// stack per pending range). Pods further apart are searched separately.
-const MAX_WORDS: usize = 64;
+/// Pods searched together at most, and the span of their ids when a bit
+/// stands for an id (a bit set of this many on the stack per pending range).
+const MAX_SET: usize = 1024;
 
 /// Ranges pending at once: the search descends one level per probe and
 /// leaves at most one sibling per level, and a level halves the range
 /// (prompts are under 2^32 blocks; `jump` checks).
 const MAX_PENDING: usize = u32::BITS as usize + 2;
 
-/// One search over pods whose ids lie in `base * 64 .. (base + W) * 64`:
-/// bit `i` of word `w` of a set is pod `(base + w) * 64 + i`.
+/// What the bits of a search's sets stand for.
+trait Space {
+    /// The bits of every pod searched.
+    fn all<const W: usize>(&self) -> [u64; W];
+    /// The pod bit `bit` stands for.
+    fn pod(&self, bit: usize) -> PodId;
+    /// Where the pod bit `bit` stands for is in `pods` (and `depth`).
+    fn place(&self, bit: usize) -> usize;
+    /// Sets the bits of the pods searched among `holders` (and maybe some
+    /// others: the caller keeps only its own).
+    fn mark<const W: usize>(&self, holders: HolderSet<'_>, held: &mut [u64; W]);
+}
+
+/// Bit `i` of word `w` is the pod with id `(base + w) * 64 + i`.
+struct Ids {
+    base: u32,
+    /// The pods' own bits, and how many of them come before each word.
+    bits: [u64; MAX_SET / 64],
+    below: [u32; MAX_SET / 64],
+}
+
+impl Ids {
+    fn new(base: u32, pods: &[PodId]) -> Ids {
+        let mut bits = [0u64; MAX_SET / 64];
+        for pod in pods {
+            let off = (pod.0 - base * 64) as usize;
+            bits[off / 64] |= 1 << (off % 64);
+        }
+        let mut below = [0u32; MAX_SET / 64];
+        for w in 1..below.len() {
+            below[w] = below[w - 1] + bits[w - 1].count_ones();
+        }
+        Ids { base, bits, below }
+    }
+}
+
+impl Space for Ids {
+    fn all<const W: usize>(&self) -> [u64; W] {
+        std::array::from_fn(|w| self.bits[w])
+    }
+
+    fn pod(&self, bit: usize) -> PodId {
+        PodId(self.base * 64 + bit as u32)
+    }
+
+    fn place(&self, bit: usize) -> usize {
+        let (w, b) = (bit / 64, bit % 64);
+        (self.below[w] + (self.bits[w] & ((1 << b) - 1)).count_ones()) as usize
+    }
+
+    fn mark<const W: usize>(&self, holders: HolderSet<'_>, held: &mut [u64; W]) {
+        holders.mark(self.base, held);
+    }
+}
+
+/// Bit `i` is `pods[i]`.
+struct Positions<'a> {
+    pods: &'a [PodId],
+    /// Where each of `pods` sits in it.
+    places: &'a Places,
+}
+
+impl Space for Positions<'_> {
+    fn all<const W: usize>(&self) -> [u64; W] {
+        std::array::from_fn(|w| match self.pods.len().saturating_sub(w * 64) {
+            0 => 0,
+            left if left >= 64 => !0,
+            left => (1 << left) - 1,
+        })
+    }
+
+    fn pod(&self, bit: usize) -> PodId {
+        self.pods[bit]
+    }
+
+    fn place(&self, bit: usize) -> usize {
+        bit
+    }
+
+    fn mark<const W: usize>(&self, holders: HolderSet<'_>, held: &mut [u64; W]) {
+        for h in holders.iter() {
+            if let Some(pos) = self.places.get(self.pods, h.pod()) {
+                held[pos / 64] |= 1 << (pos % 64);
+            }
+        }
+    }
+}
+
+/// One search over up to `MAX_SET` pods.
 struct Search<'a> {
     index: &'a BlockIndex,
     keys: &'a [BlockKey],
-    base: u32,
 }
 
 impl Search<'_> {
-    fn run<const W: usize>(&self, pods: &[PodId], first_held: bool, depth: &mut [u32]) {
+    fn run<const W: usize>(&self, space: &impl Space, first_held: bool, depth: &mut [u32]) {
         let n = self.keys.len() as u32;
-        let mut all = [0u64; W];
-        for pod in pods {
-            let off = pod.0 - self.base * 64;
-            all[off as usize / 64] |= 1 << (off % 64);
-        }
-        // A pod's place in `pods` (and `depth`): the pods below it in the
-        // set, the ids being sorted.
-        let mut below = [0u32; W];
-        for w in 1..W {
-            below[w] = below[w - 1] + all[w - 1].count_ones();
-        }
+        let all: [u64; W] = space.all();
         let settle = |set: &[u64; W], d: u32, depth: &mut [u32]| {
-            for_each_pod(set, |bit| {
-                let (w, b) = (bit / 64, bit % 64);
-                let place = below[w] + (all[w] & ((1 << b) - 1)).count_ones();
-                depth[place as usize] = d;
-            });
+            for_each_pod(set, |bit| depth[space.place(bit)] = d);
         };
         let first = if first_held {
             all
         } else {
             // The others match 0 blocks, as `depth` already says.
-            self.who_holds(self.keys[0], &all)
+            self.who_holds(space, self.keys[0], &all)
         };
         if is_empty(&first) {
             return;
         }
-        let whole = self.who_holds(self.keys[n as usize - 1], &first);
+        let whole = self.who_holds(space, self.keys[n as usize - 1], &first);
         settle(&whole, n, depth);
         // (lo, hi, pods): these pods match somewhere in lo..=hi blocks.
         let mut pending = [(0, 0, [0u64; W]); MAX_PENDING];
@@ -230,7 +322,7 @@ impl Search<'_> {
                 continue;
             }
             let mid = lo + (hi - lo) / 2;
-            let held = self.who_holds(self.keys[mid as usize], &set);
+            let held = self.who_holds(space, self.keys[mid as usize], &set);
             let missing = minus(&set, &held);
             for part in [(mid + 1, hi, held), (lo, mid, missing)] {
                 if !is_empty(&part.2) {
@@ -242,7 +334,12 @@ impl Search<'_> {
     }
 
     /// The pods of `of` that hold `key`.
-    fn who_holds<const W: usize>(&self, key: BlockKey, of: &[u64; W]) -> [u64; W] {
+    fn who_holds<const W: usize>(
+        &self,
+        space: &impl Space,
+        key: BlockKey,
+        of: &[u64; W],
+    ) -> [u64; W] {
         let mut held = [0u64; W];
         self.index.with_holders(key, |holders| {
             if !holders.is_dense() && holders.len() >= 8 {
@@ -250,14 +347,14 @@ impl Search<'_> {
                 if live as usize * 4 <= holders.len() {
                     // A few pods left against a long holder list.
                     for_each_pod(of, |bit| {
-                        if holders.get(PodId(self.base * 64 + bit as u32)).is_some() {
+                        if holders.get(space.pod(bit)).is_some() {
                             held[bit / 64] |= 1 << (bit % 64);
                         }
                     });
                     return;
                 }
             }
-            holders.mark(self.base, &mut held);
+            space.mark(holders, &mut held);
         });
         for (h, o) in held.iter_mut().zip(of) {
             *h &= o;
@@ -314,6 +411,8 @@ fn for_each_pod<const W: usize>(set: &[u64; W], mut f: impl FnMut(usize)) {
 #[derive(Default)]
 pub struct Scratch {
     depth: Vec<u32>,
+    /// The pods of the current search, when searched by position.
+    search_places: Places,
     /// The pods of the list `holding` last saw (a model's, usually).
     model_places: Places,
 }
@@ -558,7 +657,7 @@ mod tests {
     fn jump_searches_large_fleets_a_set_at_a_time() {
         let index = BlockIndex::new();
         let keys: Vec<BlockKey> = (0..64).map(BlockKey).collect();
-        let ids: Vec<PodId> = (0..MAX_WORDS as u32 * 64 * 2 + 77).map(PodId).collect();
+        let ids: Vec<PodId> = (0..MAX_SET as u32 * 2 + 77).map(PodId).collect();
         let want: Vec<u32> = ids.iter().map(|p| (p.0 * 7 + 3) % 65).collect();
         for (pod, d) in ids.iter().zip(&want) {
             for key in &keys[..*d as usize] {
