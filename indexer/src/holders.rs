@@ -99,8 +99,7 @@ pub enum Holders {
         len: u8,
         holders: [Holder; INLINE_HOLDERS],
     },
-    /// Sorted by pod id; more than `INLINE_HOLDERS` when it spilled (it
-    /// stays spilled as it shrinks, as a `SmallVec` would).
+    /// Sorted by pod id; at least `INLINE_HOLDERS - 1` (see `remove`).
     Spilled(ThinVec<Holder>),
     /// Sorted by index; no word without a holder.
     Dense(ThinVec<Word>),
@@ -227,6 +226,13 @@ impl Holders {
                         list.remove(i);
                     }
                 }
+                // Back into the slot once a holder short of full (not at
+                // full: a key at the boundary would move at every change),
+                // freeing the list: under churn most keys that ever had a
+                // fourth holder are down to one or two again.
+                if list.len() < INLINE_HOLDERS && !list.is_empty() {
+                    *self = Holders::inline(list);
+                }
             }
             Holders::Dense(words) => {
                 let Ok(at) = find_word(words, pod.0 / 64) else {
@@ -254,7 +260,22 @@ impl Holders {
         let words = words.len();
         let holders = self.view().len();
         if holders < SPARSE_PER_WORD * words || holders < DENSE_MIN / 2 {
-            *self = Holders::Spilled(self.view().iter().collect());
+            let list: ThinVec<Holder> = self.view().iter().collect();
+            *self = if list.len() <= INLINE_HOLDERS {
+                Holders::inline(&list)
+            } else {
+                Holders::Spilled(list)
+            };
+        }
+    }
+
+    /// `list` (sorted, 1 to `INLINE_HOLDERS` long) in the slot.
+    fn inline(list: &[Holder]) -> Holders {
+        let mut holders = [list[0]; INLINE_HOLDERS];
+        holders[..list.len()].copy_from_slice(list);
+        Holders::Inline {
+            len: list.len() as u8,
+            holders,
         }
     }
 }
@@ -521,6 +542,13 @@ mod tests {
         assert_eq!(
             as_map(holders.view()),
             BTreeMap::from([(5, 0b010), (126, 1), (127, 1)])
+        );
+        // Two holders: back in the slot.
+        holders.remove(PodId(126), Tier::Gpu);
+        assert_eq!(form(&holders), "inline");
+        assert_eq!(
+            as_map(holders.view()),
+            BTreeMap::from([(5, 0b010), (127, 1)])
         );
     }
 
