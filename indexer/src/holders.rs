@@ -5,9 +5,9 @@
 //! Why two forms: with 128 pods a widely held key's sorted list is 512
 //! bytes, eight cache lines a lookup reads and a scan over up to 128 pods
 //! for every probe of the prefix search (with 128 pods and 8,192-block
-//! prompts that scan was most of a lookup). As bits it is 64 bytes, one
-//! line, and the search answers "which of these pods hold it" with a word
-//! operation per 64 pods (`HolderSet::mark`).
+//! prompts that scan was most of a lookup). As bits it is 64 bytes (and
+//! the vector's 16-byte header), and the search answers "which of these
+//! pods hold it" with a word operation per 64 pods (`HolderSet::mark`).
 
 use thin_vec::ThinVec;
 
@@ -99,10 +99,12 @@ pub enum Holders {
         len: u8,
         holders: [Holder; INLINE_HOLDERS],
     },
-    /// Sorted by pod id; at least `INLINE_HOLDERS - 1` (see `remove`).
+    /// Sorted by pod id; at least `INLINE_HOLDERS` (see `remove`).
     Spilled(ThinVec<Holder>),
-    /// Sorted by index; no word without a holder.
-    Dense(ThinVec<Word>),
+    /// `words` sorted by index, no word without a holder; `holders` pods
+    /// hold the key (kept, so that every removal can check in O(1) whether
+    /// the bits should turn back into a list).
+    Dense { holders: u32, words: ThinVec<Word> },
 }
 
 impl Holders {
@@ -122,7 +124,7 @@ impl Holders {
         match self {
             Holders::Inline { len, .. } => *len == 0,
             Holders::Spilled(list) => list.is_empty(),
-            Holders::Dense(words) => words.is_empty(),
+            Holders::Dense { words, .. } => words.is_empty(),
         }
     }
 
@@ -135,7 +137,7 @@ impl Holders {
             Holders::Spilled(list) => {
                 std::hint::black_box((list.first().copied(), list.last().copied()));
             }
-            Holders::Dense(words) => {
+            Holders::Dense { words, .. } => {
                 std::hint::black_box(words.first().copied());
             }
         }
@@ -172,12 +174,15 @@ impl Holders {
                 if list.len() >= DENSE_MIN && list.len().is_power_of_two() {
                     let words = words_spanned(list);
                     if list.len() >= DENSE_PER_WORD * words {
-                        *self = Holders::Dense(to_words(list, words));
+                        *self = Holders::Dense {
+                            holders: list.len() as u32,
+                            words: to_words(list, words),
+                        };
                     }
                 }
                 true
             }
-            Holders::Dense(words) => {
+            Holders::Dense { holders, words } => {
                 let index = pod.0 / 64;
                 let (at, new_word) = match find_word(words, index) {
                     Ok(at) => (at, false),
@@ -190,13 +195,15 @@ impl Holders {
                         (at, true)
                     }
                 };
-                let bits = &mut words[at].tiers[tier.index()];
+                let word = &mut words[at];
                 let bit = 1 << (pod.0 % 64);
-                let added = *bits & bit == 0;
-                *bits |= bit;
+                if word.any() & bit == 0 {
+                    *holders += 1;
+                }
+                let added = word.tiers[tier.index()] & bit == 0;
+                word.tiers[tier.index()] |= bit;
                 // Holders arriving one per word (ids far apart) would make
-                // bits cost up to 8x the list: counted whenever a word is
-                // added, as `remove` counts when one runs thin.
+                // bits cost up to 8x the list.
                 if new_word {
                     self.sparse_back();
                 }
@@ -234,32 +241,35 @@ impl Holders {
                     *self = Holders::inline(list);
                 }
             }
-            Holders::Dense(words) => {
+            Holders::Dense { holders, words } => {
                 let Ok(at) = find_word(words, pod.0 / 64) else {
                     return;
                 };
-                words[at].tiers[tier.index()] &= !(1 << (pod.0 % 64));
-                let left = words[at].any().count_ones() as usize;
-                if left == 0 {
-                    words.remove(at);
+                let bit = 1 << (pod.0 % 64);
+                let word = &mut words[at];
+                let held = word.any() & bit != 0;
+                word.tiers[tier.index()] &= !bit;
+                if held && word.any() & bit == 0 {
+                    *holders -= 1;
+                    if word.any() == 0 {
+                        words.remove(at);
+                    }
                 }
-                // Counting every word only when this one runs thin.
-                if left < SPARSE_PER_WORD {
-                    self.sparse_back();
-                }
+                self.sparse_back();
             }
         }
     }
 
     /// Turns bits back into a list once they hold fewer than
-    /// `SPARSE_PER_WORD` holders per word (or very few in all).
+    /// `SPARSE_PER_WORD` holders per word (or very few in all): checked
+    /// after every change that could bring them there, so bits never cost
+    /// more than `32 / SPARSE_PER_WORD` bytes per holder.
     fn sparse_back(&mut self) {
-        let Holders::Dense(words) = self else {
+        let Holders::Dense { holders, words } = self else {
             return;
         };
-        let words = words.len();
-        let holders = self.view().len();
-        if holders < SPARSE_PER_WORD * words || holders < DENSE_MIN / 2 {
+        let holders = *holders as usize;
+        if holders < SPARSE_PER_WORD * words.len() || holders < DENSE_MIN / 2 {
             let list: ThinVec<Holder> = self.view().iter().collect();
             *self = if list.len() <= INLINE_HOLDERS {
                 Holders::inline(&list)
@@ -347,7 +357,7 @@ impl<'a> HolderSet<'a> {
     /// True when held as bits: `mark` then costs a word operation per 64
     /// pod ids, not a pass over the holders.
     pub fn is_dense(self) -> bool {
-        matches!(self.0, Some(Holders::Dense(_)))
+        matches!(self.0, Some(Holders::Dense { .. }))
     }
 
     /// The number of pods holding the key.
@@ -356,9 +366,7 @@ impl<'a> HolderSet<'a> {
             None => 0,
             Some(Holders::Inline { len, .. }) => usize::from(*len),
             Some(Holders::Spilled(list)) => list.len(),
-            Some(Holders::Dense(words)) => {
-                words.iter().map(|w| w.any().count_ones() as usize).sum()
-            }
+            Some(Holders::Dense { holders, .. }) => *holders as usize,
         }
     }
 
@@ -367,7 +375,7 @@ impl<'a> HolderSet<'a> {
         let list = match self.0? {
             Holders::Inline { len, holders } => &holders[..usize::from(*len)],
             Holders::Spilled(list) => list.as_slice(),
-            Holders::Dense(words) => {
+            Holders::Dense { words, .. } => {
                 let word = &words[find_word(words, pod.0 / 64).ok()?];
                 let tiers = word.tiers_of(pod.0 % 64);
                 return (!tiers.is_empty()).then_some(tiers);
@@ -390,7 +398,7 @@ impl<'a> HolderSet<'a> {
             None => (&[], &[]),
             Some(Holders::Inline { len, holders }) => (&holders[..usize::from(*len)], &[]),
             Some(Holders::Spilled(list)) => (list.as_slice(), &[]),
-            Some(Holders::Dense(words)) => (&[], words.as_slice()),
+            Some(Holders::Dense { words, .. }) => (&[], words.as_slice()),
         };
         let from_words = words.iter().flat_map(|w| {
             Bits(w.any()).map(move |bit| Holder::on(PodId(w.index * 64 + bit), w.tiers_of(bit)))
@@ -404,7 +412,7 @@ impl<'a> HolderSet<'a> {
     pub fn mark<const W: usize>(self, base: u32, held: &mut [u64; W]) {
         let end = base.saturating_add(W as u32);
         match self.0 {
-            Some(Holders::Dense(words)) => {
+            Some(Holders::Dense { words, .. }) => {
                 let from = match find_word(words, base) {
                     Ok(at) | Err(at) => at,
                 };
@@ -413,9 +421,10 @@ impl<'a> HolderSet<'a> {
                 }
             }
             _ => {
+                let base = u64::from(base) * 64;
                 for h in self.iter() {
-                    let off = h.pod().0.wrapping_sub(base * 64);
-                    if (off as usize) < W * 64 {
+                    let off = u64::from(h.pod().0).wrapping_sub(base);
+                    if off < (W * 64) as u64 {
                         held[off as usize / 64] |= 1 << (off % 64);
                     }
                 }
@@ -453,7 +462,7 @@ mod tests {
         match h {
             Holders::Inline { .. } => "inline",
             Holders::Spilled(_) => "spilled",
-            Holders::Dense(_) => "dense",
+            Holders::Dense { .. } => "dense",
         }
     }
 
@@ -529,7 +538,7 @@ mod tests {
             holders.add(PodId(pod), Tier::Gpu);
         }
         holders.add(PodId(5), Tier::Cpu);
-        let Holders::Dense(words) = &holders else {
+        let Holders::Dense { words, .. } = &holders else {
             panic!("{}", form(&holders));
         };
         assert_eq!(words.len(), 2);
@@ -570,6 +579,26 @@ mod tests {
         // 64 + n holders over 1 + n words: below 4 per word from n = 21.
         assert_eq!(added, 21, "{}", form(&holders));
         assert_eq!(holders.view().len(), 64 + 21);
+    }
+
+    /// Bits spanning many words, then thinned within one word that never
+    /// drops below `SPARSE_PER_WORD`: the removals themselves turn them
+    /// back into a list (they were checked only when a word ran thin).
+    #[test]
+    fn thinned_bits_turn_back_into_a_list_whichever_word_thins() {
+        let mut holders = Holders::one(PodId(0), Tier::Gpu);
+        for pod in (1..64).chain((1..16).map(|w| w * 64)) {
+            holders.add(PodId(pod), Tier::Gpu);
+        }
+        let Holders::Dense { words, .. } = &holders else {
+            panic!("{}", form(&holders));
+        };
+        assert_eq!(words.len(), 16);
+        for pod in 4..64 {
+            holders.remove(PodId(pod), Tier::Gpu);
+        }
+        assert_eq!(form(&holders), "spilled");
+        assert_eq!(holders.view().len(), 4 + 15);
     }
 
     #[test]

@@ -326,10 +326,10 @@ impl BlockIndex {
             // removal and took its misses one at a time (apply +18-34% in
             // the comparison bench).
             // A spilled holder list is a line of its own on the heap: its
-            // ends are read here too, so that its miss overlaps the others
-            // instead of waiting in `change` (with 128 pods, the binary
-            // search's first read of such lists was ~60% of `change`'s
-            // samples).
+            // ends are read here too (a key's bits: their first word), so
+            // that its miss overlaps the others instead of waiting in
+            // `change` (with 128 pods, the binary search's first read of
+            // such lists was ~60% of `change`'s samples).
             for c in group {
                 if let Some((_, holders)) = map.holders.find(c.key, |(k, _)| *k == c.key) {
                     holders.touch();

@@ -124,8 +124,9 @@ pub fn walk(
 /// marks the key's holders and splits the range with a few word
 /// operations. Splitting lists of positions cost ~500 instructions per
 /// probe with 16 pods, two thirds of a lookup (callgrind). A bit stands for
-/// a pod by its id when the pods' ids lie within `MAX_SET` of each other (a
-/// model's pods, ids given out densely): a key held as bits then marks its
+/// a pod by its id when the pods' ids lie within `MAX_SET / 64` aligned
+/// words of 64 ids (a model's pods, ids given out densely): a key held as
+/// bits then marks its
 /// holders with a word operation per 64 pods (`HolderSet::mark`), where
 /// matching each holder to its pod was most of a 128-pod lookup of a widely
 /// held prompt. Otherwise (a model's pods among many other pods) a bit
@@ -205,6 +206,9 @@ trait Space {
     /// Sets the bits of the pods searched among `holders` (and maybe some
     /// others: the caller keeps only its own).
     fn mark<const W: usize>(&self, holders: HolderSet<'_>, held: &mut [u64; W]);
+    /// Whether `mark` copies a key held as bits a word at a time (else it
+    /// goes holder by holder, like a list).
+    fn marks_bits_by_word(&self) -> bool;
 }
 
 /// Bit `i` of word `w` is the pod with id `(base + w) * 64 + i`.
@@ -247,6 +251,10 @@ impl Space for Ids {
     fn mark<const W: usize>(&self, holders: HolderSet<'_>, held: &mut [u64; W]) {
         holders.mark(self.base, held);
     }
+
+    fn marks_bits_by_word(&self) -> bool {
+        true
+    }
 }
 
 /// Bit `i` is `pods[i]`.
@@ -279,6 +287,10 @@ impl Space for Positions<'_> {
                 held[pos / 64] |= 1 << (pos % 64);
             }
         }
+    }
+
+    fn marks_bits_by_word(&self) -> bool {
+        false
     }
 }
 
@@ -342,7 +354,8 @@ impl Search<'_> {
     ) -> [u64; W] {
         let mut held = [0u64; W];
         self.index.with_holders(key, |holders| {
-            if !holders.is_dense() && holders.len() >= 8 {
+            let by_word = holders.is_dense() && space.marks_bits_by_word();
+            if !by_word && holders.len() >= 8 {
                 let live: u32 = of.iter().map(|w| w.count_ones()).sum();
                 if live as usize * 4 <= holders.len() {
                     // A few pods left against a long holder list.
@@ -603,14 +616,16 @@ mod tests {
 
     #[test]
     fn many_holders_use_the_sorted_search() {
+        // Ids 100 apart: a list, never bits (see `holders`).
         let index = BlockIndex::new();
         for p in (0..40).rev() {
-            index.acquire(BlockKey(1), PodId(p), Tier::Gpu);
+            index.acquire(BlockKey(1), PodId(p * 100), Tier::Gpu);
         }
+        index.with_holders(BlockKey(1), |h| assert!(!h.is_dense() && h.len() == 40));
         let m = walk(
             &index,
             &[BlockKey(1), BlockKey(2)],
-            &[PodId(3), PodId(39), PodId(40)],
+            &[PodId(300), PodId(3900), PodId(4000)],
             &TierWeights::default(),
         );
         let got: Vec<u32> = m.iter().map(|m| m.matched_blocks).collect();
