@@ -145,14 +145,20 @@ impl Indexer {
     /// no closure inference: the index alone, answering what the peers'
     /// indexes answer, as the comparison bench measures it.
     pub fn prefix_matches(&self, model: &str, keys: &[BlockKey]) -> Vec<(PodId, PrefixMatch)> {
-        let ids = match self.table.read().model(model) {
-            Some(m) => m.pods.clone(),
-            None => return Vec::new(),
+        // One read guard for the whole lookup, the model's pod list borrowed
+        // from it: taking the list (an `Arc` clone and drop) and then the
+        // guard again were four locked instructions per lookup, each a full
+        // fence (see `match_pods`).
+        let table = self.table.read();
+        let Some(model) = table.model(model) else {
+            return Vec::new();
         };
+        let ids: &[PodId] = &model.pods;
         // Room for every pod up front (untouched memory costs nothing): a
         // growing vector's copies added 14% to a 128-pod lookup.
         let mut out = Vec::with_capacity(ids.len());
-        let in_order = self.match_pods(keys, &ids, false, |pos, m| out.push((ids[pos], m)));
+        let in_order =
+            self.match_pods_in(&table, keys, ids, false, |pos, m| out.push((ids[pos], m)));
         if !in_order {
             out.sort_unstable_by_key(|(id, _)| *id);
         }
@@ -172,8 +178,25 @@ impl Indexer {
     /// aside, which credits blocks the index never saw): one probe picks
     /// them, so with a large fleet a prompt pays per pod that holds its
     /// start, not per pod of the model.
+    ///
+    /// The pod table's read guard is held throughout: a pod removed since
+    /// `ids` was read has no slot and is skipped, and no id is freed (so
+    /// reused) while the search runs. The block index's shards are taken
+    /// under it; nothing takes them the other way round.
     fn match_pods(
         &self,
+        keys: &[BlockKey],
+        ids: &[PodId],
+        closure: bool,
+        emit: impl FnMut(usize, PrefixMatch),
+    ) -> bool {
+        self.match_pods_in(&self.table.read(), keys, ids, closure, emit)
+    }
+
+    /// `match_pods` under a guard the caller holds.
+    fn match_pods_in(
+        &self,
+        table: &PodTable,
         keys: &[BlockKey],
         ids: &[PodId],
         closure: bool,
@@ -184,10 +207,17 @@ impl Indexer {
             return true;
         }
         LOOKUP_SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => self.match_pods_with(keys, ids, closure, &mut scratch, &mut emit),
-            Err(_) => {
-                self.match_pods_with(keys, ids, closure, &mut LookupScratch::default(), &mut emit)
+            Ok(mut scratch) => {
+                self.match_pods_with(table, keys, ids, closure, &mut scratch, &mut emit)
             }
+            Err(_) => self.match_pods_with(
+                table,
+                keys,
+                ids,
+                closure,
+                &mut LookupScratch::default(),
+                &mut emit,
+            ),
         })
     }
 
@@ -197,6 +227,7 @@ impl Indexer {
     /// 128-block prompt's start (callgrind).
     fn match_pods_with(
         &self,
+        pods: &PodTable,
         keys: &[BlockKey],
         ids: &[PodId],
         closure: bool,
@@ -217,11 +248,6 @@ impl Indexer {
             holding(&self.blocks, keys[0], ids, search, candidates);
         }
         let weights = &self.config.tier_weights;
-        // Held while the block index is searched (its shards are never
-        // taken the other way round). A pod removed since `ids` was read
-        // has no slot and is skipped; its id is reused only once its blocks
-        // are gone.
-        let pods = self.table.read();
         closed.clear();
         views.clear();
         open.clear();
@@ -251,7 +277,6 @@ impl Indexer {
                 );
             }
         }
-        drop(pods);
         if open.is_empty() {
             return true;
         }
