@@ -1,8 +1,9 @@
 //! The pods holding one key, and on which tiers: a short list for the
-//! common key (one or two holders), a bit set over pod ids for a key much
-//! of a fleet holds (a system prompt's blocks, a popular document's).
+//! common key (one or two holders, kept in the table slot), a bit set over
+//! pod ids for a key much of a fleet holds (a system prompt's blocks, a
+//! popular document's).
 //!
-//! Why two forms: with 128 pods a widely held key's sorted list is 512
+//! Why bits as well as a list: with 128 pods a widely held key's sorted list is 512
 //! bytes, eight cache lines a lookup reads and a scan over up to 128 pods
 //! for every probe of the prefix search (with 128 pods and 8,192-block
 //! prompts that scan was most of a lookup). As bits it is 64 bytes (and
