@@ -435,7 +435,7 @@ impl<'a> HolderSet<'a> {
 }
 
 /// The positions of the set bits of a word, lowest first.
-struct Bits(u64);
+pub(crate) struct Bits(pub(crate) u64);
 
 impl Iterator for Bits {
     type Item = u32;

@@ -2,6 +2,7 @@
 //! holds, and a tier-weighted score.
 
 use crate::event::{Tier, TIERS};
+use crate::holders::Bits;
 use crate::index::{BlockIndex, HolderSet, PodId, TierMask};
 use crate::keys::BlockKey;
 
@@ -410,10 +411,8 @@ fn minus<const W: usize>(set: &[u64; W], without: &[u64; W]) -> [u64; W] {
 #[inline]
 fn for_each_pod<const W: usize>(set: &[u64; W], mut f: impl FnMut(usize)) {
     for (w, word) in set.iter().enumerate() {
-        let mut bits = *word;
-        while bits != 0 {
-            f(w * 64 + bits.trailing_zeros() as usize);
-            bits &= bits - 1;
+        for bit in Bits(*word) {
+            f(w * 64 + bit as usize);
         }
     }
 }
