@@ -301,9 +301,10 @@ fn invalid(
 
 /// Memory one (pod, block) entry costs at capacity, all structures and
 /// allocator overhead included: tests/memory.rs measures what 200,000
-/// entries add to the process's resident memory at capacity, 107-111 bytes
-/// each (release and debug builds; one holder per key, the index's worst
-/// case), and checks it against this. 256 leaves room for what that test
+/// entries add to the process's resident memory at capacity, 93 bytes each
+/// in a release build (107-111 before the shared table's slot went from 32
+/// bytes to 24; one holder per key, the index's worst case), and checks it
+/// against this. 256 leaves room for what that test
 /// does not do: token keys (8 bytes more per entry), blocks linked to
 /// parents the pod no longer holds (up to 16), re-stores (stale
 /// eviction-order entries) and tables that have just doubled. It was 400
