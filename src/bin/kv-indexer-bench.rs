@@ -40,8 +40,12 @@ use tonic::transport::Channel;
 /// `--peer dynamo`, in a file of its own.
 #[path = "peer/dynamo.rs"]
 mod peer_dynamo;
+#[path = "bench/score_client.rs"]
+mod score_client;
 #[path = "bench/under_ingest.rs"]
 mod under_ingest;
+
+use score_client::{grpc_message, ScoreClient};
 
 type ZmqMessage = Vec<bytes::Bytes>;
 
@@ -478,64 +482,20 @@ async fn ingest(zmq: &str, client: &mut KvIndexerClient<Channel>, quick: bool) -
 
 // ------------------------------------------------------------------ score
 
-/// Sends a Score request encoded once up front: the load generator shares
-/// the cores with the service, so it should not re-encode 32K varints per
-/// request (what a Go or Python EPP spends encoding is its own business).
-#[derive(Clone)]
-struct PreEncoded;
-
-impl tonic::codec::Codec for PreEncoded {
-    type Encode = bytes::Bytes;
-    type Decode = pb::ScoreResponse;
-    type Encoder = PreEncoded;
-    type Decoder = kv_indexer::codec::SliceDecoder<pb::ScoreResponse>;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        PreEncoded
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        <kv_indexer::codec::SliceCodec<pb::ScoreRequest, pb::ScoreResponse> as tonic::codec::Codec>::decoder(
-            &mut Default::default(),
-        )
-    }
-}
-
-impl tonic::codec::Encoder for PreEncoded {
-    type Item = bytes::Bytes;
-    type Error = tonic::Status;
-
-    fn encode(
-        &mut self,
-        item: bytes::Bytes,
-        buf: &mut tonic::codec::EncodeBuf<'_>,
-    ) -> Result<(), tonic::Status> {
-        use bytes::BufMut;
-        buf.put_slice(&item);
-        Ok(())
-    }
-}
-
 /// Runs `requests` at `rate`/s (open loop: each request leaves on schedule
 /// on its own task, whatever the others are doing) and returns the sorted
 /// latencies and the achieved rate.
 async fn score_at_rate(
-    channels: &[Channel],
-    request: bytes::Bytes,
+    client: &ScoreClient,
+    message: bytes::Bytes,
     rate: f64,
     seconds: f64,
 ) -> (Vec<Duration>, f64) {
     open_loop(rate, seconds, |i| {
-        let mut grpc = tonic::client::Grpc::new(channels[i % channels.len()].clone());
-        let req = request.clone();
+        let client = client.clone();
+        let message = message.clone();
         async move {
-            grpc.ready().await.expect("channel");
-            let path = tonic::codegen::http::uri::PathAndQuery::from_static(
-                "/kvindexer.v1.KvIndexer/Score",
-            );
-            grpc.unary(tonic::Request::new(req), path, PreEncoded)
-                .await
-                .expect("Score");
+            client.score(i, message).await.expect("Score");
         }
     })
     .await
@@ -588,14 +548,14 @@ struct Step {
 }
 
 async fn score_step(
-    channels: &[Channel],
-    encoded: &bytes::Bytes,
+    client: &ScoreClient,
+    message: &bytes::Bytes,
     metrics: Option<&str>,
     rate: f64,
     seconds: f64,
 ) -> Step {
     let before = server_score_time(metrics);
-    let (lat, achieved) = score_at_rate(channels, encoded.clone(), rate, seconds).await;
+    let (lat, achieved) = score_at_rate(client, message.clone(), rate, seconds).await;
     let service_us = match (before, server_score_time(metrics)) {
         (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) / (n1 - n0) * 1e6),
         _ => None,
@@ -678,20 +638,11 @@ async fn score_tokens(
     let request = Arc::new(index_score_fleet(zmq, client).await);
 
     // The service answered above: plain connections from here.
-    let mut channels = Vec::new();
-    for _ in 0..8 {
-        channels.push(
-            Channel::from_shared(format!("http://{grpc}"))
-                .expect("uri")
-                .connect()
-                .await
-                .expect("connect"),
-        );
-    }
-    let encoded = bytes::Bytes::from(prost::Message::encode_to_vec(&*request));
+    let scores = ScoreClient::connect(grpc, 8).await.expect("connect");
+    let message = grpc_message(&prost::Message::encode_to_vec(&*request));
     let (seconds, repeats) = if quick { (1.0, 1) } else { (3.0, 3) };
     // Warm up connections and the service.
-    let _ = score_at_rate(&channels, encoded.clone(), 200.0, 0.5).await;
+    let _ = score_at_rate(&scores, message.clone(), 200.0, 0.5).await;
     println!(
         "\nScore, token ids: 2048 blocks (32768 tokens), 64 pods, 8 connections, open loop; \
          per rate the run with the median p99 of {repeats}"
@@ -707,7 +658,7 @@ async fn score_tokens(
         // p99 is reported whole (the machine's load drifts between runs).
         let mut runs = Vec::new();
         for _ in 0..repeats {
-            runs.push(score_step(&channels, &encoded, metrics, rate, seconds).await);
+            runs.push(score_step(&scores, &message, metrics, rate, seconds).await);
         }
         runs.sort_by(|a, b| a.p99.total_cmp(&b.p99));
         let p99_runs: Vec<f64> = runs.iter().map(|r| r.p99).collect();

@@ -328,19 +328,16 @@ fn metric(metrics: Option<&str>, name: &str) -> Option<f64> {
 }
 
 /// `score_tokens`' fleet and prompt (`index_score_fleet`); returns the
-/// encoded request.
+/// request as a gRPC message (prefix and encoded request).
 async fn index_score_prompt(zmq: &str, client: &mut KvIndexerClient<Channel>) -> bytes::Bytes {
     let request = index_score_fleet(zmq, client).await;
-    let encoded = prost::Message::encode_to_vec(&request);
-    // The same request as a gRPC body (uncompressed flag, length, message)
-    // for an independent client: `h2load -d target/bench/score_request.grpc`.
-    let mut body = vec![0u8];
-    body.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
-    body.extend_from_slice(&encoded);
+    let message = grpc_message(&prost::Message::encode_to_vec(&request));
+    // The same body for an independent client:
+    // `h2load -d target/bench/score_request.grpc`.
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
     std::fs::create_dir_all(&dir).expect("target/bench");
-    std::fs::write(dir.join("score_request.grpc"), body).expect("write the request body");
-    bytes::Bytes::from(encoded)
+    std::fs::write(dir.join("score_request.grpc"), &message).expect("write the request body");
+    message
 }
 
 /// Waits until the service applied `target` block operations of the load
@@ -369,8 +366,8 @@ struct Run {
 
 #[allow(clippy::too_many_arguments)]
 async fn run_step(
-    channels: &[Channel],
-    encoded: &bytes::Bytes,
+    scores: &ScoreClient,
+    message: &bytes::Bytes,
     metrics: Option<&str>,
     client: &mut KvIndexerClient<Channel>,
     pods: &mut [LoadPod],
@@ -396,7 +393,7 @@ async fn run_step(
         counts = (plan.stored, plan.removed, plan.sends.len());
         publisher = Some(publish(sockets, plan.sends));
     }
-    let step = score_step(channels, encoded, metrics, rate, seconds).await;
+    let step = score_step(scores, message, metrics, rate, seconds).await;
     let mut ingest = None;
     let mut lost = 0;
     if let Some(handle) = publisher {
@@ -457,17 +454,8 @@ pub async fn run(
     o: &Options,
     quick: bool,
 ) -> Value {
-    let encoded = index_score_prompt(zmq, client).await;
-    let mut channels = Vec::new();
-    for _ in 0..8 {
-        channels.push(
-            Channel::from_shared(format!("http://{grpc}"))
-                .expect("uri")
-                .connect()
-                .await
-                .expect("connect"),
-        );
-    }
+    let message = index_score_prompt(zmq, client).await;
+    let scores = ScoreClient::connect(grpc, 8).await.expect("connect");
     let context = zmq::Context::new();
     let mut pods: Vec<LoadPod> = (0..LOAD_PODS)
         .map(|i| LoadPod::new(&context, zmq, i))
@@ -493,7 +481,7 @@ pub async fn run(
     }
     let service_pid = service_pid.or(o.service_pid);
     let (seconds, repeats) = if quick { (1.0, 1) } else { (5.0, 3) };
-    let _ = score_at_rate(&channels, encoded.clone(), 200.0, 0.5).await;
+    let _ = score_at_rate(&scores, message.clone(), 200.0, 0.5).await;
     println!(
         "\nScore under ingest: the 2048-block Score at fixed rates, alone (idle) and while \
          {LOAD_PODS} pods publish {:.0} stored blocks/s (prefills of {PREFILL_BLOCKS}, turns of \
@@ -522,8 +510,8 @@ pub async fn run(
         for _ in 0..repeats {
             for (c, with) in [(0, None), (1, Some(o.ingest_rate))] {
                 let r = run_step(
-                    &channels,
-                    &encoded,
+                    &scores,
+                    &message,
                     metrics,
                     client,
                     &mut pods,

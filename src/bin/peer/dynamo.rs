@@ -1005,25 +1005,18 @@ async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value {
         .collect();
     assert_eq!(ours_matched, ours_expected, "ours: wrong scores");
 
-    let mut channels = Vec::new();
-    for _ in 0..8 {
-        channels.push(
-            Channel::from_shared(format!("http://{}", peers.ours_grpc))
-                .expect("uri")
-                .connect()
-                .await
-                .expect("connect"),
-        );
-    }
+    let scores = super::ScoreClient::connect(&peers.ours_grpc, 8)
+        .await
+        .expect("connect");
     let connections = 64;
     peers
         .dynamo
         .warm(connections)
         .await
         .expect("connect to Dynamo");
-    let encoded = bytes::Bytes::from(prost::Message::encode_to_vec(&request));
+    let message = super::grpc_message(&prost::Message::encode_to_vec(&request));
     let (seconds, repeats) = if quick { (1.0, 1) } else { (3.0, 3) };
-    let _ = super::score_at_rate(&channels, encoded.clone(), 200.0, 0.5).await;
+    let _ = super::score_at_rate(&scores, message.clone(), 200.0, 0.5).await;
     let _ = dynamo_score_at_rate(&peers.dynamo, query.clone(), 200.0, 0.5).await;
     // One request at a time, alternating: each side's cost per request
     // without queueing behind the others.
@@ -1031,17 +1024,7 @@ async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value {
     let mut alone: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
     for _ in 0..rounds {
         let t = Instant::now();
-        let mut grpc = tonic::client::Grpc::new(channels[0].clone());
-        grpc.ready().await.expect("channel");
-        let path =
-            tonic::codegen::http::uri::PathAndQuery::from_static("/kvindexer.v1.KvIndexer/Score");
-        grpc.unary(
-            tonic::Request::new(encoded.clone()),
-            path,
-            super::PreEncoded,
-        )
-        .await
-        .expect("Score");
+        scores.score(0, message.clone()).await.expect("Score");
         alone[0].push(t.elapsed());
         let t = Instant::now();
         let (status, _) = peers.dynamo.send(&query).await.expect("POST /query");
@@ -1095,8 +1078,8 @@ async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value {
                 let step = match side {
                     Side::Ours => {
                         score_step(
-                            &channels,
-                            &encoded,
+                            &scores,
+                            &message,
                             Some(peers.ours_metrics.as_str()),
                             rate,
                             seconds,
