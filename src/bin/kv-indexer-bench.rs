@@ -504,6 +504,14 @@ async fn score_at_rate(
 /// Open loop: `rate * seconds` requests, each sent on schedule on its own
 /// task (`send(i)` makes request i), however late the earlier ones are.
 /// Returns the latencies, sorted, and the rate achieved.
+///
+/// Paced with `std::thread::sleep`, which blocks the calling thread: call
+/// it from the runtime's `block_on` thread (as `main` does), never from a
+/// task, where it would stall a worker. Why not `tokio::time::sleep`: its
+/// timer wheel has millisecond resolution, so at 2,000/s requests went out
+/// in pairs once a millisecond, not one every 500 us, and the second of
+/// each pair queued behind the first in the client and the service alike.
+/// A thread's sleep wakes within the kernel's timer slack (~50 us).
 async fn open_loop<F>(
     rate: f64,
     seconds: f64,
@@ -519,7 +527,7 @@ where
         let due = start + Duration::from_secs_f64(i as f64 / rate);
         let now = Instant::now();
         if due > now {
-            tokio::time::sleep(due - now).await;
+            std::thread::sleep(due - now);
         }
         let request = send(i);
         tasks.push(tokio::spawn(async move {
