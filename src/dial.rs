@@ -33,6 +33,8 @@ pub struct DialContext {
     pub topic_filter: String,
     pub dispatcher: Dispatcher,
     pub runtime: tokio::runtime::Handle,
+    /// `--ingest-priority`, for this thread (and so for its contexts').
+    pub priority: crate::config::IngestPriority,
 }
 
 /// Handle to the dial thread: hands it target lists; the thread ends when
@@ -49,7 +51,11 @@ impl Dialer {
         let stopping = stop.clone();
         let thread = std::thread::Builder::new()
             .name("zmq-dial".into())
-            .spawn(move || run(ctx, &rx, &stopping))?;
+            .spawn(move || {
+                // Its contexts' libzmq threads inherit this.
+                crate::priority::apply_or_warn(ctx.priority);
+                run(ctx, &rx, &stopping)
+            })?;
         Ok(Dialer {
             commands,
             stop,

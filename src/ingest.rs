@@ -376,6 +376,31 @@ pub enum IngestError {
     Zap(String),
     #[error("cannot start an ingest thread: {0}")]
     Thread(std::io::Error),
+    #[error("--ingest-priority: cannot lower the ingest threads' CPU priority: {0}")]
+    Priority(std::io::Error),
+}
+
+/// Starts `context`'s libzmq threads (its I/O thread and reaper, which
+/// libzmq creates with the context's first socket) from a thread at the
+/// ingest `priority`, so that they inherit it; fails if the system refuses
+/// that priority.
+fn start_context_threads(
+    context: &zmq::Context,
+    priority: crate::config::IngestPriority,
+) -> Result<(), IngestError> {
+    if priority == crate::config::IngestPriority::Normal {
+        return Ok(());
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            crate::priority::apply(priority).map_err(IngestError::Priority)?;
+            context.socket(zmq::PAIR).map_err(IngestError::Socket)?;
+            tracing::info!(?priority, "ingest threads run at a lower CPU priority");
+            Ok(())
+        })
+        .join()
+        .unwrap_or_else(|_| Err(IngestError::Thread(std::io::Error::other("panicked"))))
+    })
 }
 
 impl Ingest {
@@ -389,6 +414,7 @@ impl Ingest {
         owners: Arc<Owners>,
     ) -> Result<Ingest, IngestError> {
         let context = zmq::Context::new();
+        start_context_threads(&context, config.ingest_priority)?;
         let limits = ReceiveLimits {
             max_message_bytes: config.max_event_message_bytes,
             hwm: zmq_io::RECEIVE_HWM,
@@ -438,9 +464,11 @@ impl Ingest {
             let (stop, dead) = (stop.clone(), dead.clone());
             let worker_config = worker_config.clone();
             let runtime = tokio::runtime::Handle::current();
+            let priority = config.ingest_priority;
             let handle = std::thread::Builder::new()
                 .name(format!("ingest-{i}"))
                 .spawn(move || {
+                    crate::priority::apply_or_warn(priority);
                     Worker::new(&indexer, &metrics, &worker_config, runtime, i)
                         .run(rx, control, &stop, &dead)
                 })
@@ -496,10 +524,14 @@ impl Ingest {
             tracing::info!(endpoint = %actual, topic_filter = %config.topic_filter, max_event_message = config.max_event_message_bytes, "ZeroMQ SUB socket bound; pods can connect");
             bound = Some(actual.clone());
             let (d, stop) = (dispatcher.clone(), stop.clone());
+            let priority = config.ingest_priority;
             receivers.push(
                 std::thread::Builder::new()
                     .name("zmq-bind".into())
-                    .spawn(move || bind_loop(&socket, &monitor, &actual, &d, &stop))
+                    .spawn(move || {
+                        crate::priority::apply_or_warn(priority);
+                        bind_loop(&socket, &monitor, &actual, &d, &stop)
+                    })
                     .map_err(IngestError::Thread)?,
             );
         }
@@ -512,6 +544,7 @@ impl Ingest {
                     topic_filter: config.topic_filter.clone(),
                     dispatcher,
                     runtime: tokio::runtime::Handle::current(),
+                    priority: config.ingest_priority,
                 },
                 stop.clone(),
             )

@@ -34,6 +34,7 @@ pub mod ingest;
 pub mod llmd;
 pub mod metrics;
 mod owners;
+mod priority;
 pub mod publish;
 mod ratelimit;
 pub mod replay;

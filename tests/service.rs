@@ -97,6 +97,64 @@ async fn dial_mode_connects_to_each_pod_and_matches_vllm() {
     check_probes(&service, &expected).await;
 }
 
+/// `--ingest-priority idle`: every thread that receives or applies events,
+/// ours and libzmq's (of the bound socket's context and of a dialing one),
+/// runs under `SCHED_IDLE`; the main thread and the runtime's workers (gRPC)
+/// keep the normal policy; and the events are applied as ever.
+#[tokio::test]
+async fn idle_ingest_priority_lowers_exactly_the_ingest_threads() {
+    const OTHER: u32 = 0;
+    const IDLE: u32 = 5;
+    let (dialed, endpoint) = Publisher::bind().await;
+    let args = [
+        "--ingest-priority",
+        "idle",
+        "--ingest-workers",
+        "2",
+        "--zmq-connect",
+        &endpoint,
+    ];
+    let (service, expected, _publisher) = serve_recorded("qwen3-sha256-int", &args).await;
+    check_probes(&service, &expected).await;
+    let mut dialed = dialed;
+    dialed.wait_subscribed(&service, "marker-dialed").await;
+
+    // libzmq's threads (an I/O thread and a reaper per context) inherit
+    // the name and the policy of the thread that started them: the bound
+    // socket's keep the process's name, the dialing context's are named
+    // `zmq-dial`. The main thread is the one whose id is the process's.
+    let pid = service.pid();
+    let threads = service.threads();
+    let count = |name: &str| threads.iter().filter(|t| t.1 == name).count();
+    assert_eq!(count("ingest-0") + count("ingest-1"), 2, "{threads:?}");
+    assert_eq!(count("zmq-bind"), 1, "{threads:?}");
+    assert!(
+        count("zmq-dial") >= 3,
+        "the dialer and its context's: {threads:?}"
+    );
+    assert!(
+        count("kv-indexer") >= 3,
+        "main and the bound context's: {threads:?}"
+    );
+    assert!(count("tokio-rt-worker") >= 1, "{threads:?}");
+    for (tid, name, policy) in &threads {
+        let want = if *tid == pid || name.starts_with("tokio-") {
+            OTHER
+        } else {
+            IDLE
+        };
+        assert_eq!(*policy, want, "{name} ({tid}): {threads:?}");
+    }
+
+    // The default leaves every thread alone.
+    let normal = Service::start(&[]).await;
+    assert!(
+        normal.threads().iter().all(|(_, _, p)| *p == OTHER),
+        "{:?}",
+        normal.threads()
+    );
+}
+
 /// Bind and dial at once: one pod connects to us, the other we dial.
 #[tokio::test]
 async fn bind_and_dial_modes_run_together() {

@@ -66,7 +66,8 @@ struct Opts {
     /// indexer (`peer_dynamo`), at `peer_bin` if given.
     peer: bool,
     peer_bin: Option<PathBuf>,
-    /// `--ours-arg ARG` (repeatable): passed to our service in the peer part.
+    /// `--ours-arg ARG` (repeatable): passed to the service this starts (for
+    /// every part, and for the peer part's own).
     ours_args: Vec<String>,
     under_ingest: under_ingest::Options,
 }
@@ -117,7 +118,7 @@ fn opts() -> Opts {
             other if o.under_ingest.parse_arg(other, &mut args) => {}
             "-h" | "--help" => {
                 println!(
-                    "kv-indexer-bench [--quick] [--only ingest,score,text,under-ingest,peer] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] {} [--peer dynamo [--peer-bin PATH] [--ours-arg ARG]...]\n\
+                    "kv-indexer-bench [--quick] [--only ingest,score,text,under-ingest,peer] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] {} [--ours-arg ARG]... [--peer dynamo [--peer-bin PATH]]\n\
                      Without --grpc/--zmq it starts the kv-indexer binary next to it. A running\n\
                      service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs.\n\
                      --peer dynamo adds the peer part: ours and Dynamo's standalone indexer\n\
@@ -176,6 +177,7 @@ fn spawn_service(o: &Opts) -> (Spawned, String, String, String) {
             &format!("{TEXT_MODEL}={}", o.tokenizer.display()),
         ])
         .args(["--log-level", "warn"])
+        .args(&o.ours_args)
         .env("HF_HUB_OFFLINE", "1")
         .stdout(Stdio::null())
         .spawn()

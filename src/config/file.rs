@@ -67,6 +67,7 @@ from_file_by_from_str!(
     Duration,
     Size,
     LogFormat,
+    IngestPriority,
     IncompletePods,
     KeyModeName,
     HashAlgoName,

@@ -30,7 +30,7 @@ use indexer::IndexerConfig;
 
 pub(crate) use endpoints::dial_target;
 pub use settings::Settings;
-pub use values::{parse_bytes, LogFormat};
+pub use values::{parse_bytes, IngestPriority, LogFormat};
 
 /// The command line: a subcommand, the `--config` file, and every setting
 /// (`settings.rs`), each also settable by `KV_INDEXER_<FLAG>` (upper case,
@@ -192,6 +192,7 @@ pub struct Config {
     pub log_format: LogFormat,
     pub log_level: String,
     pub ingest_workers: usize,
+    pub ingest_priority: IngestPriority,
     pub limits: Limits,
     pub snapshot_dir: Option<PathBuf>,
     pub snapshot_interval: std::time::Duration,

@@ -211,6 +211,13 @@ settings! {
     /// same one, in order [default: number of CPUs].
     ingest_workers: usize,
 
+    /// CPU priority of the threads that receive and apply events (libzmq's,
+    /// the receivers, the workers): `normal`, or `idle`, where they run only
+    /// when no other thread wants the CPU, so Score never waits for them;
+    /// ingest then lags, and past its queues drops, while the cores are
+    /// saturated.
+    ingest_priority: IngestPriority = "normal",
+
     /// Messages queued per ingest worker; beyond (or beyond
     /// --ingest-queue-bytes), new messages are dropped and counted.
     ingest_queue: usize = "65536",

@@ -193,6 +193,7 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
         log_format: s.log_format,
         log_level: s.log_level,
         ingest_workers,
+        ingest_priority: s.ingest_priority,
         limits,
         snapshot_dir: s.snapshot_dir,
         snapshot_interval: longer_than_zero("snapshot_interval", s.snapshot_interval)?,

@@ -246,6 +246,13 @@ pub enum LogFormat {
     Json,
 }
 
+/// `--ingest-priority`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum IngestPriority {
+    Normal,
+    Idle,
+}
+
 /// `--incomplete-pods`: what scoring does with a pod whose gaps replay
 /// could not fill.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -300,7 +307,13 @@ macro_rules! from_str_by_value_enum {
         }
     )*};
 }
-from_str_by_value_enum!(LogFormat, IncompletePods, KeyModeName, ExtraKeys);
+from_str_by_value_enum!(
+    LogFormat,
+    IngestPriority,
+    IncompletePods,
+    KeyModeName,
+    ExtraKeys
+);
 
 /// A default as written in the settings table, parsed like any other value;
 /// the tests resolve every default, so a typo there fails `cargo test`.

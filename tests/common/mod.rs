@@ -319,6 +319,34 @@ impl Service {
             .unwrap_or(0)
     }
 
+    /// Each thread of the service: its id, name and scheduling policy
+    /// (`/proc/PID/task/TID/stat`, field 41: 0 `SCHED_OTHER`, 5 `SCHED_IDLE`).
+    pub fn threads(&self) -> Vec<(u32, String, u32)> {
+        let pid = self.child.id();
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("/proc/PID/task");
+        let mut threads = Vec::new();
+        for task in tasks {
+            let path = task.expect("a task").path();
+            let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
+                continue; // ended since
+            };
+            // "tid (name) state ...": fields counted from the state, field 3.
+            let (head, fields) = stat.rsplit_once(')').expect("stat format");
+            let (tid, name) = head.split_once(" (").expect("stat format");
+            let policy = fields.split_whitespace().nth(41 - 3).expect("field 41");
+            threads.push((
+                tid.parse().expect("tid"),
+                name.to_string(),
+                policy.parse().expect("policy"),
+            ));
+        }
+        threads
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The process is still running (not crashed, not exited).
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
