@@ -296,13 +296,12 @@ impl Space for Positions<'_> {
 /// Probes made together (`BlockIndex::with_holders_each`) overlap their
 /// cache misses: with the index out of cache, as between a service's
 /// requests, a 64-pod 2,048-block search with 64 different depths (~380
-/// probes) took 87-89 us one probe at a time and 63-67 us eight at a time
-/// (`cargo bench -p indexer --bench score`, "cold"). In cache it costs
-/// ~1 us more (7.8 -> 8.9 us): the bookkeeping of a group. From 2 ranges
-/// on, the comparison bench's cached lookups and its readers beside a
-/// writer lost up to 15%; from 4 on, prompts whose pods sit at a few
-/// depths (most prompts, and that bench's 16-pod fleet) keep the one-probe
-/// path.
+/// probes) took 96-156 us one probe at a time and 64-73 us eight at a time
+/// (`cargo bench -p indexer --bench score`, "cold", three runs). In cache
+/// it costs ~1 us more (7.8-8.4 -> 9.0-9.3 us): a group's bookkeeping.
+/// Grouping from 2 ranges on cost the comparison bench's readers beside a
+/// writer 10-17%; from 4 on, prompts whose pods sit at a few depths (most
+/// prompts, and most of that bench's) keep the one-probe path.
 const BATCH_FROM: usize = 4;
 
 /// One search over up to `MAX_SET` pods.
