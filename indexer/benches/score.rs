@@ -4,7 +4,9 @@
 //! the most probes a search can take), against 64 pods all holding the same
 //! 1,024 blocks, and a one-block prompt (the per-request cost of naming and
 //! sorting 64 pods); also the first case with the pods' ids 150 apart, among
-//! 9,536 pods of another model. `cargo bench -p indexer --bench score` prints medians.
+//! 9,536 pods of another model; and the first case with every pod's first
+//! block also offloaded to CPU (pods on two tiers are walked, not searched).
+//! `cargo bench -p indexer --bench score` prints medians.
 //! The search is timed twice: repeated (the index in cache) and "cold",
 //! each lookup after 64 MB of other data were written (the index in
 //! memory, as a service finds it between requests).
@@ -52,6 +54,25 @@ fn fleet_among(others: usize, depth: impl Fn(usize) -> usize, tokens: &[u32]) ->
     ix
 }
 
+/// `ix` with each pod's first block also offloaded to CPU: pods on two
+/// tiers are walked block by block, not binary-searched.
+fn offloaded(ix: Indexer) -> Indexer {
+    for i in 0..PODS {
+        let pod = ix.pod("m", &format!("pod-{i:02}"), None);
+        let offload = KvEvent::Stored(BlockStored {
+            block_hashes: vec![EngineHash(0x5c0e_0000)],
+            medium: Some("CPU".into()),
+            ..Default::default()
+        });
+        let batch = EventBatch {
+            events: vec![offload],
+            ..Default::default()
+        };
+        ix.apply(&pod, 1, &batch);
+    }
+    ix
+}
+
 /// `ix` with 8 of its pods (and 8 that never published) sent the whole
 /// prompt by `RecordRouting`: Score's extra walk over speculative entries.
 fn with_speculation(ix: Indexer, tokens: &[u32]) -> Indexer {
@@ -78,7 +99,7 @@ fn main() {
         })
         .collect();
     println!("Indexer::score, {PODS} pods, block size {BLOCK}; median (p90) per request");
-    let cases: [(&str, Indexer, usize, usize); 5] = [
+    let cases: [(&str, Indexer, usize, usize); 6] = [
         (
             "2048 blocks, 64 different depths",
             fleet(|i| (i + 1) * BLOCKS / PODS, &tokens),
@@ -88,6 +109,12 @@ fn main() {
         (
             "the same, pod ids 150 apart",
             fleet_among(149, |i| (i + 1) * BLOCKS / PODS, &tokens),
+            BLOCKS,
+            BLOCKS * PODS / 2 + BLOCKS / 2,
+        ),
+        (
+            "the same, on two tiers (walked)",
+            offloaded(fleet(|i| (i + 1) * BLOCKS / PODS, &tokens)),
             BLOCKS,
             BLOCKS * PODS / 2 + BLOCKS / 2,
         ),

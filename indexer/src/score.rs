@@ -78,11 +78,16 @@ pub fn walk(
     let mut matches = vec![PrefixMatch::default(); candidates.len()];
     // Positions (into `candidates`) still matching, kept in id order.
     let mut active: Vec<usize> = (0..candidates.len()).collect();
-    for key in keys {
-        if active.is_empty() {
-            break;
-        }
-        index.with_holders(*key, |holders| {
+    // Keys are probed in groups (`with_holders_each`): a walk's probes do
+    // not depend on each other, only whether it goes on does, so their
+    // cache misses can overlap. A group may probe up to its size less one
+    // key past the block where the last candidate drops out; groups grow
+    // from 1 key to `MAX_PROBES`, so a walk that ends early wastes little.
+    let mut rest = keys;
+    let mut group = 1;
+    while !rest.is_empty() && !active.is_empty() {
+        let (now, later) = rest.split_at(group.min(rest.len()));
+        index.with_holders_each(now, |_, holders| {
             active.retain(|&pos| match holders.get(candidates[pos]) {
                 Some(tiers) => {
                     record(&mut matches[pos], tiers, weights);
@@ -91,6 +96,8 @@ pub fn walk(
                 None => false,
             });
         });
+        rest = later;
+        group = (group * 2).min(MAX_PROBES);
     }
     for m in &mut matches {
         m.weigh(weights);
