@@ -407,6 +407,35 @@ impl<'a> HolderSet<'a> {
         list.iter().copied().chain(from_words)
     }
 
+    /// `mark`, a set per tier: sets, in `held[t]`, the bits of the holders
+    /// on tier `t` among pod ids `base * 64 .. (base + W) * 64`.
+    pub fn mark_tiers<const W: usize>(self, base: u32, held: &mut [[u64; W]; TIERS]) {
+        let end = base.saturating_add(W as u32);
+        match self.0 {
+            Some(Holders::Dense { words, .. }) => {
+                let from = match find_word(words, base) {
+                    Ok(at) | Err(at) => at,
+                };
+                for w in words[from..].iter().take_while(|w| w.index < end) {
+                    for (on_tier, bits) in held.iter_mut().zip(w.tiers) {
+                        on_tier[(w.index - base) as usize] |= bits;
+                    }
+                }
+            }
+            _ => {
+                let base = u64::from(base) * 64;
+                for h in self.iter() {
+                    let off = u64::from(h.pod().0).wrapping_sub(base);
+                    if off < (W * 64) as u64 {
+                        for tier in h.tiers().tiers() {
+                            held[tier.index()][off as usize / 64] |= 1 << (off % 64);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Sets, in `held`, the bits of the holders among pod ids
     /// `base * 64 .. (base + W) * 64` (bit `i` of word `w` for pod
     /// `(base + w) * 64 + i`), leaving the other bits as they were.
