@@ -410,36 +410,27 @@ impl<'a> HolderSet<'a> {
     /// `mark`, a set per tier: sets, in `held[t]`, the bits of the holders
     /// on tier `t` among pod ids `base * 64 .. (base + W) * 64`.
     pub fn mark_tiers<const W: usize>(self, base: u32, held: &mut [[u64; W]; TIERS]) {
-        let end = base.saturating_add(W as u32);
-        match self.0 {
-            Some(Holders::Dense { words, .. }) => {
-                let from = match find_word(words, base) {
-                    Ok(at) | Err(at) => at,
-                };
-                for w in words[from..].iter().take_while(|w| w.index < end) {
-                    for (on_tier, bits) in held.iter_mut().zip(w.tiers) {
-                        on_tier[(w.index - base) as usize] |= bits;
-                    }
-                }
+        self.mark_words::<W>(base, |w, tiers| {
+            for (on_tier, bits) in held.iter_mut().zip(tiers) {
+                on_tier[w] |= bits;
             }
-            _ => {
-                let base = u64::from(base) * 64;
-                for h in self.iter() {
-                    let off = u64::from(h.pod().0).wrapping_sub(base);
-                    if off < (W * 64) as u64 {
-                        for tier in h.tiers().tiers() {
-                            held[tier.index()][off as usize / 64] |= 1 << (off % 64);
-                        }
-                    }
-                }
-            }
-        }
+        });
     }
 
     /// Sets, in `held`, the bits of the holders among pod ids
     /// `base * 64 .. (base + W) * 64` (bit `i` of word `w` for pod
     /// `(base + w) * 64 + i`), leaving the other bits as they were.
     pub fn mark<const W: usize>(self, base: u32, held: &mut [u64; W]) {
+        self.mark_words::<W>(base, |w, tiers| {
+            held[w] |= tiers.iter().fold(0, |a, t| a | t);
+        });
+    }
+
+    /// Calls `mark(w, tiers)` with the holders among pod ids
+    /// `base * 64 .. (base + W) * 64`, as bits per tier of word `w` of that
+    /// range: a word of bits at a time, or holder by holder.
+    #[inline]
+    fn mark_words<const W: usize>(self, base: u32, mut mark: impl FnMut(usize, [u64; TIERS])) {
         let end = base.saturating_add(W as u32);
         match self.0 {
             Some(Holders::Dense { words, .. }) => {
@@ -447,7 +438,7 @@ impl<'a> HolderSet<'a> {
                     Ok(at) | Err(at) => at,
                 };
                 for w in words[from..].iter().take_while(|w| w.index < end) {
-                    held[(w.index - base) as usize] |= w.any();
+                    mark((w.index - base) as usize, w.tiers);
                 }
             }
             _ => {
@@ -455,7 +446,18 @@ impl<'a> HolderSet<'a> {
                 for h in self.iter() {
                     let off = u64::from(h.pod().0).wrapping_sub(base);
                     if off < (W * 64) as u64 {
-                        held[off as usize / 64] |= 1 << (off % 64);
+                        let bit = 1 << (off % 64);
+                        let tiers =
+                            std::array::from_fn(
+                                |t| {
+                                    if h.tiers().0 & (1 << t) != 0 {
+                                        bit
+                                    } else {
+                                        0
+                                    }
+                                },
+                            );
+                        mark(off as usize / 64, tiers);
                     }
                 }
             }
