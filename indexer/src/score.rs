@@ -1,6 +1,8 @@
 //! The prefix walk: per candidate pod, how many leading blocks of a prompt it
 //! holds, and a tier-weighted score.
 
+use std::ops::Range;
+
 use crate::event::{Tier, TIERS};
 use crate::holders::Bits;
 use crate::index::{BlockIndex, HolderSet, PodId, TierMask, MAX_PROBES};
@@ -84,42 +86,16 @@ pub fn walk(
 ) -> Vec<PrefixMatch> {
     debug_assert!(candidates.windows(2).all(|w| w[0] < w[1]));
     let mut matches = vec![PrefixMatch::default(); candidates.len()];
-    let (Some(first), Some(last)) = (candidates.first(), candidates.last()) else {
-        return matches;
-    };
-    let walk = Walk {
-        index,
-        keys,
-        beaten_by: beaten_by(weights),
-    };
-    let base = first.0 / 64;
-    let id_words = (last.0 / 64 - base) as usize + 1;
-    if id_words * 64 <= MAX_SET {
-        let ids = Ids::new(base, candidates);
-        match id_words {
-            1 => walk.run::<1>(&ids, &mut matches),
-            2 => walk.run::<2>(&ids, &mut matches),
-            3 | 4 => walk.run::<4>(&ids, &mut matches),
-            _ => walk.run::<{ MAX_SET / 64 }>(&ids, &mut matches),
-        }
-    } else {
-        let mut places = Places::default();
-        for (pods, out) in candidates.chunks(MAX_SET).zip(matches.chunks_mut(MAX_SET)) {
-            for (pos, pod) in pods.iter().enumerate() {
-                places.set(*pod, pos);
-            }
-            let positions = Positions {
-                pods,
-                places: &places,
-            };
-            match pods.len().div_ceil(64) {
-                1 => walk.run::<1>(&positions, out),
-                2 => walk.run::<2>(&positions, out),
-                3 | 4 => walk.run::<4>(&positions, out),
-                _ => walk.run::<{ MAX_SET / 64 }>(&positions, out),
-            }
-        }
-    }
+    over_sets(
+        candidates,
+        &mut Places::default(),
+        &mut Walk {
+            index,
+            keys,
+            beaten_by: beaten_by(weights),
+            out: &mut matches,
+        },
+    );
     for m in &mut matches {
         m.weigh(weights);
     }
@@ -141,15 +117,24 @@ fn beaten_by(weights: &TierWeights) -> [u8; TIERS] {
     })
 }
 
-/// One walk over up to `MAX_SET` candidates.
+/// A walk, over sets of up to `MAX_SET` candidates.
 struct Walk<'a> {
     index: &'a BlockIndex,
     keys: &'a [BlockKey],
     beaten_by: [u8; TIERS],
+    /// A match per candidate.
+    out: &'a mut [PrefixMatch],
 }
 
-impl Walk<'_> {
-    fn run<const W: usize>(&self, space: &impl Space, out: &mut [PrefixMatch]) {
+impl OverSets for Walk<'_> {
+    fn run<const W: usize>(&mut self, space: &impl Space, pods: Range<usize>) {
+        let Walk {
+            index,
+            keys,
+            beaten_by,
+            out,
+        } = self;
+        let out = &mut out[pods];
         let mut active: [u64; W] = space.all();
         // Tracked sets: held on each tier, then best on each tier.
         let mut runs = Runs::<W>::new(2 * TIERS);
@@ -160,11 +145,11 @@ impl Walk<'_> {
         // less one key past the block where the last candidate drops out;
         // groups grow from 1 key to `MAX_PROBES`, so a walk that ends early
         // wastes little.
-        let mut rest = self.keys;
+        let mut rest: &[BlockKey] = keys;
         let mut group = 1;
         while !rest.is_empty() && !is_empty(&active) {
             let (now, later) = rest.split_at(group.min(rest.len()));
-            self.index.with_holders_each(now, |_, holders| {
+            index.with_holders_each(now, |_, holders| {
                 if is_empty(&active) {
                     return;
                 }
@@ -180,7 +165,7 @@ impl Walk<'_> {
                 for (t, set) in held.iter().enumerate() {
                     let mut beaten = [0u64; W];
                     for (u, other) in held.iter().enumerate() {
-                        if self.beaten_by[t] & (1 << u) != 0 {
+                        if beaten_by[t] & (1 << u) != 0 {
                             beaten = or(&beaten, other);
                         }
                     }
@@ -275,13 +260,9 @@ impl<const W: usize> Runs<W> {
 /// marks the key's holders and splits the range with a few word
 /// operations. Splitting lists of positions cost ~500 instructions per
 /// probe with 16 pods, two thirds of a lookup (callgrind). A bit stands for
-/// a pod by its id when the pods' ids lie within `MAX_SET / 64` aligned
-/// words of 64 ids (a model's pods, ids given out densely): a key held as
-/// bits then marks its
-/// holders with a word operation per 64 pods (`HolderSet::mark`), where
-/// matching each holder to its pod was most of a 128-pod lookup of a widely
-/// held prompt. Otherwise (a model's pods among many other pods) a bit
-/// stands for a pod by its position in `pods`, `MAX_SET` pods at a time.
+/// a pod by its id where it can (`over_sets`): a key held as bits then marks
+/// its holders with a word operation per 64 pods, where matching each
+/// holder to its pod was most of a 128-pod lookup of a widely held prompt.
 pub fn jump<'s>(
     index: &BlockIndex,
     keys: &[BlockKey],
@@ -298,44 +279,73 @@ pub fn jump<'s>(
     } = scratch;
     depth.clear();
     depth.resize(pods.len(), 0);
-    let (Some(first), Some(last)) = (pods.first(), pods.last()) else {
-        return depth;
-    };
     if keys.is_empty() {
         return depth;
     }
     // A prompt of 2^32 blocks is 2^36 tokens or more: far beyond any limit
     // the service lets through.
     let keys = &keys[..keys.len().min(u32::MAX as usize)];
-    let search = Search { index, keys };
+    over_sets(
+        pods,
+        search_places,
+        &mut Search {
+            index,
+            keys,
+            first_held,
+            depth,
+            pending,
+        },
+    );
+    depth
+}
+
+/// A pass over pods as bit sets (`jump`'s search, `walk`): run once per set
+/// of up to `MAX_SET` pods, given the set (`space`, `W` words) and where
+/// its pods are in the pods passed (`pods`).
+trait OverSets {
+    fn run<const W: usize>(&mut self, space: &impl Space, pods: Range<usize>);
+}
+
+/// Runs `pass` over `pods` (sorted) as bit sets. A bit stands for a pod by
+/// its id when the pods' ids lie within `MAX_SET / 64` aligned words of 64
+/// ids (a model's pods, ids given out densely): a key held as bits then
+/// marks its holders with a word operation per 64 pods (`HolderSet::mark`).
+/// Otherwise (a model's pods among many other pods) a bit stands for a pod
+/// by its position, `MAX_SET` pods at a time; `places` remembers where
+/// each sits.
+fn over_sets(pods: &[PodId], places: &mut Places, pass: &mut impl OverSets) {
+    let (Some(first), Some(last)) = (pods.first(), pods.last()) else {
+        return;
+    };
     let base = first.0 / 64;
     let id_words = (last.0 / 64 - base) as usize + 1;
     if id_words * 64 <= MAX_SET {
         let ids = Ids::new(base, pods);
+        let all = 0..pods.len();
         match id_words {
-            1 => search.run::<1>(&ids, first_held, depth, pending),
-            2 => search.run::<2>(&ids, first_held, depth, pending),
-            3 | 4 => search.run::<4>(&ids, first_held, depth, pending),
-            _ => search.run::<{ MAX_SET / 64 }>(&ids, first_held, depth, pending),
+            1 => pass.run::<1>(&ids, all),
+            2 => pass.run::<2>(&ids, all),
+            3 | 4 => pass.run::<4>(&ids, all),
+            _ => pass.run::<{ MAX_SET / 64 }>(&ids, all),
         }
-        return depth;
+        return;
     }
-    for (pods, depth) in pods.chunks(MAX_SET).zip(depth.chunks_mut(MAX_SET)) {
-        for (pos, pod) in pods.iter().enumerate() {
-            search_places.set(*pod, pos);
+    for (c, chunk) in pods.chunks(MAX_SET).enumerate() {
+        for (pos, pod) in chunk.iter().enumerate() {
+            places.set(*pod, pos);
         }
         let positions = Positions {
-            pods,
-            places: search_places,
+            pods: chunk,
+            places,
         };
-        match pods.len().div_ceil(64) {
-            1 => search.run::<1>(&positions, first_held, depth, pending),
-            2 => search.run::<2>(&positions, first_held, depth, pending),
-            3 | 4 => search.run::<4>(&positions, first_held, depth, pending),
-            _ => search.run::<{ MAX_SET / 64 }>(&positions, first_held, depth, pending),
+        let these = c * MAX_SET..c * MAX_SET + chunk.len();
+        match chunk.len().div_ceil(64) {
+            1 => pass.run::<1>(&positions, these),
+            2 => pass.run::<2>(&positions, these),
+            3 | 4 => pass.run::<4>(&positions, these),
+            _ => pass.run::<{ MAX_SET / 64 }>(&positions, these),
         }
     }
-    depth
 }
 
 /// Pods searched together at most, and the span of their ids when a bit
@@ -470,35 +480,42 @@ impl Space for Positions<'_> {
 /// prompts, and most of that bench's) keep the one-probe path.
 const BATCH_FROM: usize = 4;
 
-/// One search over up to `MAX_SET` pods.
+/// A search, over sets of up to `MAX_SET` pods.
 struct Search<'a> {
     index: &'a BlockIndex,
     keys: &'a [BlockKey],
+    /// The pods are holders of `keys[0]` (see `jump`).
+    first_held: bool,
+    /// A depth per pod.
+    depth: &'a mut [u32],
+    pending: &'a mut Pending,
 }
 
-impl Search<'_> {
-    fn run<const W: usize>(
-        &self,
-        space: &impl Space,
-        first_held: bool,
-        depth: &mut [u32],
-        pending: &mut Pending,
-    ) {
-        let n = self.keys.len() as u32;
+impl OverSets for Search<'_> {
+    fn run<const W: usize>(&mut self, space: &impl Space, pods: Range<usize>) {
+        let Search {
+            index,
+            keys,
+            first_held,
+            depth,
+            pending,
+        } = self;
+        let depth = &mut depth[pods];
+        let n = keys.len() as u32;
         let all: [u64; W] = space.all();
         let settle = |set: &[u64; W], d: u32, depth: &mut [u32]| {
             for_each_pod(set, |bit| depth[space.place(bit)] = d);
         };
-        let first = if first_held {
+        let first = if *first_held {
             all
         } else {
             // The others match 0 blocks, as `depth` already says.
-            self.who_holds(space, self.keys[0], &all)
+            who_holds(index, space, keys[0], &all)
         };
         if is_empty(&first) {
             return;
         }
-        let whole = self.who_holds(space, self.keys[n as usize - 1], &first);
+        let whole = who_holds(index, space, keys[n as usize - 1], &first);
         settle(&whole, n, depth);
         // (lo, hi, pods): these pods match somewhere in lo..=hi blocks.
         pending.clear();
@@ -509,7 +526,7 @@ impl Search<'_> {
             if pending.len() < BATCH_FROM {
                 let mut set = [0u64; W];
                 let (lo, hi) = pending.pop(&mut set).expect("a range is pending");
-                let held = self.who_holds(space, self.keys[mid(lo, hi) as usize], &set);
+                let held = who_holds(index, space, keys[mid(lo, hi) as usize], &set);
                 pending.split(lo, hi, &set, &held, |set, d| settle(set, d, depth));
                 continue;
             }
@@ -517,7 +534,7 @@ impl Search<'_> {
             // other, so up to `MAX_PROBES` are made together (see
             // `BATCH_FROM`).
             let mut taken = [(0u32, 0u32, [0u64; W]); MAX_PROBES];
-            let mut keys = [BlockKey(0); MAX_PROBES];
+            let mut probed = [BlockKey(0); MAX_PROBES];
             let mut count = 0;
             while count < MAX_PROBES {
                 let Some((lo, hi)) = pending.pop(&mut taken[count].2) else {
@@ -525,11 +542,11 @@ impl Search<'_> {
                 };
                 taken[count].0 = lo;
                 taken[count].1 = hi;
-                keys[count] = self.keys[mid(lo, hi) as usize];
+                probed[count] = keys[mid(lo, hi) as usize];
                 count += 1;
             }
             let mut held = [[0u64; W]; MAX_PROBES];
-            self.index.with_holders_each(&keys[..count], |i, holders| {
+            index.with_holders_each(&probed[..count], |i, holders| {
                 held[i] = marked(space, holders, &taken[i].2);
             });
             for ((lo, hi, set), held) in taken[..count].iter().zip(&held) {
@@ -537,17 +554,16 @@ impl Search<'_> {
             }
         }
     }
+}
 
-    /// The pods of `of` that hold `key`.
-    fn who_holds<const W: usize>(
-        &self,
-        space: &impl Space,
-        key: BlockKey,
-        of: &[u64; W],
-    ) -> [u64; W] {
-        self.index
-            .with_holders(key, |holders| marked(space, holders, of))
-    }
+/// The pods of `of` that hold `key`.
+fn who_holds<const W: usize>(
+    index: &BlockIndex,
+    space: &impl Space,
+    key: BlockKey,
+    of: &[u64; W],
+) -> [u64; W] {
+    index.with_holders(key, |holders| marked(space, holders, of))
 }
 
 /// Where a range `lo..=hi` (`lo < hi`) is probed: its middle.
