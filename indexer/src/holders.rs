@@ -447,16 +447,8 @@ impl<'a> HolderSet<'a> {
                     let off = u64::from(h.pod().0).wrapping_sub(base);
                     if off < (W * 64) as u64 {
                         let bit = 1 << (off % 64);
-                        let tiers =
-                            std::array::from_fn(
-                                |t| {
-                                    if h.tiers().0 & (1 << t) != 0 {
-                                        bit
-                                    } else {
-                                        0
-                                    }
-                                },
-                            );
+                        let tiers: [u64; TIERS] =
+                            std::array::from_fn(|t| bit * u64::from((h.tiers().0 >> t) & 1));
                         mark(off as usize / 64, tiers);
                     }
                 }

@@ -417,7 +417,8 @@ impl BlockIndex {
         }
     }
 
-    /// Read guards of `shards` (each once), or `None` if a writer holds one.
+    /// Takes read guards of `shards` into `guards`, each shard once (sorted,
+    /// so that repeats sit together); false as soon as a writer holds one.
     fn try_read_all<'a>(
         &'a self,
         shards: &[u16],
@@ -751,7 +752,7 @@ mod tests {
     }
 
     /// Readers probing groups beside writers changing the same keys: no
-    /// deadlock, and every answer is one of the states the key had.
+    /// deadlock, and every holder a reader sees is one of the writers.
     #[test]
     fn groups_of_probes_beside_writers_finish() {
         let index = BlockIndex::new();
