@@ -112,6 +112,12 @@ impl Links {
     }
 }
 
+/// The hash a detached entry stands under when nobody named the parent
+/// (see `store_event`'s offloads): a snapshot keeps it as the parent, and a
+/// restore links such a block to a detached entry again, never to a held
+/// block that happens to have this hash.
+const UNKNOWN_PARENT: EngineHash = EngineHash(0);
+
 /// A store time: the pod's store clock in 32 bits. Stamps are compared as
 /// ages from the clock (wrapping), which is exact while every age is below
 /// 2^32: every `AGE_PASS` stores, `PodState::age_out` clamps ages above
@@ -354,6 +360,14 @@ impl PodState {
         if ev.token_ids.is_empty() {
             // Offload to another tier: token mode needs the blocks known by
             // hash already; engine mode keys them by hash alone.
+            //
+            // With a named parent the event is a chain, as a GPU store is.
+            // Without one (vLLM's offloading connectors name none) it lists
+            // what one step stored: possibly blocks of several chains, and
+            // from their middles. A block new to the pod then has a parent
+            // nobody named: an orphan, so the pod is walked block by block
+            // rather than binary-searched as if the block began a chain.
+            let chained = ev.parent_block_hash.is_some();
             let mut parent = ev.parent_block_hash;
             for hash in &ev.block_hashes {
                 let linked_to = parent.replace(*hash);
@@ -363,7 +377,11 @@ impl PodState {
                     continue;
                 }
                 // Usually a new tier for a held block: linked only if new.
-                let link = linked_to.filter(|_| !held).map(|p| self.link_to(p));
+                let link = match linked_to {
+                    _ if held => None,
+                    Some(p) if chained => Some(self.link_to(p)),
+                    _ => Some(self.detached_link(UNKNOWN_PARENT)),
+                };
                 self.store_block(*hash, BlockKey(hash.0), link, tier, false);
                 stats.stored_blocks += 1;
             }
@@ -571,11 +589,12 @@ impl PodState {
         }
         self.apply_pending(index);
         for (slot, parent) in links {
-            // An unknown parent (snapshots written before parents were
-            // kept): an orphan, walked block by block until it is gone.
+            // An unknown parent (an offloaded block's, or any in snapshots
+            // written before parents were kept): an orphan, walked block by
+            // block until it is gone.
             let link = match parent {
-                Some(p) => self.link_to(p),
-                None => self.detached_link(EngineHash(0)),
+                Some(p) if p != UNKNOWN_PARENT => self.link_to(p),
+                _ => self.detached_link(UNKNOWN_PARENT),
             };
             let held = self.by_hash.any_at_mut(slot);
             held.links.set_has_parent();

@@ -713,6 +713,41 @@ fn a_restored_pod_keeps_its_prefix_closure() {
     assert_eq!(old.closed_tier(), None);
 }
 
+/// Blocks first seen in an offload that names no parent (vLLM's
+/// connectors name none) are orphans: the pod is walked, never
+/// binary-searched as if each began a chain, also once restored, even
+/// when the pod holds a block whose hash is the one such orphans are
+/// kept under.
+#[test]
+fn offloaded_blocks_of_unnamed_parents_are_orphans_also_once_restored() {
+    let engine = engine_keys();
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let mut offload = store(&[0, 5, 6], None, &[]);
+    offload.medium = Some("CPU".into());
+    pod.store(&index, &offload, &engine, &mut stats);
+    assert_eq!(pod.held_per_tier(), [0, 3, 0]);
+    assert_eq!(pod.orphans, 3);
+    assert_eq!(pod.closed_tier(), None);
+    // Named, the parent links the event's blocks as a chain.
+    let mut chained = store(&[8, 9], Some(7), &[]);
+    chained.medium = Some("CPU".into());
+    pod.store(&index, &chained, &engine, &mut stats);
+    assert_eq!(pod.orphans, 4, "8 under the unheld 7; 9 under 8");
+    let export = pod.export();
+    let mut restored = PodState::new(PodId(0), "m");
+    restored.import(
+        &BlockIndex::new(),
+        &export.blocks,
+        &export.parents,
+        &export.non_full_groups,
+        None,
+    );
+    assert_eq!(restored.orphans, 4, "not linked to the held block 0");
+    assert_eq!(restored.closed_tier(), None);
+}
+
 /// Engine keys are the hashes: a pod keeps no key column until a block
 /// needs a key of its own (an adapter whose hashes engine keys cannot
 /// reproduce is keyed by its tokens). Then the column is filled in for
