@@ -5,6 +5,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
+use kv_indexer::proto::kvindexer::v1 as pb;
 
 async fn replay(stream: &str, args: &[&str], skip: usize) -> (Service, Expected) {
     let expected = load_expected(stream);
@@ -143,4 +144,92 @@ async fn nothing_is_claimed_for_a_pod_after_its_publisher_restarts() {
         }
     }
     assert!(others > 0);
+}
+
+/// vLLM's offloading connector publishes what it copied to CPU as
+/// `BlockStored` with no parent and no tokens, one event per step, so a
+/// later event starts in the middle of a chain. A pod that holds blocks 1-4
+/// and 7-8 of a prompt on CPU, and nothing on GPU, matches 4 blocks: not 8,
+/// as a binary search that took block 7 for a chain's start would answer.
+#[tokio::test]
+async fn offloaded_pieces_of_a_chain_are_not_matched_past_their_hole() {
+    use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+    #[derive(serde::Serialize)]
+    struct Removed {
+        #[serde(rename = "type")]
+        ty: &'static str,
+        block_hashes: Vec<u64>,
+        medium: &'static str,
+    }
+    let hasher = EngineHasher::new(HashAlgo::Sha256, DEFAULT_SEED, ExtraKeyStyle::Tagged);
+    let hashes = |tokens: &[u32]| -> Vec<u64> {
+        hasher
+            .prompt_digests(tokens, 16, &[], &[])
+            .iter()
+            .map(|d| d.wire().0)
+            .collect()
+    };
+    let prompt: Vec<u32> = (1000..1000 + 8 * 16).collect();
+    let chain = hashes(&prompt);
+    let other: Vec<u32> = (5000..5016).collect();
+    let stored = |block_hashes: Vec<u64>, token_ids: Vec<u32>, medium| {
+        let event = Stored {
+            ty: "BlockStored",
+            block_hashes,
+            parent_block_hash: None,
+            token_ids,
+            block_size: 16,
+            medium,
+        };
+        rmp_serde::to_vec_named(&(0.0f64, vec![event], 0u32)).unwrap()
+    };
+    let payloads = [
+        // A GPU block of another prompt (the pod's block size, its hashes
+        // checked), gone again below: then the pod holds CPU blocks only.
+        stored(hashes(&other), other.clone(), "GPU"),
+        stored(chain[..4].to_vec(), vec![], "CPU"),
+        stored(chain[6..].to_vec(), vec![], "CPU"),
+        rmp_serde::to_vec_named(&(
+            0.0f64,
+            vec![Removed {
+                ty: "BlockRemoved",
+                block_hashes: hashes(&other),
+                medium: "GPU",
+            }],
+            0u32,
+        ))
+        .unwrap(),
+    ];
+    let frames: Vec<RecordedFrame> = payloads
+        .into_iter()
+        .enumerate()
+        .map(|(seq, payload)| RecordedFrame {
+            topic: "kv@offloader@m".into(),
+            seq: seq as u64,
+            payload,
+        })
+        .collect();
+    let service = Service::start(&["--key-mode", "engine"]).await;
+    service.publish_recorded("m", &frames).await;
+    let pods = service.list_pods("m").await;
+    assert_eq!((pods[0].gpu_blocks, pods[0].cpu_blocks), (0, 6), "{pods:?}");
+    let resp = service
+        .client()
+        .await
+        .score(pb::ScoreRequest {
+            model: "m".into(),
+            input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+                ids: prompt,
+            })),
+            ..Default::default()
+        })
+        .await
+        .expect("Score")
+        .into_inner();
+    let matched: Vec<(String, u32)> = resp
+        .pods
+        .iter()
+        .map(|p| (p.pod.clone(), p.matched_blocks))
+        .collect();
+    assert_eq!(matched, vec![("offloader".to_string(), 4)]);
 }

@@ -756,11 +756,16 @@ pub fn holding(
     });
 }
 
-/// Prefix closure: vLLM evicts a block only after its descendants, so a pod
-/// holding block k of a prompt holds blocks 0..k too, even when the index
-/// missed their events (late start, lost batches). Extends each match to the
-/// deepest block of the prompt the pod is known to hold; inferred blocks
-/// count at the tiers that deepest block is held on.
+/// Prefix closure: vLLM's GPU block pool evicts a block only after its
+/// descendants, so a pod holding block k of a prompt on GPU holds blocks
+/// 0..k there too, even when the index missed their events (late start,
+/// lost batches). Extends each match to the deepest block of the prompt the
+/// pod is known to hold on GPU; inferred blocks count on GPU.
+///
+/// Only GPU: vLLM's offloading managers (LRU, ARC) evict CPU blocks in
+/// their own order, ancestors before descendants as often as not, and load
+/// only the run of consecutive hits from a prompt's start. A block held on
+/// CPU says nothing of the blocks before it.
 ///
 /// After a late start the known blocks of a pod along a prompt look like
 /// `miss.. held.. miss..` (only blocks stored after the join are known), which
@@ -775,8 +780,8 @@ pub fn extend_prefix_closed(
     matches: &mut [PrefixMatch],
     weights: &TierWeights,
 ) {
-    // Candidates still looking, with their deepest hit once found.
-    let mut deepest: Vec<Option<(usize, TierMask)>> = vec![None; candidates.len()];
+    // Candidates still looking, with their deepest GPU hit once found.
+    let mut deepest: Vec<Option<usize>> = vec![None; candidates.len()];
     let mut looking: Vec<usize> = (0..candidates.len())
         .filter(|&c| (matches[c].matched_blocks as usize) < keys.len())
         .collect();
@@ -789,22 +794,25 @@ pub fn extend_prefix_closed(
         }
         index.with_holders(keys[i], |holders| {
             looking.retain(|&c| match holders.get(candidates[c]) {
-                Some(tiers) => {
-                    deepest[c] = Some((i, tiers));
+                Some(tiers) if tiers.contains(Tier::Gpu) => {
+                    deepest[c] = Some(i);
                     false
                 }
-                None => true,
+                _ => true,
             });
         });
     }
     for (c, found) in deepest.into_iter().enumerate() {
-        let Some((d, deepest_tiers)) = found else {
+        let Some(d) = found else {
             continue;
         };
+        // From block 0: the blocks the walk matched are on GPU now too.
         let m = &mut matches[c];
-        for key in &keys[m.matched_blocks as usize..=d] {
+        *m = PrefixMatch::default();
+        let gpu = TierMask(1 << Tier::Gpu.index());
+        for key in &keys[..=d] {
             let known = index.with_holders(*key, |h| h.get(candidates[c]).unwrap_or_default());
-            record(m, TierMask(known.0 | deepest_tiers.0), weights);
+            record(m, TierMask(known.0 | gpu.0), weights);
         }
         m.weigh(weights);
     }
@@ -960,24 +968,33 @@ mod tests {
     fn prefix_closure_extends_past_missing_events_but_never_past_known_blocks() {
         let index = BlockIndex::new();
         let keys: Vec<BlockKey> = (0..10).map(BlockKey).collect();
-        // pod 0: events for 0 and 5..=7 (1..=4 lost); pod 1: only block 9, CPU;
-        // pod 2: nothing.
+        // pod 0: events for 0 and 5..=7 (1..=4 lost); pod 1: only block 9,
+        // CPU; pod 2: nothing; pod 3: 0..=1 on CPU, 4 on CPU, 6 on GPU and
+        // CPU, 8 on CPU.
         index.acquire(BlockKey(0), PodId(0), Tier::Gpu);
         for k in 5..=7 {
             index.acquire(BlockKey(k), PodId(0), Tier::Gpu);
         }
         index.acquire(BlockKey(9), PodId(1), Tier::Cpu);
-        let pods = [PodId(0), PodId(1), PodId(2)];
+        for k in [0, 1, 4, 6, 8] {
+            index.acquire(BlockKey(k), PodId(3), Tier::Cpu);
+        }
+        index.acquire(BlockKey(6), PodId(3), Tier::Gpu);
+        let pods = [PodId(0), PodId(1), PodId(2), PodId(3)];
         let w = TierWeights::default();
         let mut m = walk(&index, &keys, &pods, &w);
         assert_eq!(m[0].matched_blocks, 1);
         extend_prefix_closed(&index, &keys, &pods, &mut m, &w);
         assert_eq!(m[0].matched_blocks, 8);
         assert_eq!(m[0].blocks_per_tier, [8, 0, 0]);
-        assert_eq!(m[1].matched_blocks, 10);
-        assert_eq!(m[1].blocks_per_tier, [0, 10, 0]);
-        assert!((m[1].weighted_blocks - 8.0).abs() < 1e-9);
+        // CPU blocks imply nothing about the blocks before them.
+        assert_eq!(m[1], PrefixMatch::default());
         assert_eq!(m[2].matched_blocks, 0);
+        // The deepest GPU block (6) does: 0..=6 on GPU, and on CPU where
+        // known (0, 1, 4, 6); 8 on CPU alone is not reached.
+        assert_eq!(m[3].matched_blocks, 7);
+        assert_eq!(m[3].blocks_per_tier, [7, 4, 0]);
+        assert_eq!(m[3].best_tier_blocks, [7, 0, 0]);
     }
 
     #[test]

@@ -302,8 +302,9 @@ settings! {
     #[serde(alias = "lora_paths")]
     lora_path: Vec<Item<LoraPath>>,
 
-    /// Engine mode: a pod holding block k of a prompt holds blocks 0..k
-    /// (vLLM evicts descendants first), even if their events were missed.
+    /// Engine mode: a pod holding block k of a prompt on GPU holds blocks
+    /// 0..k there (vLLM's GPU pool evicts descendants first), even if their
+    /// events were missed. Offloaded tiers are never inferred.
     #[arg(num_args = 0..=1, default_missing_value = "true")]
     assume_prefix_closed: bool = "true",
 
