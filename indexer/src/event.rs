@@ -106,15 +106,17 @@ pub struct BlockStored {
 
 impl BlockStored {
     pub fn tier(&self) -> Tier {
-        if self
-            .locality
-            .as_deref()
-            .is_some_and(|l| l.eq_ignore_ascii_case("remote"))
-        {
-            return Tier::Storage;
-        }
-        Tier::from_medium(self.medium.as_deref())
+        tier_of(self.medium.as_deref(), self.locality.as_deref())
     }
+}
+
+/// A block held `REMOTE` (relative to the publisher) is on the storage tier,
+/// whatever its medium; otherwise the medium names the tier.
+fn tier_of(medium: Option<&str>, locality: Option<&str>) -> Tier {
+    if locality.is_some_and(|l| l.eq_ignore_ascii_case("remote")) {
+        return Tier::Storage;
+    }
+    Tier::from_medium(medium)
 }
 
 /// `BlockRemoved`: the pod dropped these blocks from one tier.
@@ -123,11 +125,14 @@ pub struct BlockRemoved {
     pub block_hashes: Vec<EngineHash>,
     pub medium: Option<String>,
     pub group_idx: Option<u32>,
+    /// As `BlockStored::locality`: vLLM's offloading events send it on
+    /// both, so a `REMOTE` copy's removal names the tier its store did.
+    pub locality: Option<String>,
 }
 
 impl BlockRemoved {
     pub fn tier(&self) -> Tier {
-        Tier::from_medium(self.medium.as_deref())
+        tier_of(self.medium.as_deref(), self.locality.as_deref())
     }
 }
 

@@ -443,6 +443,7 @@ impl Fields {
                 block_hashes: hashes(self.block_hashes)?,
                 medium: self.medium,
                 group_idx: self.group_idx,
+                locality: self.locality,
             }),
             CLEARED => KvEvent::AllCleared,
             _ => {
@@ -710,6 +711,7 @@ mod tests {
                 block_hashes: vec![EngineHash(10)],
                 medium: Some("CPU".into()),
                 group_idx: Some(0),
+                locality: None,
             })
         );
         assert_eq!(batch.events[3], KvEvent::AllCleared);

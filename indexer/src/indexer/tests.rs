@@ -815,3 +815,66 @@ fn an_offloaded_block_without_a_named_parent_is_not_taken_for_a_chain_start() {
     assert_eq!(want[0].matched_blocks, 4);
     assert_eq!(ix.prefix_matches("m", &keys), vec![(pod.id, want[0])]);
 }
+
+/// vLLM's offloading events carry `locality` on stores and removals alike
+/// (map form, as msgspec encodes them): a `REMOTE` copy's removal (medium
+/// "CPU", locality "REMOTE") releases the storage tier its store took, not
+/// the pod's own CPU copy.
+#[test]
+fn a_remote_copys_removal_releases_the_tier_its_store_took() {
+    #[derive(serde::Serialize)]
+    struct Stored {
+        #[serde(rename = "type")]
+        ty: &'static str,
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        medium: &'static str,
+        locality: Option<&'static str>,
+    }
+    #[derive(serde::Serialize)]
+    struct Removed {
+        #[serde(rename = "type")]
+        ty: &'static str,
+        block_hashes: Vec<u64>,
+        medium: &'static str,
+        locality: Option<&'static str>,
+    }
+    let offload = |medium, locality| Stored {
+        ty: "BlockStored",
+        block_hashes: vec![1],
+        parent_block_hash: None,
+        token_ids: vec![],
+        block_size: 0,
+        medium,
+        locality,
+    };
+    let decode = |payload: Vec<u8>| crate::wire::decode_batch(&payload).expect("decodes");
+    let ix = engine_indexer();
+    let pod = ix.pod("m", "p", None);
+    let tokens = [7u32; 16];
+    ix.apply(&pod, 0, &batch(vec![stored(&[1], None, &tokens, 16)]));
+    let offloads = (
+        0.0f64,
+        (offload("CPU", None), offload("CPU", Some("REMOTE"))),
+    );
+    ix.apply(
+        &pod,
+        1,
+        &decode(rmp_serde::to_vec_named(&offloads).unwrap()),
+    );
+    assert_eq!(ix.list_pods(Some("m"))[0].blocks_per_tier, [1, 1, 1]);
+    let removal = Removed {
+        ty: "BlockRemoved",
+        block_hashes: vec![1],
+        medium: "CPU",
+        locality: Some("REMOTE"),
+    };
+    ix.apply(
+        &pod,
+        2,
+        &decode(rmp_serde::to_vec_named(&(0.0f64, (removal,))).unwrap()),
+    );
+    assert_eq!(ix.list_pods(Some("m"))[0].blocks_per_tier, [1, 1, 0]);
+}

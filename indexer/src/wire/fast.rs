@@ -225,6 +225,7 @@ impl Fields {
                 block_hashes: self.block_hashes?,
                 medium: self.medium,
                 group_idx: self.group_idx,
+                locality: self.locality,
             }),
             Tag::Cleared => KvEvent::AllCleared,
         })
