@@ -812,8 +812,15 @@ impl PodState {
         };
         if !new {
             if let Some(link) = link {
-                // Held already: the link made in advance is taken back.
-                self.drop_link(link);
+                // Held already: the link made in advance is taken back,
+                // unless it adopts the block (see `adopts`).
+                if self.adopts(slot, link, u32::from(counted)) {
+                    let held = self.by_hash.any_at_mut(slot);
+                    let detached = std::mem::replace(&mut held.parent, link.0);
+                    self.drop_link(Link(detached));
+                } else {
+                    self.drop_link(link);
+                }
             }
         }
         // Only a bounded index evicts: the rest never reads stamps or
@@ -828,6 +835,22 @@ impl PodState {
             }
         }
         next
+    }
+
+    /// Whether the held block in `slot`, an orphan, takes `link` (to a held
+    /// parent an event named) in place of its detached one. An offload
+    /// that names no parent, or a store after a lost one, leaves a block an
+    /// orphan, and the pod walked block by block, until the block goes; when
+    /// vLLM loads it back to GPU its store names the parent, and the pod can
+    /// be binary-searched again. Only a block no held block is linked to
+    /// (`advance`: the child its own event counted for the next block): the
+    /// new parent is then not one of its descendants, so no cycle forms.
+    fn adopts(&self, slot: u32, link: Link, advance: u32) -> bool {
+        let held = self.by_hash.any_at(slot).1;
+        held.links.has_parent()
+            && held.links.children() == advance
+            && !self.by_hash.any_at(held.parent).1.links.holds_any()
+            && self.by_hash.any_at(link.0).1.links.holds_any()
     }
 
     /// A link for a block about to be stored under `parent`: the parent

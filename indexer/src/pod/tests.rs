@@ -783,3 +783,56 @@ fn keys_are_kept_only_once_one_differs_from_its_hash() {
     pod.clear(&index, &mut stats);
     assert!(pod.keys.is_none() && index.is_empty());
 }
+
+/// An orphan left by a parentless offload is adopted when vLLM loads it
+/// back to GPU under its (held) parent, and the pod, once the CPU copies
+/// go, is binary-searched again; a block something is linked to is not
+/// adopted (its new parent could be its descendant).
+#[test]
+fn an_orphan_is_adopted_when_a_store_names_its_held_parent() {
+    let engine = engine_keys();
+    let index = BlockIndex::new();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let cpu = |hashes: &[u64], parent: Option<u64>| {
+        let mut ev = store(hashes, parent, &[]);
+        ev.medium = Some("CPU".into());
+        ev
+    };
+    let mut remove_cpu = removed(&[5, 6, 7]);
+    remove_cpu.medium = Some("CPU".into());
+    pod.store(
+        &index,
+        &store(&[1, 2, 3, 4], None, &tokens(16, 0)),
+        &engine,
+        &mut stats,
+    );
+    pod.store(&index, &cpu(&[5, 6, 7], None), &engine, &mut stats);
+    assert_eq!(pod.orphans, 3);
+    pod.store(
+        &index,
+        &store(&[5, 6, 7], Some(4), &tokens(12, 16)),
+        &engine,
+        &mut stats,
+    );
+    assert_counts_exact(&pod, "adopted");
+    assert_eq!(pod.orphans, 0);
+    pod.remove(&index, &remove_cpu, &mut stats);
+    assert_eq!(pod.closed_tier(), Some(Tier::Gpu));
+
+    // 9 under a parent nobody holds, 10 under 9: 9 is not adopted.
+    pod.store(
+        &index,
+        &store(&[9, 10], Some(8), &tokens(8, 40)),
+        &engine,
+        &mut stats,
+    );
+    pod.store(
+        &index,
+        &store(&[9], Some(4), &tokens(4, 40)),
+        &engine,
+        &mut stats,
+    );
+    assert_counts_exact(&pod, "not adopted");
+    assert_eq!(pod.orphans, 1);
+}
