@@ -479,8 +479,9 @@ fn engine_indexer() -> Indexer {
 /// block-by-block walk gives, whatever the events did to the index:
 /// chains stored under held parents, under unknown parents, middle
 /// blocks removed (holes), CPU copies, clears, and (the last round) pods
-/// holding only what offloads stored as vLLM's connectors publish it: no
-/// parent, pieces of several chains in one event. Random histories,
+/// holding mostly what offloads stored as vLLM's connectors publish it (no
+/// parent, pieces of several chains in one event), with GPU stores that
+/// adopt those blocks and removals from either tier. Random histories,
 /// checked after every batch against `walk` on the same index.
 #[test]
 fn jump_search_equals_the_first_miss_walk_on_random_histories() {
@@ -509,7 +510,7 @@ fn jump_search_equals_the_first_miss_walk_on_random_histories() {
     let tokens = [7u32; 16];
     let mut closed_seen = 0;
     for round in 0..7 {
-        let offloads_only = round == 6;
+        let offloads = round == 6;
         let ix = engine_indexer();
         let pods: Vec<_> = (0..5)
             .map(|p| ix.pod("m", &format!("p{p}"), None))
@@ -520,7 +521,7 @@ fn jump_search_equals_the_first_miss_walk_on_random_histories() {
             let node = rnd(parent.len() as u64);
             let ev = match rnd(10) {
                 // Pieces of one or two paths, offloaded with no parent.
-                0..=4 if offloads_only => {
+                0..=3 if offloads => {
                     let mut hashes = Vec::new();
                     for _ in 0..1 + rnd(2) {
                         let path = path_to(rnd(parent.len() as u64), &parent);
@@ -558,6 +559,7 @@ fn jump_search_equals_the_first_miss_walk_on_random_histories() {
                     let cut = rnd(path.len() as u64) as usize;
                     KvEvent::Removed(crate::event::BlockRemoved {
                         block_hashes: path[cut..].iter().rev().map(|h| EngineHash(*h)).collect(),
+                        medium: (offloads && rnd(2) == 0).then(|| "CPU".into()),
                         ..Default::default()
                     })
                 }
