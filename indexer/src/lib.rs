@@ -12,6 +12,7 @@ pub mod holders;
 pub mod index;
 mod indexer;
 pub mod keys;
+pub mod offload;
 pub mod pod;
 pub mod repeats;
 pub mod routing;

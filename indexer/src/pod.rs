@@ -188,6 +188,9 @@ pub struct PodState {
     /// removals for them (which carry no kind) are ignored too.
     non_full_groups: HashSet<u32>,
     block_size: Option<u32>,
+    /// Offloaded block size in tokens, as token-less stores give it (older
+    /// vLLM; newer ones send 0): see `offload`.
+    offload_block_size: Option<u32>,
     held_per_tier: [u64; TIERS],
     /// Engine mode: stores eligible for the hash self-check seen so far.
     checkable_stores: u64,
@@ -247,6 +250,7 @@ impl PodState {
             stamps: Column::default(),
             non_full_groups: HashSet::new(),
             block_size: None,
+            offload_block_size: None,
             held_per_tier: [0; TIERS],
             checkable_stores: 0,
             check_buf: Vec::new(),
@@ -310,6 +314,10 @@ impl PodState {
         self.block_size
     }
 
+    pub fn offload_block_size(&self) -> Option<u32> {
+        self.offload_block_size
+    }
+
     /// Our key of a block the pod holds, by its engine hash.
     pub fn key_of(&self, hash: EngineHash) -> Option<BlockKey> {
         let (slot, _) = self.by_hash.get_with_slot(&hash)?;
@@ -367,6 +375,9 @@ impl PodState {
             // from their middles. A block new to the pod then has a parent
             // nobody named: an orphan, so the pod is walked block by block
             // rather than binary-searched as if the block began a chain.
+            if let Some(size) = ev.block_size.filter(|s| *s > 0) {
+                self.offload_block_size = Some(size);
+            }
             let chained = ev.parent_block_hash.is_some();
             let mut parent = ev.parent_block_hash;
             for hash in &ev.block_hashes {

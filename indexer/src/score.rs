@@ -56,7 +56,7 @@ impl PrefixMatch {
         }
     }
 
-    fn weigh(&mut self, weights: &TierWeights) {
+    pub(crate) fn weigh(&mut self, weights: &TierWeights) {
         self.weighted_blocks = Tier::ALL
             .iter()
             .map(|t| f64::from(self.best_tier_blocks[t.index()]) * weights.get(*t))
@@ -84,8 +84,20 @@ pub fn walk(
     candidates: &[PodId],
     weights: &TierWeights,
 ) -> Vec<PrefixMatch> {
+    walk_with_gpu_runs(index, keys, candidates, weights).0
+}
+
+/// `walk`, and each candidate's GPU run: how many leading blocks it holds
+/// on GPU (where vLLM's own prefix hit ends, see `offload`).
+pub fn walk_with_gpu_runs(
+    index: &BlockIndex,
+    keys: &[BlockKey],
+    candidates: &[PodId],
+    weights: &TierWeights,
+) -> (Vec<PrefixMatch>, Vec<u32>) {
     debug_assert!(candidates.windows(2).all(|w| w[0] < w[1]));
     let mut matches = vec![PrefixMatch::default(); candidates.len()];
+    let mut gpu_runs = vec![0; candidates.len()];
     over_sets(
         candidates,
         &mut Places::default(),
@@ -94,12 +106,13 @@ pub fn walk(
             keys,
             beaten_by: beaten_by(weights),
             out: &mut matches,
+            gpu_runs: &mut gpu_runs,
         },
     );
     for m in &mut matches {
         m.weigh(weights);
     }
-    matches
+    (matches, gpu_runs)
 }
 
 /// For each tier, the tiers a block held on both counts as rather than it:
@@ -124,6 +137,8 @@ struct Walk<'a> {
     beaten_by: [u8; TIERS],
     /// A match per candidate.
     out: &'a mut [PrefixMatch],
+    /// Per candidate, its leading blocks on GPU.
+    gpu_runs: &'a mut [u32],
 }
 
 impl OverSets for Walk<'_> {
@@ -133,9 +148,14 @@ impl OverSets for Walk<'_> {
             keys,
             beaten_by,
             out,
+            gpu_runs,
         } = self;
-        let out = &mut out[pods];
+        let out = &mut out[pods.clone()];
+        let gpu_runs = &mut gpu_runs[pods];
         let mut active: [u64; W] = space.all();
+        // Candidates whose every block so far is on GPU (a subset of
+        // `active`: the walk outlasts each of their GPU runs).
+        let mut on_gpu = active;
         // Tracked sets: held on each tier, then best on each tier.
         let mut runs = Runs::<W>::new(2 * TIERS);
         let mut at = 0u32;
@@ -155,6 +175,11 @@ impl OverSets for Walk<'_> {
                 }
                 let mut on = [[0u64; W]; TIERS];
                 space.mark_tiers(holders, &mut on);
+                let still_on_gpu = and(&on_gpu, &on[Tier::Gpu.index()]);
+                for_each_pod(&minus(&on_gpu, &still_on_gpu), |bit| {
+                    gpu_runs[space.place(bit)] = at;
+                });
+                on_gpu = still_on_gpu;
                 let any = on.iter().fold([0u64; W], |a, t| or(&a, t));
                 let still = and(&active, &any);
                 for_each_pod(&minus(&active, &still), |bit| {
@@ -179,6 +204,7 @@ impl OverSets for Walk<'_> {
         }
         // Candidates still matching hold every key.
         for_each_pod(&active, |bit| out[space.place(bit)].matched_blocks = at);
+        for_each_pod(&on_gpu, |bit| gpu_runs[space.place(bit)] = at);
         runs.end(at);
         for_each_pod(&space.all::<W>(), |bit| {
             let m = &mut out[space.place(bit)];

@@ -236,6 +236,12 @@ settings! {
     #[serde(alias = "tier_weights")]
     tier_weight: Vec<Item<TierWeight>>,
 
+    /// The pods' offloaded block size in tokens (the `block_size` in their
+    /// offloading connector's kv_connector_extra_config). Above a model's
+    /// block size, offloaded blocks count in whole chunks, as vLLM loads
+    /// them. 0: as the pods' offload events say (older vLLM), else blocks.
+    offload_block_size: u32 = "0",
+
     /// Log format.
     log_format: LogFormat = "text",
 

@@ -188,6 +188,7 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
             },
             max_speculative_entries: routing.speculative_entries(),
             speculative_weight: s.speculative_weight,
+            offload_block_size: s.offload_block_size,
         },
         routing,
         log_format: s.log_format,

@@ -48,6 +48,7 @@ impl Indexer {
         debug_assert!(state.closure_is_current());
         self.account(pod, state.entries());
         let learned = state.block_size();
+        let offload = state.offload_block_size();
         drop(inner);
         if cleared {
             self.drop_speculation(pod);
@@ -55,6 +56,11 @@ impl Indexer {
         if let Some(bs) = learned {
             if pod.block_size.swap(bs, Ordering::Relaxed) != bs {
                 self.learn_block_size(&pod.model, bs);
+            }
+        }
+        if let Some(size) = offload {
+            if pod.offload_block_size.swap(size, Ordering::Relaxed) != size {
+                self.learn_offload_block_size(&pod.model, size);
             }
         }
         stats

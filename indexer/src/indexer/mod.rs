@@ -21,13 +21,18 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock};
 
 use crate::closure::{ClosedView, Closure};
-use crate::event::{DecodeSkips, EventBatch, KvEvent, TIERS};
+use crate::event::{DecodeSkips, EventBatch, KvEvent, Tier, TIERS};
 use crate::index::{BlockIndex, PodId, TierMask, MAX_PODS};
 use crate::keys::BlockKey;
+use crate::offload::chunked_match;
 use crate::pod::{ApplyStats, PodState};
 use crate::routing::speculative::Speculative;
 use crate::scheme::{KeyMode, KeySchemes};
-use crate::score::{extend_prefix_closed, holding, jump, walk, PrefixMatch, Scratch, TierWeights};
+#[cfg(test)]
+use crate::score::walk;
+use crate::score::{
+    extend_prefix_closed, holding, jump, walk_with_gpu_runs, PrefixMatch, Scratch, TierWeights,
+};
 use crate::snapshot::{PodSnapshot, SnapshotError, SnapshotReader, SnapshotWriter};
 use table::PodTable;
 
@@ -57,6 +62,11 @@ pub struct IndexerConfig {
     pub max_speculative_entries: usize,
     /// Weight of a speculatively held block in `score` (0: exact only).
     pub speculative_weight: f64,
+    /// The pods' offloaded block size in tokens (their offloading
+    /// connector's `block_size`); 0: as their offload events say, if they
+    /// do. Above a model's block size, offloaded blocks count in whole
+    /// chunks (`offload`).
+    pub offload_block_size: u32,
 }
 
 /// Why a new pod was not admitted. Existing pods are never affected.
@@ -96,6 +106,7 @@ impl Default for IndexerConfig {
             pod_cost_entries: 0,
             max_speculative_entries: 1 << 20,
             speculative_weight: 1.0,
+            offload_block_size: 0,
         }
     }
 }
@@ -123,6 +134,8 @@ pub struct Pod {
     mode: KeyMode,
     /// Learned block size; 0 until the first store.
     block_size: AtomicU32,
+    /// The offloaded block size its events last gave (0: none).
+    offload_block_size: AtomicU32,
     /// Events were lost beyond repair since the pod (re)started: its
     /// answers may be too low. Cleared when its publisher restarts.
     incomplete: AtomicBool,

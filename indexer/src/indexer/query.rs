@@ -19,8 +19,12 @@ impl Indexer {
 
     pub fn score(&self, q: &ScoreQuery<'_>) -> ScoreOutcome {
         // (candidate name, pod if known)
+        let mut offload_block_size = self.config.offload_block_size;
         let mut candidates: Vec<(String, Option<Arc<Pod>>)> = {
             let table = self.table.read();
+            if offload_block_size == 0 {
+                offload_block_size = table.model(q.model).map_or(0, |m| m.offload_block_size);
+            }
             if q.pods.is_empty() {
                 let ids = table
                     .model(q.model)
@@ -101,7 +105,11 @@ impl Indexer {
             // Closure is only sound on engine keys: token keys of a block
             // whose parent was never seen do not exist at all.
             let closure = engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed);
-            self.match_pods(&keys, &ids, closure, |at, m| {
+            let rules = Rules {
+                closure,
+                factor: chunk_factor(offload_block_size, bs),
+            };
+            self.match_pods(&keys, &ids, rules, |at, m| {
                 scores[group[at].1].matched = m;
             });
             for (pos, id, spec) in speculative {
@@ -157,8 +165,9 @@ impl Indexer {
         // Room for every pod up front (untouched memory costs nothing): a
         // growing vector's copies added 14% to a 128-pod lookup.
         let mut out = Vec::with_capacity(ids.len());
-        let in_order =
-            self.match_pods_in(&table, keys, ids, false, |pos, m| out.push((ids[pos], m)));
+        let in_order = self.match_pods_in(&table, keys, ids, Rules::INDEX_ONLY, |pos, m| {
+            out.push((ids[pos], m))
+        });
         if !in_order {
             out.sort_unstable_by_key(|(id, _)| *id);
         }
@@ -177,7 +186,10 @@ impl Indexer {
     /// Only pods holding the first block can match (closure inference
     /// aside, which credits blocks the index never saw): one probe picks
     /// them, so with a large fleet a prompt pays per pod that holds its
-    /// start, not per pod of the model.
+    /// start, not per pod of the model. With offloaded chunks (`rules`),
+    /// pods holding the first chunk's last block count too (vLLM's default
+    /// offload events name a chunk by it alone); those and every pod with
+    /// offloaded blocks are walked, then counted by chunks (`offload`).
     ///
     /// The pod table's read guard is held throughout: a pod removed since
     /// `ids` was read has no slot and is skipped, and no id is freed (so
@@ -187,10 +199,10 @@ impl Indexer {
         &self,
         keys: &[BlockKey],
         ids: &[PodId],
-        closure: bool,
+        rules: Rules,
         emit: impl FnMut(usize, PrefixMatch),
     ) -> bool {
-        self.match_pods_in(&self.table.read(), keys, ids, closure, emit)
+        self.match_pods_in(&self.table.read(), keys, ids, rules, emit)
     }
 
     /// `match_pods` under a guard the caller holds.
@@ -199,7 +211,7 @@ impl Indexer {
         table: &PodTable,
         keys: &[BlockKey],
         ids: &[PodId],
-        closure: bool,
+        rules: Rules,
         mut emit: impl FnMut(usize, PrefixMatch),
     ) -> bool {
         debug_assert!(ids.windows(2).all(|w| w[0] < w[1]));
@@ -208,13 +220,13 @@ impl Indexer {
         }
         LOOKUP_SCRATCH.with(|cell| match cell.try_borrow_mut() {
             Ok(mut scratch) => {
-                self.match_pods_with(table, keys, ids, closure, &mut scratch, &mut emit)
+                self.match_pods_with(table, keys, ids, rules, &mut scratch, &mut emit)
             }
             Err(_) => self.match_pods_with(
                 table,
                 keys,
                 ids,
-                closure,
+                rules,
                 &mut LookupScratch::default(),
                 &mut emit,
             ),
@@ -230,7 +242,7 @@ impl Indexer {
         pods: &PodTable,
         keys: &[BlockKey],
         ids: &[PodId],
-        closure: bool,
+        Rules { closure, factor }: Rules,
         scratch: &mut LookupScratch,
         emit: &mut impl FnMut(usize, PrefixMatch),
     ) -> bool {
@@ -255,12 +267,32 @@ impl Indexer {
             let id = ids[pos as usize];
             let Some(pod) = pods.get(id) else { continue };
             match pod.closure.view() {
-                Some(view) => {
+                // Offloaded chunks are counted after the walk (below).
+                Some(view) if factor == 1 || view.tier == Tier::Gpu => {
                     closed.push(id);
                     views.push((pos, view));
                 }
-                None => open.push(pos),
+                _ => open.push(pos),
             }
+        }
+        if factor > 1 && !closure && keys.len() >= factor as usize {
+            // A pod may hold the first chunk offloaded and not block 0:
+            // with the connector's default events only the chunk's last
+            // block is known.
+            let mut more = Vec::new();
+            holding(
+                &self.blocks,
+                keys[factor as usize - 1],
+                ids,
+                search,
+                &mut more,
+            );
+            let mut known = candidates.clone();
+            known.sort_unstable();
+            more.retain(|pos| {
+                known.binary_search(pos).is_err() && pods.get(ids[*pos as usize]).is_some()
+            });
+            open.extend(more);
         }
         // Without closure inference the candidates are the holders of
         // block 0, probed above.
@@ -283,9 +315,21 @@ impl Indexer {
         // Rare (pods not closed, or a writer changed their closure): walk.
         open.sort_unstable();
         let open_ids: Vec<PodId> = open.iter().map(|pos| ids[*pos as usize]).collect();
-        let mut walked = walk(&self.blocks, keys, &open_ids, weights);
+        let (mut walked, mut gpu_runs) = walk_with_gpu_runs(&self.blocks, keys, &open_ids, weights);
         if closure {
+            let walked_to: Vec<u32> = walked.iter().map(|m| m.matched_blocks).collect();
             extend_prefix_closed(&self.blocks, keys, &open_ids, &mut walked, weights);
+            // An extended match is inferred on GPU from its first block.
+            for ((run, m), to) in gpu_runs.iter_mut().zip(&walked).zip(walked_to) {
+                if m.matched_blocks > to {
+                    *run = m.matched_blocks;
+                }
+            }
+        }
+        if factor > 1 {
+            for ((m, id), run) in walked.iter_mut().zip(&open_ids).zip(gpu_runs) {
+                *m = chunked_match(&self.blocks, keys, *id, factor, run, weights);
+            }
         }
         for (pos, m) in open.iter().zip(walked) {
             if m.matched_blocks > 0 {
@@ -362,4 +406,34 @@ struct SizeGroup {
         Option<PodId>,
         Arc<RwLock<crate::routing::speculative::PodSpeculation>>,
     )>,
+}
+
+/// What a lookup answers beyond the first-miss walk on the index's blocks.
+#[derive(Clone, Copy, Debug)]
+struct Rules {
+    /// Engine mode's prefix closure: a pod holding block k on GPU holds
+    /// blocks 0..k there (`extend_prefix_closed`).
+    closure: bool,
+    /// Blocks per offloaded chunk: above 1, offloaded blocks count as
+    /// vLLM loads them (`offload`).
+    factor: u32,
+}
+
+impl Rules {
+    /// The index alone, as the peers' indexes answer.
+    const INDEX_ONLY: Rules = Rules {
+        closure: false,
+        factor: 1,
+    };
+}
+
+/// Blocks per offloaded chunk: `offload_block_size` tokens in blocks of
+/// `block_size`, or 1 (blocks counted one by one) when it is unknown, not
+/// larger, or not a multiple.
+fn chunk_factor(offload_block_size: u32, block_size: u32) -> u32 {
+    match block_size {
+        0 => 1,
+        bs if offload_block_size > bs && offload_block_size % bs == 0 => offload_block_size / bs,
+        _ => 1,
+    }
 }

@@ -40,6 +40,9 @@ pub(super) struct ModelEntry {
     pub(super) pods: Arc<Vec<PodId>>,
     /// Last block size a pod of this model reported (0 = none yet).
     pub(super) block_size: u32,
+    /// Last offloaded block size in tokens a pod of this model reported
+    /// (0 = none yet).
+    pub(super) offload_block_size: u32,
 }
 
 impl PodTable {
@@ -159,6 +162,7 @@ impl Indexer {
             dp_rank,
             mode: self.config.keys.for_model(model).clone(),
             block_size: AtomicU32::new(0),
+            offload_block_size: AtomicU32::new(0),
             incomplete: AtomicBool::new(false),
             removed: AtomicBool::new(false),
             connection: AtomicU8::new(Connection::Unknown as u8),
@@ -251,6 +255,17 @@ impl Indexer {
         match pod.map(|p| p.block_size.load(Ordering::Relaxed)) {
             Some(bs) if bs > 0 => bs,
             _ => self.model_block_size(model),
+        }
+    }
+
+    /// Records a model's offloaded block size, as `learn_block_size` does.
+    pub(super) fn learn_offload_block_size(&self, model: &str, size: u32) {
+        let known = self.table.read().model(model).map(|m| m.offload_block_size);
+        if known.is_none_or(|s| s == size) {
+            return;
+        }
+        if let Some(m) = self.table.write().model_mut(model) {
+            m.offload_block_size = size;
         }
     }
 

@@ -880,3 +880,116 @@ fn a_remote_copys_removal_releases_the_tier_its_store_took() {
     );
     assert_eq!(ix.list_pods(Some("m"))[0].blocks_per_tier, [1, 1, 0]);
 }
+
+/// Offloading in chunks of 4 blocks (64 tokens against 16), as vLLM's
+/// usage guide configures it, with the connector's default events: each
+/// names a chunk by its last block's hash, and gives the chunk's size
+/// (older vLLM) or 0 (newer: then `--offload-block-size` gives it). Score
+/// counts what vLLM would load: whole chunks past the GPU hit, only when
+/// they reach a chunk past it.
+#[test]
+fn offloaded_chunks_count_as_vllm_loads_them() {
+    for (configured, in_events) in [(0, 64), (64, 0)] {
+        let ix = Indexer::new(IndexerConfig {
+            offload_block_size: configured,
+            ..IndexerConfig::default()
+        });
+        let tokens: Vec<u32> = (0..12 * 16).collect();
+        let hashes: Vec<u64> = (1..=12).collect();
+        let offload = |hashes: &[u64]| {
+            KvEvent::Stored(BlockStored {
+                block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+                block_size: Some(in_events),
+                medium: Some("CPU".into()),
+                ..Default::default()
+            })
+        };
+        let gpu_removal = |hashes: &[u64]| {
+            KvEvent::Removed(crate::event::BlockRemoved {
+                block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+                ..Default::default()
+            })
+        };
+        // a: GPU keeps blocks 1-6, chunks 2 and 3 (blocks 8 and 12)
+        // offloaded: 6 on GPU, then 6 loaded (chunk 2 from block 7 on, and
+        // chunk 3). b: GPU keeps 1-3, chunk 1 (block 4) offloaded: one block
+        // past the GPU hit is less than a chunk, nothing loads: 3. c:
+        // nothing on GPU, chunks 1 and 2 offloaded: 8, though block 1 is
+        // not held at all.
+        for (pod, keep, chunks) in [
+            ("a", 6, vec![8, 12]),
+            ("b", 3, vec![4]),
+            ("c", 0, vec![4, 8]),
+        ] {
+            let p = ix.pod("m", pod, None);
+            ix.apply(&p, 0, &batch(vec![stored(&hashes, None, &tokens, 16)]));
+            ix.apply(&p, 1, &batch(vec![offload(&chunks)]));
+            let gone: Vec<u64> = hashes[keep..].iter().rev().copied().collect();
+            ix.apply(&p, 2, &batch(vec![gpu_removal(&gone)]));
+        }
+        let out = ix.score(&ScoreQuery {
+            model: "m",
+            tokens: &tokens,
+            lora_name: None,
+            cache_salt: None,
+            pods: &[],
+        });
+        let mut got: Vec<_> = out
+            .pods
+            .iter()
+            .map(|p| {
+                (
+                    p.pod.clone(),
+                    p.matched.matched_blocks,
+                    p.matched.blocks_per_tier,
+                )
+            })
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                ("a".to_string(), 12, [6, 6, 0]),
+                ("b".to_string(), 3, [3, 0, 0]),
+                ("c".to_string(), 8, [0, 8, 0]),
+            ],
+            "configured {configured}, in events {in_events}"
+        );
+    }
+}
+
+/// In engine mode with prefix closure, a GPU hit inferred from the
+/// deepest GPU block is where vLLM's offloaded chunks start: the index saw
+/// only block 6 on GPU (it joined late), and chunks 2 and 3 offloaded.
+#[test]
+fn offloaded_chunks_count_from_an_inferred_gpu_hit() {
+    use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+    let hasher = EngineHasher::new(HashAlgo::Sha256, DEFAULT_SEED, ExtraKeyStyle::Tagged);
+    let tokens: Vec<u32> = (0..12 * 16).collect();
+    let hashes: Vec<u64> = hasher
+        .prompt_digests(&tokens, 16, &[], &[])
+        .iter()
+        .map(|d| d.wire().0)
+        .collect();
+    let ix = Indexer::new(IndexerConfig {
+        keys: KeySchemes::engine(hasher, true, 0),
+        offload_block_size: 64,
+        ..IndexerConfig::default()
+    });
+    let p = ix.pod("m", "p", None);
+    let block_6 = stored(&hashes[5..6], Some(hashes[4]), &tokens[5 * 16..6 * 16], 16);
+    let mut offload = stored(&[hashes[7], hashes[11]], None, &[], 0);
+    if let KvEvent::Stored(s) = &mut offload {
+        s.medium = Some("CPU".into());
+    }
+    ix.apply(&p, 0, &batch(vec![block_6, offload]));
+    let out = ix.score(&ScoreQuery {
+        model: "m",
+        tokens: &tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    });
+    let m = out.pods[0].matched;
+    assert_eq!((m.matched_blocks, m.blocks_per_tier), (12, [6, 6, 0]));
+}

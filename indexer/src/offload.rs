@@ -1,0 +1,184 @@
+//! What a pod can load from its offloaded tiers when vLLM offloads in
+//! chunks of several blocks (the offloading connector's `block_size` above
+//! the GPU block size; vLLM's own usage guide sets 64 tokens against 16).
+//!
+//! vLLM takes its GPU prefix hit first: `g` blocks. It then asks the
+//! offloading manager for the run of chunks held from the chunk that block
+//! `g` falls in, each chunk named by its last block's hash, and loads them
+//! only if the run ends at least a whole chunk past `g`
+//! (`OffloadingConnectorScheduler::get_num_new_matched_tokens`). Only the
+//! prompt's full chunks count. So a pod's match is `(start + hits) * f`
+//! blocks or `g`, never anything between: counting offloaded blocks one by
+//! one, as the walk does, sees one block per chunk with the connector's
+//! default events (they name the chunk by that one hash) and whole partial
+//! chunks with its self-describing ones.
+//!
+//! A chunk is held when its last block is held on a tier other than GPU,
+//! which both event forms give.
+
+use crate::event::Tier;
+use crate::index::{BlockIndex, PodId, TierMask};
+use crate::keys::BlockKey;
+use crate::score::{PrefixMatch, TierWeights};
+
+/// The match of `pod`, offloading in chunks of `factor` blocks and holding
+/// `gpu_run` leading blocks of `keys` on GPU. Matched blocks count on the
+/// tier they are served from: GPU below `gpu_run`, the chunk's offloaded
+/// tiers above it.
+pub fn chunked_match(
+    index: &BlockIndex,
+    keys: &[BlockKey],
+    pod: PodId,
+    factor: u32,
+    gpu_run: u32,
+    weights: &TierWeights,
+) -> PrefixMatch {
+    debug_assert!(factor > 1);
+    let chunks = (keys.len() / factor as usize) as u32;
+    let start = gpu_run / factor;
+    // The offloaded tiers of each chunk held from `start` on.
+    let mut held: Vec<TierMask> = Vec::new();
+    for chunk in start..chunks {
+        let last = ((chunk + 1) * factor - 1) as usize;
+        let tiers = index.with_holders(keys[last], |h| h.get(pod).unwrap_or_default());
+        let offloaded = TierMask(tiers.0 & !(1 << Tier::Gpu.index()));
+        if offloaded.is_empty() {
+            break;
+        }
+        held.push(offloaded);
+    }
+    let end = (start + held.len() as u32) * factor;
+    let loads = end >= gpu_run + factor;
+    let mut m = PrefixMatch {
+        matched_blocks: if loads { end } else { gpu_run },
+        ..PrefixMatch::default()
+    };
+    m.blocks_per_tier[Tier::Gpu.index()] = gpu_run;
+    m.best_tier_blocks[Tier::Gpu.index()] = gpu_run;
+    if loads {
+        for (i, tiers) in held.iter().enumerate() {
+            let chunk = start + i as u32;
+            // The blocks of this chunk past the GPU hit: all, but in the
+            // first chunk those from `gpu_run` on.
+            let blocks = (chunk + 1) * factor - (chunk * factor).max(gpu_run);
+            let mut best: Option<Tier> = None;
+            for tier in tiers.tiers() {
+                m.blocks_per_tier[tier.index()] += blocks;
+                if best.is_none_or(|b| weights.get(tier) > weights.get(b)) {
+                    best = Some(tier);
+                }
+            }
+            if let Some(b) = best {
+                m.best_tier_blocks[b.index()] += blocks;
+            }
+        }
+    }
+    debug_assert_eq!(m.best_tier_blocks.iter().sum::<u32>(), m.matched_blocks);
+    m.weigh(weights);
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// vLLM's `get_num_new_matched_tokens` (offloading connector), in
+    /// blocks: `gpu_run` blocks hit on GPU, `held(k)` whether chunk `k` is
+    /// offloaded; returns the blocks the request starts with.
+    fn vllm(gpu_run: u32, held: impl Fn(u32) -> bool, blocks: u32, factor: u32) -> u32 {
+        let num_blocks = blocks / factor;
+        if (factor * num_blocks).saturating_sub(gpu_run) < factor {
+            return gpu_run;
+        }
+        let start = gpu_run / factor;
+        let hits = (start..num_blocks).take_while(|k| held(*k)).count() as u32;
+        if hits == 0 {
+            return gpu_run;
+        }
+        let hit = factor * (start + hits) - gpu_run;
+        if hit < factor {
+            gpu_run
+        } else {
+            gpu_run + hit
+        }
+    }
+
+    /// Random GPU runs and offloaded chunks, held as the connector's
+    /// default events leave them (the chunk's last block) or as its
+    /// self-describing ones do (every block), against vLLM's rule; and the
+    /// tiers add up.
+    #[test]
+    fn chunked_matches_are_what_vllm_loads() {
+        let mut rnd = crate::test_rng::xorshift(0x0ff1_0ad5);
+        let weights = TierWeights::default();
+        for case in 0..3000 {
+            let factor = [2, 4, 8][rnd(3) as usize];
+            let blocks = rnd(40) as u32;
+            let gpu_run = rnd(u64::from(blocks) + 1) as u32;
+            let every_block = rnd(2) == 0;
+            let index = BlockIndex::new();
+            let pod = PodId(3);
+            let keys: Vec<BlockKey> = (0..u64::from(blocks)).map(|k| BlockKey(k + 1)).collect();
+            for k in 0..gpu_run {
+                index.acquire(keys[k as usize], pod, Tier::Gpu);
+            }
+            let chunks = blocks.div_ceil(factor);
+            let held: Vec<bool> = (0..chunks).map(|_| rnd(4) > 0).collect();
+            for (k, on) in held.iter().enumerate() {
+                if !on {
+                    continue;
+                }
+                let k = k as u32;
+                let tier = if rnd(5) == 0 {
+                    Tier::Storage
+                } else {
+                    Tier::Cpu
+                };
+                let from = if every_block {
+                    k * factor
+                } else {
+                    (k + 1) * factor - 1
+                };
+                for b in from..((k + 1) * factor).min(blocks) {
+                    index.acquire(keys[b as usize], pod, tier);
+                }
+            }
+            let m = chunked_match(&index, &keys, pod, factor, gpu_run, &weights);
+            let want = vllm(gpu_run, |k| held[k as usize], blocks, factor);
+            assert_eq!(
+                m.matched_blocks, want,
+                "case {case}: {factor} {blocks} {gpu_run} {held:?}"
+            );
+            assert_eq!(m.blocks_per_tier[0], gpu_run, "case {case}");
+            assert_eq!(m.best_tier_blocks.iter().sum::<u32>(), want, "case {case}");
+            // Another pod's blocks change nothing.
+            index.acquire(
+                keys.first().copied().unwrap_or(BlockKey(0)),
+                PodId(4),
+                Tier::Cpu,
+            );
+            assert_eq!(
+                chunked_match(&index, &keys, pod, factor, gpu_run, &weights),
+                m
+            );
+        }
+    }
+
+    /// A chunk on CPU and storage counts on both and is served from CPU.
+    #[test]
+    fn a_chunk_counts_on_each_tier_it_is_held_on() {
+        let index = BlockIndex::new();
+        let keys: Vec<BlockKey> = (1..=8).map(BlockKey).collect();
+        let pod = PodId(0);
+        index.acquire(keys[0], pod, Tier::Gpu);
+        for b in [3, 7] {
+            index.acquire(keys[b], pod, Tier::Cpu);
+        }
+        index.acquire(keys[7], pod, Tier::Storage);
+        let m = chunked_match(&index, &keys, pod, 4, 1, &TierWeights::default());
+        assert_eq!(m.matched_blocks, 8);
+        assert_eq!(m.blocks_per_tier, [1, 7, 4]);
+        assert_eq!(m.best_tier_blocks, [1, 7, 0]);
+        assert!((m.weighted_blocks - (1.0 + 7.0 * 0.8)).abs() < 1e-9);
+    }
+}
