@@ -806,28 +806,8 @@ pub fn extend_prefix_closed(
     matches: &mut [PrefixMatch],
     weights: &TierWeights,
 ) {
-    // Candidates still looking, with their deepest GPU hit once found.
-    let mut deepest: Vec<Option<usize>> = vec![None; candidates.len()];
-    let mut looking: Vec<usize> = (0..candidates.len())
-        .filter(|&c| (matches[c].matched_blocks as usize) < keys.len())
-        .collect();
-    for i in (0..keys.len()).rev() {
-        // A candidate whose first-miss run already reaches here has no
-        // deeper block to find.
-        looking.retain(|&c| (matches[c].matched_blocks as usize) < i);
-        if looking.is_empty() {
-            break;
-        }
-        index.with_holders(keys[i], |holders| {
-            looking.retain(|&c| match holders.get(candidates[c]) {
-                Some(tiers) if tiers.contains(Tier::Gpu) => {
-                    deepest[c] = Some(i);
-                    false
-                }
-                _ => true,
-            });
-        });
-    }
+    let runs: Vec<u32> = matches.iter().map(|m| m.matched_blocks).collect();
+    let deepest = deepest_on_gpu(index, keys, candidates, &runs);
     for (c, found) in deepest.into_iter().enumerate() {
         let Some(d) = found else {
             continue;
@@ -842,6 +822,40 @@ pub fn extend_prefix_closed(
         }
         m.weigh(weights);
     }
+}
+
+/// Per candidate, the deepest block of `keys` after block `from[c]` (the
+/// end of a run it is known to hold) that it holds on GPU, if any: one
+/// backward scan shared by all candidates, stopping as soon as each has
+/// its answer.
+pub fn deepest_on_gpu(
+    index: &BlockIndex,
+    keys: &[BlockKey],
+    candidates: &[PodId],
+    from: &[u32],
+) -> Vec<Option<usize>> {
+    let mut deepest: Vec<Option<usize>> = vec![None; candidates.len()];
+    let mut looking: Vec<usize> = (0..candidates.len())
+        .filter(|&c| (from[c] as usize) < keys.len())
+        .collect();
+    for i in (0..keys.len()).rev() {
+        // A candidate known to hold the blocks up to here has no deeper
+        // block to find.
+        looking.retain(|&c| (from[c] as usize) < i);
+        if looking.is_empty() {
+            break;
+        }
+        index.with_holders(keys[i], |holders| {
+            looking.retain(|&c| match holders.get(candidates[c]) {
+                Some(tiers) if tiers.contains(Tier::Gpu) => {
+                    deepest[c] = Some(i);
+                    false
+                }
+                _ => true,
+            });
+        });
+    }
+    deepest
 }
 
 fn record(m: &mut PrefixMatch, tiers: TierMask, weights: &TierWeights) {

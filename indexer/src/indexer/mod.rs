@@ -31,7 +31,8 @@ use crate::scheme::{KeyMode, KeySchemes};
 #[cfg(test)]
 use crate::score::walk;
 use crate::score::{
-    extend_prefix_closed, holding, jump, walk_with_gpu_runs, PrefixMatch, Scratch, TierWeights,
+    deepest_on_gpu, extend_prefix_closed, holding, jump, walk_with_gpu_runs, PrefixMatch, Scratch,
+    TierWeights,
 };
 use crate::snapshot::{PodSnapshot, SnapshotError, SnapshotReader, SnapshotWriter};
 use table::PodTable;

@@ -107,7 +107,8 @@ impl Indexer {
             let closure = engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed);
             let rules = Rules {
                 closure,
-                factor: chunk_factor(offload_block_size, bs),
+                chunks: (offload_block_size > 0).then(|| chunk_factor(offload_block_size, bs)),
+                block_size: bs,
             };
             self.match_pods(&keys, &ids, rules, |at, m| {
                 scores[group[at].1].matched = m;
@@ -242,7 +243,11 @@ impl Indexer {
         pods: &PodTable,
         keys: &[BlockKey],
         ids: &[PodId],
-        Rules { closure, factor }: Rules,
+        Rules {
+            closure,
+            chunks,
+            block_size,
+        }: Rules,
         scratch: &mut LookupScratch,
         emit: &mut impl FnMut(usize, PrefixMatch),
     ) -> bool {
@@ -268,21 +273,27 @@ impl Indexer {
             let Some(pod) = pods.get(id) else { continue };
             match pod.closure.view() {
                 // Offloaded chunks are counted after the walk (below).
-                Some(view) if factor == 1 || view.tier == Tier::Gpu => {
+                Some(view)
+                    if view.tier == Tier::Gpu
+                        || chunks
+                            .is_none_or(|f| self.pod_chunk_factor(pod, f, block_size) == 1) =>
+                {
                     closed.push(id);
                     views.push((pos, view));
                 }
                 _ => open.push(pos),
             }
         }
-        if factor > 1 && !closure && keys.len() >= factor as usize {
+        let model_factor = chunks.unwrap_or(1);
+        if model_factor > 1 && !closure && keys.len() >= model_factor as usize {
             // A pod may hold the first chunk offloaded and not block 0:
             // with the connector's default events only the chunk's last
-            // block is known.
+            // block is known. (The model's chunk size: a pod of another
+            // size holding its first chunk alone is missed.)
             let mut more = Vec::new();
             holding(
                 &self.blocks,
-                keys[factor as usize - 1],
+                keys[model_factor as usize - 1],
                 ids,
                 search,
                 &mut more,
@@ -317,18 +328,25 @@ impl Indexer {
         let open_ids: Vec<PodId> = open.iter().map(|pos| ids[*pos as usize]).collect();
         let (mut walked, mut gpu_runs) = walk_with_gpu_runs(&self.blocks, keys, &open_ids, weights);
         if closure {
-            let walked_to: Vec<u32> = walked.iter().map(|m| m.matched_blocks).collect();
             extend_prefix_closed(&self.blocks, keys, &open_ids, &mut walked, weights);
-            // An extended match is inferred on GPU from its first block.
-            for ((run, m), to) in gpu_runs.iter_mut().zip(&walked).zip(walked_to) {
-                if m.matched_blocks > to {
-                    *run = m.matched_blocks;
+        }
+        if let Some(model_factor) = chunks {
+            if closure {
+                // vLLM's GPU hit reaches the deepest block held on GPU.
+                let deepest = deepest_on_gpu(&self.blocks, keys, &open_ids, &gpu_runs);
+                for (run, d) in gpu_runs.iter_mut().zip(deepest) {
+                    if let Some(d) = d {
+                        *run = d as u32 + 1;
+                    }
                 }
             }
-        }
-        if factor > 1 {
             for ((m, id), run) in walked.iter_mut().zip(&open_ids).zip(gpu_runs) {
-                *m = chunked_match(&self.blocks, keys, *id, factor, run, weights);
+                let f = pods
+                    .get(*id)
+                    .map_or(1, |p| self.pod_chunk_factor(p, model_factor, block_size));
+                if f > 1 {
+                    *m = chunked_match(&self.blocks, keys, *id, f, run, weights);
+                }
             }
         }
         for (pos, m) in open.iter().zip(walked) {
@@ -414,17 +432,35 @@ struct Rules {
     /// Engine mode's prefix closure: a pod holding block k on GPU holds
     /// blocks 0..k there (`extend_prefix_closed`).
     closure: bool,
-    /// Blocks per offloaded chunk: above 1, offloaded blocks count as
-    /// vLLM loads them (`offload`).
-    factor: u32,
+    /// Blocks per offloaded chunk for the model's pods (`None`: no chunk
+    /// size known, blocks count one by one). A pod whose own events gave
+    /// another size counts by its own (`pod_chunk_factor`).
+    chunks: Option<u32>,
+    /// The block size `keys` were cut with (the pods' own).
+    block_size: u32,
 }
 
 impl Rules {
     /// The index alone, as the peers' indexes answer.
     const INDEX_ONLY: Rules = Rules {
         closure: false,
-        factor: 1,
+        chunks: None,
+        block_size: 0,
     };
+}
+
+impl Indexer {
+    /// Blocks per offloaded chunk of `pod`: the configured size, else what
+    /// its own events gave, else the model's (`model_factor`), in blocks
+    /// of `bs`.
+    fn pod_chunk_factor(&self, pod: &Pod, model_factor: u32, bs: u32) -> u32 {
+        let own = pod.offload_block_size.load(Ordering::Relaxed);
+        match (self.config.offload_block_size, own) {
+            (0, 0) => model_factor,
+            (0, own) => chunk_factor(own, bs),
+            (configured, _) => chunk_factor(configured, bs),
+        }
+    }
 }
 
 /// Blocks per offloaded chunk: `offload_block_size` tokens in blocks of

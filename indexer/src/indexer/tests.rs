@@ -993,3 +993,93 @@ fn offloaded_chunks_count_from_an_inferred_gpu_hit() {
     let m = out.pods[0].matched;
     assert_eq!((m.matched_blocks, m.blocks_per_tier), (12, [6, 6, 0]));
 }
+
+/// With prefix closure, vLLM's GPU hit reaches the deepest block held on
+/// GPU, even inside the walked run: blocks 1-3 and 5-6 on GPU (block 4's
+/// GPU store lost, its offload seen), chunk 2 (block 8) offloaded. The GPU
+/// hit is 6 and chunk 2 would end 2 blocks past it: nothing loads, 6.
+#[test]
+fn a_gpu_hit_by_closure_inside_the_walked_run_starts_the_chunks() {
+    use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+    let hasher = EngineHasher::new(HashAlgo::Sha256, DEFAULT_SEED, ExtraKeyStyle::Tagged);
+    let tokens: Vec<u32> = (0..8 * 16).collect();
+    let h: Vec<u64> = hasher
+        .prompt_digests(&tokens, 16, &[], &[])
+        .iter()
+        .map(|d| d.wire().0)
+        .collect();
+    let ix = Indexer::new(IndexerConfig {
+        keys: KeySchemes::engine(hasher, true, 0),
+        offload_block_size: 64,
+        ..IndexerConfig::default()
+    });
+    let p = ix.pod("m", "p", None);
+    let cpu = |hashes: &[u64]| {
+        let mut e = stored(hashes, None, &[], 0);
+        if let KvEvent::Stored(s) = &mut e {
+            s.medium = Some("CPU".into());
+        }
+        e
+    };
+    ix.apply(
+        &p,
+        0,
+        &batch(vec![
+            stored(&h[..3], None, &tokens[..48], 16),
+            stored(&h[4..6], Some(h[3]), &tokens[64..96], 16),
+            cpu(&[h[3]]),
+            cpu(&[h[7]]),
+        ]),
+    );
+    let out = ix.score(&ScoreQuery {
+        model: "m",
+        tokens: &tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    });
+    let m = out.pods[0].matched;
+    assert_eq!((m.matched_blocks, m.blocks_per_tier), (6, [6, 0, 0]));
+}
+
+/// Pods of one model whose events give different chunk sizes each count
+/// by their own: a (64 tokens, chunks of 4) and then b (32, chunks of 2),
+/// both with blocks 1-6 on GPU and the chunks ending at blocks 8 and 12
+/// (and 10 for b) offloaded, match all 12.
+#[test]
+fn each_pod_counts_chunks_of_the_size_its_events_give() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..12 * 16).collect();
+    let hashes: Vec<u64> = (1..=12).collect();
+    for (pod, size, chunks) in [("a", 64, vec![8, 12]), ("b", 32, vec![8, 10, 12])] {
+        let p = ix.pod("m", pod, None);
+        let offload = KvEvent::Stored(BlockStored {
+            block_hashes: chunks.iter().map(|h| EngineHash(*h)).collect(),
+            block_size: Some(size),
+            medium: Some("CPU".into()),
+            ..Default::default()
+        });
+        let evicted = KvEvent::Removed(crate::event::BlockRemoved {
+            block_hashes: (7..=12).rev().map(EngineHash).collect(),
+            ..Default::default()
+        });
+        ix.apply(
+            &p,
+            0,
+            &batch(vec![stored(&hashes, None, &tokens, 16), offload, evicted]),
+        );
+    }
+    let out = ix.score(&ScoreQuery {
+        model: "m",
+        tokens: &tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    });
+    let got: Vec<(String, u32)> = out
+        .pods
+        .iter()
+        .map(|p| (p.pod.clone(), p.matched.matched_blocks))
+        .collect();
+    assert_eq!(got, vec![("a".to_string(), 12), ("b".to_string(), 12)]);
+}
