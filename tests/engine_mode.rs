@@ -5,7 +5,6 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
-use kv_indexer::proto::kvindexer::v1 as pb;
 
 async fn replay(stream: &str, args: &[&str], skip: usize) -> (Service, Expected) {
     let expected = load_expected(stream);
@@ -154,13 +153,6 @@ async fn nothing_is_claimed_for_a_pod_after_its_publisher_restarts() {
 #[tokio::test]
 async fn offloaded_pieces_of_a_chain_are_not_matched_past_their_hole() {
     use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
-    #[derive(serde::Serialize)]
-    struct Removed {
-        #[serde(rename = "type")]
-        ty: &'static str,
-        block_hashes: Vec<u64>,
-        medium: &'static str,
-    }
     let hasher = EngineHasher::new(HashAlgo::Sha256, DEFAULT_SEED, ExtraKeyStyle::Tagged);
     let hashes = |tokens: &[u32]| -> Vec<u64> {
         hasher
@@ -213,19 +205,7 @@ async fn offloaded_pieces_of_a_chain_are_not_matched_past_their_hole() {
     service.publish_recorded("m", &frames).await;
     let pods = service.list_pods("m").await;
     assert_eq!((pods[0].gpu_blocks, pods[0].cpu_blocks), (0, 6), "{pods:?}");
-    let resp = service
-        .client()
-        .await
-        .score(pb::ScoreRequest {
-            model: "m".into(),
-            input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
-                ids: prompt,
-            })),
-            ..Default::default()
-        })
-        .await
-        .expect("Score")
-        .into_inner();
+    let resp = service.score_token_ids("m", prompt).await;
     let matched: Vec<(String, u32)> = resp
         .pods
         .iter()

@@ -7,15 +7,6 @@
 mod common;
 
 use common::*;
-use kv_indexer::proto::kvindexer::v1 as pb;
-
-#[derive(serde::Serialize)]
-struct Removed {
-    #[serde(rename = "type")]
-    ty: &'static str,
-    block_hashes: Vec<u64>,
-    medium: &'static str,
-}
 
 fn frame(seq: u64, payload: Vec<u8>) -> RecordedFrame {
     RecordedFrame {
@@ -68,19 +59,7 @@ async fn matched(args: &[&str]) -> (u32, u32, u32) {
     ];
     let service = Service::start(args).await;
     service.publish_recorded("m", &frames).await;
-    let resp = service
-        .client()
-        .await
-        .score(pb::ScoreRequest {
-            model: "m".into(),
-            input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
-                ids: tokens,
-            })),
-            ..Default::default()
-        })
-        .await
-        .expect("Score")
-        .into_inner();
+    let resp = service.score_token_ids("m", tokens).await;
     assert_eq!(resp.pods.len(), 1, "{resp:?}");
     let p = &resp.pods[0];
     (p.matched_blocks, p.gpu_blocks, p.cpu_blocks)

@@ -209,6 +209,20 @@ impl Service {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Score of a token-id prompt for every pod of `model`.
+    pub async fn score_token_ids(&self, model: &str, ids: Vec<u32>) -> pb::ScoreResponse {
+        self.client()
+            .await
+            .score(pb::ScoreRequest {
+                model: model.into(),
+                input: Some(pb::score_request::Input::TokenIds(pb::TokenIds { ids })),
+                ..Default::default()
+            })
+            .await
+            .expect("Score")
+            .into_inner()
+    }
+
     pub async fn client(&self) -> KvIndexerClient<Channel> {
         KvIndexerClient::connect(format!("http://{}", self.grpc_addr()))
             .await
@@ -461,6 +475,15 @@ pub struct Stored {
     pub parent_block_hash: Option<u64>,
     pub token_ids: Vec<u32>,
     pub block_size: u32,
+    pub medium: &'static str,
+}
+
+/// vLLM's map-form `BlockRemoved` event, as msgspec encodes it.
+#[derive(serde::Serialize)]
+pub struct Removed {
+    #[serde(rename = "type")]
+    pub ty: &'static str,
+    pub block_hashes: Vec<u64>,
     pub medium: &'static str,
 }
 

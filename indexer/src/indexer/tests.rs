@@ -18,6 +18,45 @@ fn batch(events: Vec<KvEvent>) -> EventBatch {
     }
 }
 
+/// An offload as vLLM's connectors publish it: no parent, no tokens,
+/// medium CPU, the chunk size in `block_size` (0 in newer releases).
+fn offloaded(hashes: &[u64], block_size: u32) -> KvEvent {
+    let mut e = stored(hashes, None, &[], block_size);
+    if let KvEvent::Stored(s) = &mut e {
+        s.medium = Some("CPU".into());
+    }
+    e
+}
+
+/// Score for every pod of model "m".
+fn score_m(ix: &Indexer, tokens: &[u32]) -> ScoreOutcome {
+    ix.score(&ScoreQuery {
+        model: "m",
+        tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    })
+}
+
+/// An engine-mode indexer with prefix closure and 64-token offloaded
+/// chunks, and the wire hashes of `tokens`' blocks (vLLM's SHA-256).
+fn chunking_engine_indexer(tokens: &[u32]) -> (Indexer, Vec<u64>) {
+    use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+    let hasher = EngineHasher::new(HashAlgo::Sha256, DEFAULT_SEED, ExtraKeyStyle::Tagged);
+    let hashes = hasher
+        .prompt_digests(tokens, 16, &[], &[])
+        .iter()
+        .map(|d| d.wire().0)
+        .collect();
+    let ix = Indexer::new(IndexerConfig {
+        keys: KeySchemes::engine(hasher, true, 0),
+        offload_block_size: 64,
+        ..IndexerConfig::default()
+    });
+    (ix, hashes)
+}
+
 #[test]
 fn scores_every_candidate_best_first() {
     let ix = Indexer::new(IndexerConfig::default());
@@ -803,15 +842,8 @@ fn a_pods_cache_changing_drops_its_speculative_entries() {
 fn an_offloaded_block_without_a_named_parent_is_not_taken_for_a_chain_start() {
     let ix = engine_indexer();
     let pod = ix.pod("m", "p", None);
-    let offload = |hashes: &[u64]| {
-        let mut e = stored(hashes, None, &[], 16);
-        if let KvEvent::Stored(s) = &mut e {
-            s.medium = Some("CPU".into());
-        }
-        e
-    };
-    ix.apply(&pod, 0, &batch(vec![offload(&[1, 2, 3, 4])]));
-    ix.apply(&pod, 1, &batch(vec![offload(&[7, 8])]));
+    ix.apply(&pod, 0, &batch(vec![offloaded(&[1, 2, 3, 4], 16)]));
+    ix.apply(&pod, 1, &batch(vec![offloaded(&[7, 8], 16)]));
     let keys: Vec<BlockKey> = (1..=8).map(BlockKey).collect();
     let want = walk(&ix.blocks, &keys, &[pod.id], &ix.config.tier_weights);
     assert_eq!(want[0].matched_blocks, 4);
@@ -896,14 +928,6 @@ fn offloaded_chunks_count_as_vllm_loads_them() {
         });
         let tokens: Vec<u32> = (0..12 * 16).collect();
         let hashes: Vec<u64> = (1..=12).collect();
-        let offload = |hashes: &[u64]| {
-            KvEvent::Stored(BlockStored {
-                block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
-                block_size: Some(in_events),
-                medium: Some("CPU".into()),
-                ..Default::default()
-            })
-        };
         let gpu_removal = |hashes: &[u64]| {
             KvEvent::Removed(crate::event::BlockRemoved {
                 block_hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
@@ -923,18 +947,11 @@ fn offloaded_chunks_count_as_vllm_loads_them() {
         ] {
             let p = ix.pod("m", pod, None);
             ix.apply(&p, 0, &batch(vec![stored(&hashes, None, &tokens, 16)]));
-            ix.apply(&p, 1, &batch(vec![offload(&chunks)]));
+            ix.apply(&p, 1, &batch(vec![offloaded(&chunks, in_events)]));
             let gone: Vec<u64> = hashes[keep..].iter().rev().copied().collect();
             ix.apply(&p, 2, &batch(vec![gpu_removal(&gone)]));
         }
-        let out = ix.score(&ScoreQuery {
-            model: "m",
-            tokens: &tokens,
-            lora_name: None,
-            cache_salt: None,
-            pods: &[],
-        });
-        let mut got: Vec<_> = out
+        let mut got: Vec<_> = score_m(&ix, &tokens)
             .pods
             .iter()
             .map(|p| {
@@ -963,34 +980,13 @@ fn offloaded_chunks_count_as_vllm_loads_them() {
 /// only block 6 on GPU (it joined late), and chunks 2 and 3 offloaded.
 #[test]
 fn offloaded_chunks_count_from_an_inferred_gpu_hit() {
-    use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
-    let hasher = EngineHasher::new(HashAlgo::Sha256, DEFAULT_SEED, ExtraKeyStyle::Tagged);
     let tokens: Vec<u32> = (0..12 * 16).collect();
-    let hashes: Vec<u64> = hasher
-        .prompt_digests(&tokens, 16, &[], &[])
-        .iter()
-        .map(|d| d.wire().0)
-        .collect();
-    let ix = Indexer::new(IndexerConfig {
-        keys: KeySchemes::engine(hasher, true, 0),
-        offload_block_size: 64,
-        ..IndexerConfig::default()
-    });
+    let (ix, hashes) = chunking_engine_indexer(&tokens);
     let p = ix.pod("m", "p", None);
     let block_6 = stored(&hashes[5..6], Some(hashes[4]), &tokens[5 * 16..6 * 16], 16);
-    let mut offload = stored(&[hashes[7], hashes[11]], None, &[], 0);
-    if let KvEvent::Stored(s) = &mut offload {
-        s.medium = Some("CPU".into());
-    }
+    let offload = offloaded(&[hashes[7], hashes[11]], 0);
     ix.apply(&p, 0, &batch(vec![block_6, offload]));
-    let out = ix.score(&ScoreQuery {
-        model: "m",
-        tokens: &tokens,
-        lora_name: None,
-        cache_salt: None,
-        pods: &[],
-    });
-    let m = out.pods[0].matched;
+    let m = score_m(&ix, &tokens).pods[0].matched;
     assert_eq!((m.matched_blocks, m.blocks_per_tier), (12, [6, 6, 0]));
 }
 
@@ -1000,45 +996,20 @@ fn offloaded_chunks_count_from_an_inferred_gpu_hit() {
 /// hit is 6 and chunk 2 would end 2 blocks past it: nothing loads, 6.
 #[test]
 fn a_gpu_hit_by_closure_inside_the_walked_run_starts_the_chunks() {
-    use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
-    let hasher = EngineHasher::new(HashAlgo::Sha256, DEFAULT_SEED, ExtraKeyStyle::Tagged);
     let tokens: Vec<u32> = (0..8 * 16).collect();
-    let h: Vec<u64> = hasher
-        .prompt_digests(&tokens, 16, &[], &[])
-        .iter()
-        .map(|d| d.wire().0)
-        .collect();
-    let ix = Indexer::new(IndexerConfig {
-        keys: KeySchemes::engine(hasher, true, 0),
-        offload_block_size: 64,
-        ..IndexerConfig::default()
-    });
+    let (ix, h) = chunking_engine_indexer(&tokens);
     let p = ix.pod("m", "p", None);
-    let cpu = |hashes: &[u64]| {
-        let mut e = stored(hashes, None, &[], 0);
-        if let KvEvent::Stored(s) = &mut e {
-            s.medium = Some("CPU".into());
-        }
-        e
-    };
     ix.apply(
         &p,
         0,
         &batch(vec![
             stored(&h[..3], None, &tokens[..48], 16),
             stored(&h[4..6], Some(h[3]), &tokens[64..96], 16),
-            cpu(&[h[3]]),
-            cpu(&[h[7]]),
+            offloaded(&[h[3]], 0),
+            offloaded(&[h[7]], 0),
         ]),
     );
-    let out = ix.score(&ScoreQuery {
-        model: "m",
-        tokens: &tokens,
-        lora_name: None,
-        cache_salt: None,
-        pods: &[],
-    });
-    let m = out.pods[0].matched;
+    let m = score_m(&ix, &tokens).pods[0].matched;
     assert_eq!((m.matched_blocks, m.blocks_per_tier), (6, [6, 0, 0]));
 }
 
@@ -1053,30 +1024,18 @@ fn each_pod_counts_chunks_of_the_size_its_events_give() {
     let hashes: Vec<u64> = (1..=12).collect();
     for (pod, size, chunks) in [("a", 64, vec![8, 12]), ("b", 32, vec![8, 10, 12])] {
         let p = ix.pod("m", pod, None);
-        let offload = KvEvent::Stored(BlockStored {
-            block_hashes: chunks.iter().map(|h| EngineHash(*h)).collect(),
-            block_size: Some(size),
-            medium: Some("CPU".into()),
-            ..Default::default()
-        });
         let evicted = KvEvent::Removed(crate::event::BlockRemoved {
             block_hashes: (7..=12).rev().map(EngineHash).collect(),
             ..Default::default()
         });
-        ix.apply(
-            &p,
-            0,
-            &batch(vec![stored(&hashes, None, &tokens, 16), offload, evicted]),
-        );
+        let events = vec![
+            stored(&hashes, None, &tokens, 16),
+            offloaded(&chunks, size),
+            evicted,
+        ];
+        ix.apply(&p, 0, &batch(events));
     }
-    let out = ix.score(&ScoreQuery {
-        model: "m",
-        tokens: &tokens,
-        lora_name: None,
-        cache_salt: None,
-        pods: &[],
-    });
-    let got: Vec<(String, u32)> = out
+    let got: Vec<(String, u32)> = score_m(&ix, &tokens)
         .pods
         .iter()
         .map(|p| (p.pod.clone(), p.matched.matched_blocks))
