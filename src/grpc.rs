@@ -873,6 +873,7 @@ impl KvIndexer for KvIndexerService {
                 model: p.model,
                 dp_rank: p.dp_rank,
                 block_size: p.block_size,
+                offload_block_size: p.offload_block_size,
                 gpu_blocks: p.blocks_per_tier[Tier::Gpu.index()],
                 cpu_blocks: p.blocks_per_tier[Tier::Cpu.index()],
                 storage_blocks: p.blocks_per_tier[Tier::Storage.index()],

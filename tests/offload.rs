@@ -23,7 +23,7 @@ fn batch<T: serde::Serialize>(event: T) -> Vec<u8> {
 /// Blocks 1-12 stored on GPU, chunks 2 and 3 (blocks 8 and 12) offloaded,
 /// blocks 7-12 then evicted from GPU: vLLM starts a request for the prompt
 /// with 6 blocks from GPU and loads 6 from CPU.
-async fn matched(args: &[&str]) -> (u32, u32, u32) {
+async fn matched(args: &[&str]) -> (u32, u32, u32, u32) {
     let tokens: Vec<u32> = (0..12 * 16).collect();
     let frames = vec![
         frame(
@@ -62,12 +62,16 @@ async fn matched(args: &[&str]) -> (u32, u32, u32) {
     let resp = service.score_token_ids("m", tokens).await;
     assert_eq!(resp.pods.len(), 1, "{resp:?}");
     let p = &resp.pods[0];
-    (p.matched_blocks, p.gpu_blocks, p.cpu_blocks)
+    let chunk = service.list_pods("m").await[0].offload_block_size;
+    (p.matched_blocks, p.gpu_blocks, p.cpu_blocks, chunk)
 }
 
 #[tokio::test]
 async fn offloaded_chunks_count_as_vllm_loads_them() {
-    assert_eq!(matched(&["--offload-block-size", "64"]).await, (12, 6, 6));
+    assert_eq!(
+        matched(&["--offload-block-size", "64"]).await,
+        (12, 6, 6, 64)
+    );
     // Without it, one block per chunk is known: the offloaded run is not.
-    assert_eq!(matched(&[]).await, (6, 6, 0));
+    assert_eq!(matched(&[]).await, (6, 6, 0, 0));
 }

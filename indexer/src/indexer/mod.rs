@@ -180,6 +180,10 @@ pub struct PodSummary {
     pub model: String,
     pub dp_rank: Option<u32>,
     pub block_size: u32,
+    /// The offloaded chunk size in tokens Score counts this pod's
+    /// offloaded blocks by (0: block by block): `--offload-block-size`,
+    /// else its events', else its model's.
+    pub offload_block_size: u32,
     pub blocks_per_tier: [u64; TIERS],
     pub last_seq: Option<u64>,
     pub batches: u64,

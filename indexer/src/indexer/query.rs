@@ -375,7 +375,14 @@ impl Indexer {
 
     /// Every pod (of `model`, if given), sorted by model then pod.
     pub fn list_pods(&self, model: Option<&str>) -> Vec<PodSummary> {
-        let pods: Vec<Arc<Pod>> = self.table.read().pods().cloned().collect();
+        let (pods, model_offload): (Vec<Arc<Pod>>, BTreeMap<String, u32>) = {
+            let table = self.table.read();
+            let sizes = table
+                .models()
+                .map(|(name, m)| (name.clone(), m.offload_block_size))
+                .collect();
+            (table.pods().cloned().collect(), sizes)
+        };
         let now = Instant::now();
         let mut out: Vec<PodSummary> = pods
             .iter()
@@ -387,6 +394,14 @@ impl Indexer {
                     model: p.model.clone(),
                     dp_rank: p.dp_rank,
                     block_size: self.pod_block_size(Some(p), &p.model),
+                    offload_block_size: match (
+                        self.config.offload_block_size,
+                        p.offload_block_size.load(Ordering::Relaxed),
+                    ) {
+                        (0, 0) => model_offload.get(&p.model).copied().unwrap_or(0),
+                        (0, own) => own,
+                        (configured, _) => configured,
+                    },
                     blocks_per_tier: inner.state.held_per_tier(),
                     last_seq: inner.progress.last_seq,
                     batches: inner.progress.batches,

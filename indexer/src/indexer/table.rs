@@ -64,6 +64,10 @@ impl PodTable {
         self.models.get_mut(model)
     }
 
+    pub(super) fn models(&self) -> impl Iterator<Item = (&String, &ModelEntry)> {
+        self.models.iter()
+    }
+
     pub(super) fn pods(&self) -> impl Iterator<Item = &Arc<Pod>> {
         self.slots.iter().flatten()
     }

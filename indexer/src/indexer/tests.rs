@@ -1041,4 +1041,10 @@ fn each_pod_counts_chunks_of_the_size_its_events_give() {
         .map(|p| (p.pod.clone(), p.matched.matched_blocks))
         .collect();
     assert_eq!(got, vec![("a".to_string(), 12), ("b".to_string(), 12)]);
+    let sizes: Vec<u32> = ix
+        .list_pods(Some("m"))
+        .iter()
+        .map(|p| p.offload_block_size)
+        .collect();
+    assert_eq!(sizes, vec![64, 32]);
 }
