@@ -48,7 +48,8 @@ pub fn chunked_match(
         held.push(offloaded);
     }
     let end = (start + held.len() as u32) * factor;
-    let loads = end >= gpu_run + factor;
+    // (A chunk size from a pod's events can be anything: no overflow.)
+    let loads = end >= gpu_run.saturating_add(factor);
     let mut m = PrefixMatch {
         matched_blocks: if loads { end } else { gpu_run },
         ..PrefixMatch::default()
@@ -168,6 +169,17 @@ mod tests {
                 chunked_match(&index, &keys, pod, factor, gpu_run, &weights),
                 m
             );
+        }
+    }
+
+    /// A chunk larger than any prompt loads nothing, whatever its size.
+    #[test]
+    fn a_chunk_larger_than_the_prompt_loads_nothing() {
+        let index = BlockIndex::new();
+        let keys: Vec<BlockKey> = (1..=8).map(BlockKey).collect();
+        for factor in [9, u32::MAX - 3] {
+            let m = chunked_match(&index, &keys, PodId(0), factor, 8, &TierWeights::default());
+            assert_eq!(m.matched_blocks, 8);
         }
     }
 
