@@ -8,10 +8,10 @@
 //! only if the run ends at least a whole chunk past `g`
 //! (`OffloadingConnectorScheduler::get_num_new_matched_tokens`). Only the
 //! prompt's full chunks count. So a pod's match is `(start + hits) * f`
-//! blocks or `g`, never anything between: counting offloaded blocks one by
+//! blocks or `g`, never anything between. Counting offloaded blocks one by
 //! one, as the walk does, sees one block per chunk with the connector's
-//! default events (they name the chunk by that one hash) and whole partial
-//! chunks with its self-describing ones.
+//! default events (they name the chunk by that one hash), and counts
+//! partial chunks with its self-describing ones (every block of a chunk).
 //!
 //! A chunk is held when its last block is held on a tier other than GPU,
 //! which both event forms give.
