@@ -323,7 +323,8 @@ impl Indexer {
         if open.is_empty() {
             return true;
         }
-        // Rare (pods not closed, or a writer changed their closure): walk.
+        // Rare (pods not closed, offloading in chunks, or whose closure a
+        // writer changed): walk.
         open.sort_unstable();
         let open_ids: Vec<PodId> = open.iter().map(|pos| ids[*pos as usize]).collect();
         let (mut walked, mut gpu_runs) = walk_with_gpu_runs(&self.blocks, keys, &open_ids, weights);
