@@ -5,7 +5,10 @@
 //! 1,024 blocks, and a one-block prompt (the per-request cost of naming and
 //! sorting 64 pods); also the first case with the pods' ids 150 apart, among
 //! 9,536 pods of another model; and the first case with every pod's first
-//! block also offloaded to CPU (pods on two tiers are walked, not searched).
+//! block also offloaded to CPU (pods on two tiers are walked, not searched),
+//! or the 16 blocks past each pod's depth offloaded in chunks of 4 as vLLM's
+//! offloading connector names them (`--offload-block-size 64`: walked, then
+//! counted by chunks).
 //! `cargo bench -p indexer --bench score` prints medians.
 //! The search is timed twice: repeated (the index in cache) and "cold",
 //! each lookup after 64 MB of other data were written (the index in
@@ -26,13 +29,18 @@ const BLOCKS: usize = 2048;
 const PODS: usize = 64;
 
 fn fleet(depth: impl Fn(usize) -> usize, tokens: &[u32]) -> Indexer {
-    fleet_among(0, depth, tokens)
+    fleet_among(0, depth, tokens, IndexerConfig::default())
 }
 
 /// `fleet`, with `others` pods of another model registered before each of
 /// its pods, so its pod ids lie that far apart (a fleet of many models).
-fn fleet_among(others: usize, depth: impl Fn(usize) -> usize, tokens: &[u32]) -> Indexer {
-    let ix = Indexer::new(IndexerConfig::default());
+fn fleet_among(
+    others: usize,
+    depth: impl Fn(usize) -> usize,
+    tokens: &[u32],
+    config: IndexerConfig,
+) -> Indexer {
+    let ix = Indexer::new(config);
     for i in 0..PODS {
         for j in 0..others {
             ix.pod("other", &format!("other-{i:02}-{j:03}"), None);
@@ -73,6 +81,54 @@ fn offloaded(ix: Indexer) -> Indexer {
     ix
 }
 
+/// A `fleet` offloading in chunks of 4 blocks, each pod holding on CPU the
+/// 4 chunks past its depth, named by their last blocks (vLLM's default
+/// offload events).
+fn chunked(depth: impl Fn(usize) -> usize, tokens: &[u32]) -> Indexer {
+    let config = IndexerConfig {
+        offload_block_size: 4 * BLOCK as u32,
+        ..IndexerConfig::default()
+    };
+    let ix = fleet_among(0, &depth, tokens, config);
+    for i in 0..PODS {
+        let pod = ix.pod("m", &format!("pod-{i:02}"), None);
+        let d = depth(i) as u64;
+        let offload = KvEvent::Stored(BlockStored {
+            block_hashes: (1..=4)
+                .map(|c| d + 4 * c - 1)
+                .filter(|b| *b < BLOCKS as u64)
+                .map(|b| EngineHash(0x5c0e_0000 + b))
+                .collect(),
+            medium: Some("CPU".into()),
+            ..Default::default()
+        });
+        // The chunks' blocks were on GPU first (their hashes known), then
+        // evicted there.
+        let stored = KvEvent::Stored(BlockStored {
+            block_hashes: (d..(d + 16).min(BLOCKS as u64))
+                .map(|b| EngineHash(0x5c0e_0000 + b))
+                .collect(),
+            parent_block_hash: d.checked_sub(1).map(|b| EngineHash(0x5c0e_0000 + b)),
+            token_ids: tokens[d as usize * BLOCK..(d as usize + 16).min(BLOCKS) * BLOCK].to_vec(),
+            block_size: Some(BLOCK as u32),
+            ..Default::default()
+        });
+        let evicted = KvEvent::Removed(indexer::event::BlockRemoved {
+            block_hashes: (d..(d + 16).min(BLOCKS as u64))
+                .rev()
+                .map(|b| EngineHash(0x5c0e_0000 + b))
+                .collect(),
+            ..Default::default()
+        });
+        let batch = EventBatch {
+            events: vec![stored, offload, evicted],
+            ..Default::default()
+        };
+        ix.apply(&pod, 1, &batch);
+    }
+    ix
+}
+
 /// `ix` with 8 of its pods (and 8 that never published) sent the whole
 /// prompt by `RecordRouting`: Score's extra walk over speculative entries.
 fn with_speculation(ix: Indexer, tokens: &[u32]) -> Indexer {
@@ -99,7 +155,7 @@ fn main() {
         })
         .collect();
     println!("Indexer::score, {PODS} pods, block size {BLOCK}; median (p90) per request");
-    let cases: [(&str, Indexer, usize, usize); 6] = [
+    let cases: [(&str, Indexer, usize, usize); 7] = [
         (
             "2048 blocks, 64 different depths",
             fleet(|i| (i + 1) * BLOCKS / PODS, &tokens),
@@ -108,7 +164,12 @@ fn main() {
         ),
         (
             "the same, pod ids 150 apart",
-            fleet_among(149, |i| (i + 1) * BLOCKS / PODS, &tokens),
+            fleet_among(
+                149,
+                |i| (i + 1) * BLOCKS / PODS,
+                &tokens,
+                IndexerConfig::default(),
+            ),
             BLOCKS,
             BLOCKS * PODS / 2 + BLOCKS / 2,
         ),
@@ -117,6 +178,12 @@ fn main() {
             offloaded(fleet(|i| (i + 1) * BLOCKS / PODS, &tokens)),
             BLOCKS,
             BLOCKS * PODS / 2 + BLOCKS / 2,
+        ),
+        (
+            "the same, offloaded in chunks",
+            chunked(|i| (i + 1) * BLOCKS / PODS, &tokens),
+            BLOCKS,
+            BLOCKS * PODS / 2 + BLOCKS / 2 + 16 * (PODS - 1),
         ),
         (
             "2048 blocks, one depth (1024)",
