@@ -809,19 +809,30 @@ pub fn extend_prefix_closed(
     let runs: Vec<u32> = matches.iter().map(|m| m.matched_blocks).collect();
     let deepest = deepest_on_gpu(index, keys, candidates, &runs);
     for (c, found) in deepest.into_iter().enumerate() {
-        let Some(d) = found else {
-            continue;
-        };
-        // From block 0: the blocks the walk matched are on GPU now too.
-        let m = &mut matches[c];
-        *m = PrefixMatch::default();
-        let gpu = TierMask(1 << Tier::Gpu.index());
-        for key in &keys[..=d] {
-            let known = index.with_holders(*key, |h| h.get(candidates[c]).unwrap_or_default());
-            record(m, TierMask(known.0 | gpu.0), weights);
+        if let Some(d) = found {
+            extend_to_gpu_block(index, keys, candidates[c], &mut matches[c], d, weights);
         }
-        m.weigh(weights);
     }
+}
+
+/// `pod`'s match, as prefix closure infers it from its block `d` held on
+/// GPU: blocks 0..=d, each on GPU and on the tiers the index knows.
+pub fn extend_to_gpu_block(
+    index: &BlockIndex,
+    keys: &[BlockKey],
+    pod: PodId,
+    m: &mut PrefixMatch,
+    d: usize,
+    weights: &TierWeights,
+) {
+    // From block 0: the blocks the walk matched are on GPU now too.
+    *m = PrefixMatch::default();
+    let gpu = TierMask(1 << Tier::Gpu.index());
+    for key in &keys[..=d] {
+        let known = index.with_holders(*key, |h| h.get(pod).unwrap_or_default());
+        record(m, TierMask(known.0 | gpu.0), weights);
+    }
+    m.weigh(weights);
 }
 
 /// Per candidate, the deepest block of `keys` after block `from[c]` (the

@@ -328,26 +328,45 @@ impl Indexer {
         open.sort_unstable();
         let open_ids: Vec<PodId> = open.iter().map(|pos| ids[*pos as usize]).collect();
         let (mut walked, mut gpu_runs) = walk_with_gpu_runs(&self.blocks, keys, &open_ids, weights);
+        // Per walked pod, blocks per offloaded chunk (1: none).
+        let factors: Vec<u32> = open_ids
+            .iter()
+            .map(|id| match (chunks, pods.get(*id)) {
+                (Some(f), Some(p)) => self.pod_chunk_factor(p, f, block_size),
+                _ => 1,
+            })
+            .collect();
         if closure {
-            extend_prefix_closed(&self.blocks, keys, &open_ids, &mut walked, weights);
-        }
-        if let Some(model_factor) = chunks {
-            if closure {
-                // vLLM's GPU hit reaches the deepest block held on GPU.
-                let deepest = deepest_on_gpu(&self.blocks, keys, &open_ids, &gpu_runs);
-                for (run, d) in gpu_runs.iter_mut().zip(deepest) {
-                    if let Some(d) = d {
-                        *run = d as u32 + 1;
-                    }
+            // One backward scan for the deepest GPU blocks: past a pod's
+            // walked run, the match it infers (`extend_prefix_closed`);
+            // past its GPU run, for a pod offloading in chunks, where
+            // vLLM's GPU hit ends.
+            let from: Vec<u32> = walked
+                .iter()
+                .zip(&gpu_runs)
+                .zip(&factors)
+                .map(|((m, run), f)| if *f > 1 { *run } else { m.matched_blocks })
+                .collect();
+            let deepest = deepest_on_gpu(&self.blocks, keys, &open_ids, &from);
+            for (c, d) in deepest.into_iter().enumerate() {
+                match d {
+                    Some(d) if factors[c] > 1 => gpu_runs[c] = d as u32 + 1,
+                    Some(d) => extend_to_gpu_block(
+                        &self.blocks,
+                        keys,
+                        open_ids[c],
+                        &mut walked[c],
+                        d,
+                        weights,
+                    ),
+                    None => {}
                 }
             }
-            for ((m, id), run) in walked.iter_mut().zip(&open_ids).zip(gpu_runs) {
-                let f = pods
-                    .get(*id)
-                    .map_or(1, |p| self.pod_chunk_factor(p, model_factor, block_size));
-                if f > 1 {
-                    *m = chunked_match(&self.blocks, keys, *id, f, run, weights);
-                }
+        }
+        for (c, f) in factors.iter().enumerate() {
+            if *f > 1 {
+                walked[c] =
+                    chunked_match(&self.blocks, keys, open_ids[c], *f, gpu_runs[c], weights);
             }
         }
         for (pos, m) in open.iter().zip(walked) {
