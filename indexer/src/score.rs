@@ -799,47 +799,52 @@ pub fn holding(
 /// prompt's end, shared by all candidates and stopping as soon as each has
 /// its answer, finds it exactly; in engine mode it costs less than computing
 /// the keys did (one map lookup per block against one SHA-256 per block).
+///
+/// `gpu_runs` are the candidates' GPU runs (`walk_with_gpu_runs`). A
+/// candidate that offloads in chunks (`chunked`) keeps its match, which
+/// `offload` counts from where vLLM's GPU hit ends: its GPU run becomes
+/// the inferred one, in the same scan.
 pub fn extend_prefix_closed(
     index: &BlockIndex,
     keys: &[BlockKey],
     candidates: &[PodId],
     matches: &mut [PrefixMatch],
+    gpu_runs: &mut [u32],
+    chunked: &[bool],
     weights: &TierWeights,
 ) {
-    let runs: Vec<u32> = matches.iter().map(|m| m.matched_blocks).collect();
-    let deepest = deepest_on_gpu(index, keys, candidates, &runs);
+    let from: Vec<u32> = (0..candidates.len())
+        .map(|c| match chunked[c] {
+            true => gpu_runs[c],
+            false => matches[c].matched_blocks,
+        })
+        .collect();
+    let deepest = deepest_on_gpu(index, keys, candidates, &from);
     for (c, found) in deepest.into_iter().enumerate() {
-        if let Some(d) = found {
-            extend_to_gpu_block(index, keys, candidates[c], &mut matches[c], d, weights);
+        let Some(d) = found else {
+            continue;
+        };
+        if chunked[c] {
+            gpu_runs[c] = d as u32 + 1;
+            continue;
         }
+        // From block 0: the blocks the walk matched are on GPU now too.
+        let m = &mut matches[c];
+        *m = PrefixMatch::default();
+        let gpu = TierMask(1 << Tier::Gpu.index());
+        for key in &keys[..=d] {
+            let known = index.with_holders(*key, |h| h.get(candidates[c]).unwrap_or_default());
+            record(m, TierMask(known.0 | gpu.0), weights);
+        }
+        m.weigh(weights);
     }
-}
-
-/// `pod`'s match, as prefix closure infers it from its block `d` held on
-/// GPU: blocks 0..=d, each on GPU and on the tiers the index knows.
-pub fn extend_to_gpu_block(
-    index: &BlockIndex,
-    keys: &[BlockKey],
-    pod: PodId,
-    m: &mut PrefixMatch,
-    d: usize,
-    weights: &TierWeights,
-) {
-    // From block 0: the blocks the walk matched are on GPU now too.
-    *m = PrefixMatch::default();
-    let gpu = TierMask(1 << Tier::Gpu.index());
-    for key in &keys[..=d] {
-        let known = index.with_holders(*key, |h| h.get(pod).unwrap_or_default());
-        record(m, TierMask(known.0 | gpu.0), weights);
-    }
-    m.weigh(weights);
 }
 
 /// Per candidate, the deepest block of `keys` after block `from[c]` (the
 /// end of a run it is known to hold) that it holds on GPU, if any: one
 /// backward scan shared by all candidates, stopping as soon as each has
 /// its answer.
-pub fn deepest_on_gpu(
+fn deepest_on_gpu(
     index: &BlockIndex,
     keys: &[BlockKey],
     candidates: &[PodId],
@@ -1033,9 +1038,9 @@ mod tests {
         index.acquire(BlockKey(6), PodId(3), Tier::Gpu);
         let pods = [PodId(0), PodId(1), PodId(2), PodId(3)];
         let w = TierWeights::default();
-        let mut m = walk(&index, &keys, &pods, &w);
+        let (mut m, mut gpu_runs) = walk_with_gpu_runs(&index, &keys, &pods, &w);
         assert_eq!(m[0].matched_blocks, 1);
-        extend_prefix_closed(&index, &keys, &pods, &mut m, &w);
+        extend_prefix_closed(&index, &keys, &pods, &mut m, &mut gpu_runs, &[false; 4], &w);
         assert_eq!(m[0].matched_blocks, 8);
         assert_eq!(m[0].blocks_per_tier, [8, 0, 0]);
         // CPU blocks imply nothing about the blocks before them.

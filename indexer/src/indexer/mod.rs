@@ -31,8 +31,7 @@ use crate::scheme::{KeyMode, KeySchemes};
 #[cfg(test)]
 use crate::score::walk;
 use crate::score::{
-    deepest_on_gpu, extend_to_gpu_block, holding, jump, walk_with_gpu_runs, PrefixMatch, Scratch,
-    TierWeights,
+    extend_prefix_closed, holding, jump, walk_with_gpu_runs, PrefixMatch, Scratch, TierWeights,
 };
 use crate::snapshot::{PodSnapshot, SnapshotError, SnapshotReader, SnapshotWriter};
 use table::PodTable;

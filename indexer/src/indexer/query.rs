@@ -107,7 +107,7 @@ impl Indexer {
             let closure = engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed);
             let rules = Rules {
                 closure,
-                chunks: (offload_block_size > 0).then(|| chunk_factor(offload_block_size, bs)),
+                offload_block_size,
                 block_size: bs,
             };
             self.match_pods(&keys, &ids, rules, |at, m| {
@@ -245,7 +245,7 @@ impl Indexer {
         ids: &[PodId],
         Rules {
             closure,
-            chunks,
+            offload_block_size,
             block_size,
         }: Rules,
         scratch: &mut LookupScratch,
@@ -275,8 +275,7 @@ impl Indexer {
                 // Offloaded chunks are counted after the walk (below).
                 Some(view)
                     if view.tier == Tier::Gpu
-                        || chunks
-                            .is_none_or(|f| self.pod_chunk_factor(pod, f, block_size) == 1) =>
+                        || self.pod_chunk_factor(pod, offload_block_size, block_size) == 1 =>
                 {
                     closed.push(id);
                     views.push((pos, view));
@@ -284,7 +283,7 @@ impl Indexer {
                 _ => open.push(pos),
             }
         }
-        let model_factor = chunks.unwrap_or(1);
+        let model_factor = chunk_factor(offload_block_size, block_size);
         if model_factor > 1 && !closure && keys.len() >= model_factor as usize {
             // A pod may hold the first chunk offloaded and not block 0:
             // with the connector's default events only the chunk's last
@@ -331,37 +330,23 @@ impl Indexer {
         // Per walked pod, blocks per offloaded chunk (1: none).
         let factors: Vec<u32> = open_ids
             .iter()
-            .map(|id| match (chunks, pods.get(*id)) {
-                (Some(f), Some(p)) => self.pod_chunk_factor(p, f, block_size),
-                _ => 1,
+            .map(|id| {
+                pods.get(*id).map_or(1, |p| {
+                    self.pod_chunk_factor(p, offload_block_size, block_size)
+                })
             })
             .collect();
         if closure {
-            // One backward scan for the deepest GPU blocks: past a pod's
-            // walked run, the match it infers (`extend_prefix_closed`);
-            // past its GPU run, for a pod offloading in chunks, where
-            // vLLM's GPU hit ends.
-            let from: Vec<u32> = walked
-                .iter()
-                .zip(&gpu_runs)
-                .zip(&factors)
-                .map(|((m, run), f)| if *f > 1 { *run } else { m.matched_blocks })
-                .collect();
-            let deepest = deepest_on_gpu(&self.blocks, keys, &open_ids, &from);
-            for (c, d) in deepest.into_iter().enumerate() {
-                match d {
-                    Some(d) if factors[c] > 1 => gpu_runs[c] = d as u32 + 1,
-                    Some(d) => extend_to_gpu_block(
-                        &self.blocks,
-                        keys,
-                        open_ids[c],
-                        &mut walked[c],
-                        d,
-                        weights,
-                    ),
-                    None => {}
-                }
-            }
+            let chunked: Vec<bool> = factors.iter().map(|f| *f > 1).collect();
+            extend_prefix_closed(
+                &self.blocks,
+                keys,
+                &open_ids,
+                &mut walked,
+                &mut gpu_runs,
+                &chunked,
+                weights,
+            );
         }
         for (c, f) in factors.iter().enumerate() {
             if *f > 1 {
@@ -414,14 +399,10 @@ impl Indexer {
                     model: p.model.clone(),
                     dp_rank: p.dp_rank,
                     block_size: self.pod_block_size(Some(p), &p.model),
-                    offload_block_size: match (
-                        self.config.offload_block_size,
-                        p.offload_block_size.load(Ordering::Relaxed),
-                    ) {
-                        (0, 0) => model_offload.get(&p.model).copied().unwrap_or(0),
-                        (0, own) => own,
-                        (configured, _) => configured,
-                    },
+                    offload_block_size: self.pod_offload_block_size(
+                        p,
+                        model_offload.get(&p.model).copied().unwrap_or(0),
+                    ),
                     blocks_per_tier: inner.state.held_per_tier(),
                     last_seq: inner.progress.last_seq,
                     batches: inner.progress.batches,
@@ -467,10 +448,10 @@ struct Rules {
     /// Engine mode's prefix closure: a pod holding block k on GPU holds
     /// blocks 0..k there (`extend_prefix_closed`).
     closure: bool,
-    /// Blocks per offloaded chunk for the model's pods (`None`: no chunk
-    /// size known, blocks count one by one). A pod whose own events gave
-    /// another size counts by its own (`pod_chunk_factor`).
-    chunks: Option<u32>,
+    /// The model's offloaded block size in tokens (0: none known, blocks
+    /// count one by one); a pod whose own events gave another counts by
+    /// its own (`pod_offload_block_size`).
+    offload_block_size: u32,
     /// The block size `keys` were cut with (the pods' own).
     block_size: u32,
 }
@@ -479,21 +460,31 @@ impl Rules {
     /// The index alone, as the peers' indexes answer.
     const INDEX_ONLY: Rules = Rules {
         closure: false,
-        chunks: None,
+        offload_block_size: 0,
         block_size: 0,
     };
 }
 
 impl Indexer {
-    /// Blocks per offloaded chunk of `pod`: the configured size, else what
-    /// its own events gave, else the model's (`model_factor`), in blocks
-    /// of `bs`.
-    fn pod_chunk_factor(&self, pod: &Pod, model_factor: u32, bs: u32) -> u32 {
+    /// The offloaded block size in tokens `pod` is counted by: the
+    /// configured one, else what its own events gave, else its model's
+    /// (`model`); 0: none.
+    pub(super) fn pod_offload_block_size(&self, pod: &Pod, model: u32) -> u32 {
         let own = pod.offload_block_size.load(Ordering::Relaxed);
         match (self.config.offload_block_size, own) {
-            (0, 0) => model_factor,
-            (0, own) => chunk_factor(own, bs),
-            (configured, _) => chunk_factor(configured, bs),
+            (0, 0) => model,
+            (0, own) => own,
+            (configured, _) => configured,
+        }
+    }
+
+    /// Blocks per offloaded chunk of `pod`, in blocks of `bs` (1: counted
+    /// one by one, as every pod is when the lookup knows no size: `model`
+    /// 0, which a model whose pods gave one never has).
+    fn pod_chunk_factor(&self, pod: &Pod, model: u32, bs: u32) -> u32 {
+        match model {
+            0 => 1,
+            _ => chunk_factor(self.pod_offload_block_size(pod, model), bs),
         }
     }
 }
