@@ -469,7 +469,7 @@ impl Indexer {
     /// The offloaded block size in tokens `pod` is counted by: the
     /// configured one, else what its own events gave, else its model's
     /// (`model`); 0: none.
-    pub(super) fn pod_offload_block_size(&self, pod: &Pod, model: u32) -> u32 {
+    fn pod_offload_block_size(&self, pod: &Pod, model: u32) -> u32 {
         let own = pod.offload_block_size.load(Ordering::Relaxed);
         match (self.config.offload_block_size, own) {
             (0, 0) => model,
