@@ -582,6 +582,8 @@ fn profile_apply() {
 /// rounds), then 19 more times and nothing else, for `valgrind
 /// --tool=callgrind --toggle-collect='compare::find_pass*'` (the same
 /// filters as `--profile-apply`, and `COMPARE_SIZE=128`, `2048` or `8192`).
+/// It prints the passes' mean time per find (the timer's reads included),
+/// a quick figure for comparing two builds of one indexer.
 fn profile_find() {
     // `COMPARE_FIND_PASSES`: more, for a sampling profiler.
     let passes: usize = env_filter("COMPARE_FIND_PASSES")
@@ -598,9 +600,11 @@ fn profile_find() {
             for q in 0..filled.queries(si) {
                 filled.time_find(si, q);
             }
+            let t0 = Instant::now();
             let finds: usize = (0..passes).map(|_| find_pass(filled.as_ref(), si)).sum();
+            let ns = t0.elapsed().as_nanos() as f64 / finds as f64;
             println!(
-                "{} pods, {}, {}, {size} blocks: {finds} finds profiled",
+                "{} pods, {}, {}, {size} blocks: {finds} finds profiled, {ns:.0} ns each",
                 fleet.pods,
                 input.name(),
                 e.name,
