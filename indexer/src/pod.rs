@@ -546,11 +546,13 @@ impl PodState {
         parents: &[Option<u64>],
         non_full_groups: &[u32],
         block_size: Option<u32>,
+        offload_block_size: Option<u32>,
     ) {
         if !self.by_hash.is_empty() {
             self.clear(index, &mut ApplyStats::default());
         }
         self.block_size = block_size;
+        self.offload_block_size = offload_block_size;
         self.non_full_groups = non_full_groups.iter().copied().collect();
         // Children may come before their parents: closed only once linked.
         self.closure.open();

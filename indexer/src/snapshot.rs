@@ -52,6 +52,11 @@ pub struct PodSnapshot {
     /// Each block's parent hash, parallel to `blocks` (what keeps a restored
     /// pod's prefix closure known).
     pub parents: Vec<Option<u64>>,
+    /// The offloaded block size the pod's events gave (older vLLM's
+    /// token-less stores), which its chunks are counted by. Last, and
+    /// defaulted: snapshots written before it was kept still read.
+    #[serde(default)]
+    pub offload_block_size: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -246,6 +251,7 @@ mod tests {
             pod: name.into(),
             dp_rank: Some(0),
             block_size: Some(16),
+            offload_block_size: Some(64),
             last_seq: Some(41),
             incomplete: false,
             non_full_groups: vec![1],
@@ -285,6 +291,33 @@ mod tests {
         let n = bytes.len() - TRAILER as usize;
         let sum = xxhash_rust::xxh3::xxh3_64(&bytes[..n]);
         bytes[n..].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    /// A record written before `offload_block_size` was kept (the same
+    /// fields, one fewer) still reads, with the size unknown.
+    #[test]
+    fn a_record_without_the_offload_block_size_reads() {
+        let p = pod("a", vec![(7, 8, [1, 0, 0])]);
+        let before = (
+            &p.model,
+            &p.pod,
+            p.dp_rank,
+            p.block_size,
+            p.last_seq,
+            p.incomplete,
+            &p.non_full_groups,
+            &p.blocks,
+            &p.parents,
+        );
+        let bytes = rmp_serde::to_vec(&before).unwrap();
+        let read: PodSnapshot = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(
+            read,
+            PodSnapshot {
+                offload_block_size: None,
+                ..p
+            }
+        );
     }
 
     #[test]

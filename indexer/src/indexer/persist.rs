@@ -45,6 +45,7 @@ impl Indexer {
                     non_full_groups: export.non_full_groups,
                     blocks: export.blocks,
                     parents: export.parents,
+                    offload_block_size: inner.state.offload_block_size(),
                 }
             };
             snapshot.pod(&pod)?;
@@ -78,6 +79,7 @@ impl Indexer {
                 &ps.parents,
                 &ps.non_full_groups,
                 ps.block_size,
+                ps.offload_block_size,
             );
             inner.progress.last_seq = ps.last_seq;
             let entries = inner.state.entries();
@@ -86,6 +88,10 @@ impl Indexer {
             if let Some(bs) = ps.block_size {
                 pod.block_size.store(bs, Ordering::Relaxed);
                 self.learn_block_size(&ps.model, bs);
+            }
+            if let Some(size) = ps.offload_block_size {
+                pod.offload_block_size.store(size, Ordering::Relaxed);
+                self.learn_offload_block_size(&ps.model, size);
             }
             self.account(&pod, entries);
         }

@@ -1048,3 +1048,39 @@ fn each_pod_counts_chunks_of_the_size_its_events_give() {
         .collect();
     assert_eq!(sizes, vec![64, 32]);
 }
+
+/// A chunk size learned from a pod's events survives a snapshot: restored,
+/// the pod of `each_pod_counts_chunks_of_the_size_its_events_give` still
+/// counts its offloaded chunks (12 blocks), where counting them one by one
+/// (the size forgotten) gives 6.
+#[test]
+fn a_snapshot_keeps_the_chunk_size_learned_from_events() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..12 * 16).collect();
+    let hashes: Vec<u64> = (1..=12).collect();
+    let p = ix.pod("m", "a", None);
+    let evicted = KvEvent::Removed(crate::event::BlockRemoved {
+        block_hashes: (7..=12).rev().map(EngineHash).collect(),
+        ..Default::default()
+    });
+    let events = vec![
+        stored(&hashes, None, &tokens, 16),
+        offloaded(&[8, 12], 64),
+        evicted,
+    ];
+    ix.apply(&p, 0, &batch(events));
+    assert_eq!(score_m(&ix, &tokens).pods[0].matched.matched_blocks, 12);
+    let bytes = ix.export(Vec::new()).unwrap();
+    let restored = Indexer::new(IndexerConfig::default());
+    assert_eq!(restored.import(std::io::Cursor::new(&bytes)).unwrap(), 1);
+    assert_eq!(
+        score_m(&restored, &tokens).pods[0].matched.matched_blocks,
+        12
+    );
+    let sizes: Vec<u32> = restored
+        .list_pods(Some("m"))
+        .iter()
+        .map(|p| p.offload_block_size)
+        .collect();
+    assert_eq!(sizes, vec![64]);
+}

@@ -240,6 +240,7 @@ fn child_and_orphan_counts_stay_exact_under_random_events() {
                     &export.parents,
                     &export.non_full_groups,
                     Some(BS as u32),
+                    None,
                 );
                 let what = format!("step {step}, restored");
                 assert_counts_exact(&restored, &what);
@@ -684,6 +685,7 @@ fn a_restored_pod_keeps_its_prefix_closure() {
         &export.parents,
         &export.non_full_groups,
         Some(4),
+        None,
     );
     assert_eq!(restored.orphans, 1, "3 is still the one orphan");
     let remove = |pod: &mut PodState, index: &BlockIndex, h: u64| {
@@ -708,7 +710,7 @@ fn a_restored_pod_keeps_its_prefix_closure() {
 
     // An old snapshot (no parents): every block is an orphan.
     let mut old = PodState::new(PodId(1), "m");
-    old.import(&BlockIndex::new(), &export.blocks, &[], &[], Some(4));
+    old.import(&BlockIndex::new(), &export.blocks, &[], &[], Some(4), None);
     assert_eq!(old.orphans, 4);
     assert_eq!(old.closed_tier(), None);
 }
@@ -742,6 +744,7 @@ fn offloaded_blocks_of_unnamed_parents_are_orphans_also_once_restored() {
         &export.blocks,
         &export.parents,
         &export.non_full_groups,
+        None,
         None,
     );
     assert_eq!(restored.orphans, 4, "not linked to the held block 0");
