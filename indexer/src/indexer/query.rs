@@ -116,12 +116,9 @@ impl Indexer {
             for (pos, id, spec) in speculative {
                 let spec = spec.read();
                 let from = scores[pos].matched.matched_blocks as usize;
-                let run = keys[from.min(keys.len())..]
-                    .iter()
-                    .take_while(|key| {
-                        spec.holds(**key, now) || id.is_some_and(|id| self.holds_exactly(id, **key))
-                    })
-                    .count();
+                let run = spec.run_from(&keys[from.min(keys.len())..], now, |key| {
+                    id.is_some_and(|id| self.holds_exactly(id, key))
+                });
                 scores[pos].speculative_blocks = (from + run) as u32;
             }
             keys_out.push((bs, keys));

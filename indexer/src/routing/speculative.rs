@@ -19,26 +19,8 @@ use std::time::Instant;
 
 use parking_lot::RwLock;
 
-use crate::index::KeyBuildHasher;
+pub use super::spec_runs::PodSpeculation;
 use crate::keys::BlockKey;
-
-/// One pod's speculative blocks: key -> when the entry ends.
-#[derive(Default)]
-pub struct PodSpeculation {
-    until: HashMap<BlockKey, Instant, KeyBuildHasher>,
-}
-
-impl PodSpeculation {
-    /// Whether `key` is speculatively held at `now`.
-    #[inline]
-    pub fn holds(&self, key: BlockKey, now: Instant) -> bool {
-        self.until.get(&key).is_some_and(|t| *t > now)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.until.is_empty()
-    }
-}
 
 type Pods = HashMap<String, Arc<RwLock<PodSpeculation>>>;
 
@@ -119,20 +101,9 @@ impl Speculative {
         if self.len() + keys.len() > self.max_entries {
             self.sweep_locked(&mut spec, now);
         }
-        let mut written = 0;
-        for key in keys {
-            match spec.until.get_mut(key) {
-                Some(t) => *t = (*t).max(until),
-                None => {
-                    if self.entries.load(Ordering::Relaxed) >= self.max_entries {
-                        break;
-                    }
-                    spec.until.insert(*key, until);
-                    self.entries.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            written += 1;
-        }
+        let room = self.max_entries.saturating_sub(self.len());
+        let (written, new) = spec.insert(keys, until, room);
+        self.entries.fetch_add(new, Ordering::Relaxed);
         written
     }
 
@@ -141,13 +112,8 @@ impl Speculative {
         let Some(entries) = self.pod(model, pod) else {
             return;
         };
-        let mut spec = entries.write();
-        let before = spec.until.len();
-        for key in keys {
-            spec.until.remove(key);
-        }
-        self.entries
-            .fetch_sub(before - spec.until.len(), Ordering::Relaxed);
+        let ended = entries.write().supersede(keys);
+        self.entries.fetch_sub(ended, Ordering::Relaxed);
     }
 
     /// Writer: the pod's cache was cleared, restarted, evicted from or
@@ -166,7 +132,7 @@ impl Speculative {
             }
             entries
         };
-        let n = entries.read().until.len();
+        let n = entries.read().len();
         self.entries.fetch_sub(n, Ordering::Relaxed);
     }
 
@@ -193,10 +159,8 @@ impl Speculative {
     }
 
     fn sweep_locked(&self, spec: &mut PodSpeculation, now: Instant) {
-        let before = spec.until.len();
-        spec.until.retain(|_, t| *t > now);
-        self.entries
-            .fetch_sub(before - spec.until.len(), Ordering::Relaxed);
+        let ended = spec.sweep(now);
+        self.entries.fetch_sub(ended, Ordering::Relaxed);
     }
 }
 
