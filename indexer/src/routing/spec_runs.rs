@@ -18,8 +18,10 @@
 //! gets a new place, so the log can hold dead entries: it is compacted
 //! once they are more than half as many as the live ones.
 
-use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::time::Instant;
+
+use hashbrown::HashTable;
 
 use crate::index::KeyBuildHasher;
 use crate::keys::BlockKey;
@@ -32,8 +34,9 @@ const DEAD: End = 0;
 pub struct PodSpeculation {
     /// What `End`s count from.
     born: Instant,
-    /// The place in `log` of every live entry.
-    at: HashMap<BlockKey, u32, KeyBuildHasher>,
+    /// The place in `log` of every live entry, hashed by the entry's key
+    /// (read from the log: 4 bytes a slot, not the key again).
+    at: HashTable<u32>,
     /// Entries as written, each write's new keys side by side; dead ones
     /// too, until compacted.
     log: Vec<(BlockKey, End)>,
@@ -43,10 +46,15 @@ impl Default for PodSpeculation {
     fn default() -> Self {
         PodSpeculation {
             born: Instant::now(),
-            at: HashMap::default(),
+            at: HashTable::new(),
             log: Vec::new(),
         }
     }
+}
+
+#[inline]
+fn hash(key: BlockKey) -> u64 {
+    KeyBuildHasher::default().hash_one(key)
 }
 
 impl PodSpeculation {
@@ -64,20 +72,26 @@ impl PodSpeculation {
         (t.saturating_duration_since(self.born).as_nanos() as End).max(1)
     }
 
+    /// The place of `key`'s live entry.
+    fn place(&self, key: BlockKey) -> Option<usize> {
+        let log = &self.log;
+        self.at
+            .find(hash(key), |p| log[*p as usize].0 == key)
+            .map(|p| *p as usize)
+    }
+
     /// Whether `key` is speculatively held at `now`.
     pub fn holds(&self, key: BlockKey, now: Instant) -> bool {
         let now = self.end(now);
-        self.at
-            .get(&key)
-            .is_some_and(|p| self.log[*p as usize].1 > now)
+        self.place(key).is_some_and(|p| self.log[p].1 > now)
     }
 
     /// How many of `keys`, from the first, are held: speculatively at
     /// `now`, or else by `exactly` (the pod's exact state). The same as
     /// `keys.iter().take_while(|k| self.holds(**k, now) || exactly(**k))
     /// .count()`, but once a key's entry is found, the keys after it are
-    /// compared with the entries after it in its run, in order, and the map
-    /// is probed again only where they differ.
+    /// compared with the entries after it in the log, in order, and the
+    /// table is probed again only where they differ.
     pub fn run_from(
         &self,
         keys: &[BlockKey],
@@ -88,11 +102,11 @@ impl PodSpeculation {
         let mut i = 0;
         while i < keys.len() {
             let key = keys[i];
-            match self.at.get(&key).filter(|p| self.log[**p as usize].1 > now) {
+            match self.place(key).filter(|p| self.log[*p].1 > now) {
                 // A live entry is in one place only: where the log goes on
                 // with the next keys, their entries are those.
                 Some(p) => {
-                    i += self.log[*p as usize..]
+                    i += self.log[p..]
                         .iter()
                         .zip(&keys[i..])
                         .take_while(|((k, end), want)| k == *want && *end > now)
@@ -115,9 +129,9 @@ impl PodSpeculation {
         let mut written = 0;
         let mut new = 0;
         for key in keys {
-            match self.at.get(key) {
+            match self.place(*key) {
                 Some(p) => {
-                    let e = &mut self.log[*p as usize].1;
+                    let e = &mut self.log[p].1;
                     *e = (*e).max(end);
                 }
                 None => {
@@ -125,7 +139,9 @@ impl PodSpeculation {
                     if new >= room || self.log.len() >= u32::MAX as usize {
                         break;
                     }
-                    self.at.insert(*key, self.log.len() as u32);
+                    let log = &self.log;
+                    self.at
+                        .insert_unique(hash(*key), log.len() as u32, |p| hash(log[*p as usize].0));
                     self.log.push((*key, end));
                     new += 1;
                 }
@@ -140,8 +156,13 @@ impl PodSpeculation {
     pub fn supersede(&mut self, keys: &[BlockKey]) -> usize {
         let mut ended = 0;
         for key in keys {
-            if let Some(p) = self.at.remove(key) {
-                self.log[p as usize].1 = DEAD;
+            let log = &mut self.log;
+            if let Ok(entry) = self
+                .at
+                .find_entry(hash(*key), |p| log[*p as usize].0 == *key)
+            {
+                let (p, _) = entry.remove();
+                log[p as usize].1 = DEAD;
                 ended += 1;
             }
         }
@@ -154,7 +175,7 @@ impl PodSpeculation {
         let now = self.end(now);
         let before = self.at.len();
         let log = &mut self.log;
-        self.at.retain(|_, p| {
+        self.at.retain(|p| {
             let e = &mut log[*p as usize].1;
             if *e > now {
                 return true;
@@ -176,15 +197,19 @@ impl PodSpeculation {
             return;
         }
         self.log.retain(|(_, e)| *e != DEAD);
-        for (p, (key, _)) in self.log.iter().enumerate() {
-            self.at.insert(*key, p as u32);
+        self.log.shrink_to(live + live / 2);
+        self.at.clear();
+        let log = &self.log;
+        for (p, (key, _)) in log.iter().enumerate() {
+            self.at
+                .insert_unique(hash(*key), p as u32, |p| hash(log[*p as usize].0));
         }
-        self.log.shrink_to(live * 2);
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
     use std::time::Duration;
 
     use proptest::prelude::*;
