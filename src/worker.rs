@@ -19,7 +19,9 @@ use indexer::event::EventBatch;
 use indexer::index::KeyBuildHasher;
 use indexer::routing::diagnose::{SeenParent, SeenStore, SEEN_TOKENS};
 use indexer::routing::tracker::{Ended, Outcome, Routing, Tracker};
-use indexer::stream::{Action, Input, Note, Numbered, Stream as StreamMachine, StreamLimits};
+use indexer::stream::{
+    Action, Fingerprint, Input, Note, Numbered, Stream as StreamMachine, StreamLimits,
+};
 use indexer::topic::parse_topic;
 use indexer::wire::decode_batch;
 use indexer::{Connection, Indexer, Pod, StreamCount};
@@ -158,6 +160,23 @@ pub fn offer_live(
                 false
             }
         }
+}
+
+/// A pod's stream state machine, continuing after `upto` (the last seq a
+/// snapshot restored; `None`: a new pod) and remembering that batch's
+/// fingerprint, when the snapshot has it, as applied.
+fn restored_stream(
+    limits: StreamLimits,
+    replayable: bool,
+    upto: Option<u64>,
+    last: Option<Fingerprint>,
+    now: Instant,
+) -> StreamMachine<EventBatch> {
+    let machine = StreamMachine::new(limits, replayable, upto, now);
+    match last {
+        Some(fingerprint) => machine.restored_batch(fingerprint),
+        None => machine,
+    }
 }
 
 /// A pod's topic and DP rank: one seq space.
@@ -668,7 +687,11 @@ impl<'a> Worker<'a> {
         };
         let pod = stream.pod.clone();
         match action {
-            Action::Apply { seq, batch } => self.apply(key, &pod, seq, &batch),
+            Action::Apply {
+                seq,
+                fingerprint,
+                batch,
+            } => self.apply(key, &pod, seq, fingerprint, &batch),
             Action::Restart => {
                 tracing::info!(pod = %pod.name, model = %pod.model, "publisher restarted: its blocks are dropped");
                 self.indexer.restart_pod(&pod);
@@ -832,13 +855,14 @@ impl<'a> Worker<'a> {
         {
             tracing::info!(model = %pod.model, pod = %pod.name, "an --approximate-model's pod publishes KV events: the model is served from the exact index from now on");
         }
-        // A pod restored from a snapshot continues after its last seq.
-        let upto = self.indexer.last_seq(&pod);
+        // A pod restored from a snapshot continues after its last seq, if
+        // its buffer shows that batch is still its own.
+        let (upto, last) = self.indexer.last_batch(&pod);
         self.new_pod_log.warn(|suppressed| {
             tracing::info!(pod = %pod.name, model = %pod.model, replay = ?replay, ?upto, suppressed, "new pod")
         });
         Some(Stream {
-            machine: StreamMachine::new(self.config.stream_limits, replay.is_some(), upto, now),
+            machine: restored_stream(self.config.stream_limits, replay.is_some(), upto, last, now),
             pod,
             replay,
             conn: None,
@@ -864,12 +888,9 @@ impl<'a> Worker<'a> {
             .replay_endpoints
             .get(&pod.topic_pod)
             .map(|e| Arc::from(e.as_str()));
-        let mut machine = StreamMachine::new(
-            self.config.stream_limits,
-            replay.is_some(),
-            self.indexer.last_seq(&pod),
-            now,
-        );
+        let (upto, last) = self.indexer.last_batch(&pod);
+        let mut machine =
+            restored_stream(self.config.stream_limits, replay.is_some(), upto, last, now);
         machine.handle(Input::Connection { up: false }, now, &mut Vec::new());
         pod.set_connection(Connection::Disconnected);
         self.insert_stream(
@@ -1077,14 +1098,22 @@ impl<'a> Worker<'a> {
         self.feed(&key, Input::Replayed { ticket, result }, Instant::now());
     }
 
-    fn apply(&mut self, key: &StreamKey, pod: &Arc<Pod>, seq: u64, batch: &EventBatch) {
+    fn apply(
+        &mut self,
+        key: &StreamKey,
+        pod: &Arc<Pod>,
+        seq: u64,
+        fingerprint: Fingerprint,
+        batch: &EventBatch,
+    ) {
         // Supervised: a bug that panics on one batch costs that pod its
         // state (reset, flagged incomplete), never the worker and the
         // other pods it serves.
         let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             #[cfg(debug_assertions)]
             fault::inject(&pod.name);
-            self.indexer.apply(pod, seq, batch)
+            self.indexer
+                .apply_fingerprinted(pod, seq, Some(fingerprint), batch)
         }));
         let stats = match applied {
             Ok(stats) => stats,

@@ -366,3 +366,67 @@ async fn a_pod_restarted_right_after_a_catch_up_ends_with_only_its_new_blocks() 
         assert_eq!(got, want, "probe {}: {resp:?}", probe.id);
     }
 }
+
+/// A pod whose engine restarted while the indexer was down, and whose new
+/// run had passed the snapshot's seq by the time the indexer came back:
+/// the seq alone says "continue after the snapshot", so the old blocks
+/// were kept, and the new run's first batches never applied. The
+/// snapshot's last batch, still in the pod's buffer or not, tells: its
+/// fingerprint differs from the new run's batch under that seq.
+#[tokio::test]
+async fn a_pod_restarted_while_the_indexer_was_down_ends_with_only_its_new_blocks() {
+    let stream = "qwen3-sha256-int";
+    let expected = load_expected(stream);
+    let (old_name, new_name) = (&expected.pods[1], &expected.pods[0]);
+    let dir = tempfile::tempdir().unwrap();
+    let snap = dir.path().to_str().unwrap();
+    let old = VllmPod::start(stream, old_name, PodOptions::default());
+    let topic = old.frames()[0].0.clone();
+    let new_run: Vec<_> = VllmPod::start(stream, new_name, PodOptions::default())
+        .frames()
+        .iter()
+        .map(|(_, seq, payload)| (topic.clone(), *seq, payload.clone()))
+        .collect();
+    // The old run's first batches, snapshotted; the new run goes past them.
+    let before = (new_run.len() / 2).min(old.batches());
+    assert!(before > 0 && new_run.len() > before);
+    old.publish(0, before, &HashSet::new());
+    let first =
+        Service::start_dialing(std::slice::from_ref(&old.target), &["--snapshot-dir", snap]).await;
+    let applied = BTreeMap::from([(old_name.clone(), before as u64)]);
+    first.wait_applied(&expected.model, &applied).await;
+    assert!(first.terminate().await.success());
+
+    let restarted = old.restart(new_run.clone(), PodOptions::default());
+    restarted.publish(0, new_run.len(), &HashSet::new());
+    let second = Service::start_dialing(
+        std::slice::from_ref(&restarted.target),
+        &["--snapshot-dir", snap],
+    )
+    .await;
+    let last_seq = new_run.last().map(|b| b.1);
+    second
+        .wait_until("the new run applied, as a restart", async || {
+            second
+                .list_pods(&expected.model)
+                .await
+                .iter()
+                .any(|p| &p.pod == old_name && p.last_seq == last_seq && p.publisher_restarts == 1)
+        })
+        .await;
+    let mut client = second.client().await;
+    for probe in &expected.probes {
+        let resp = client
+            .score(token_request(&expected.model, probe))
+            .await
+            .unwrap()
+            .into_inner();
+        let got = resp
+            .pods
+            .iter()
+            .find(|p| &p.pod == old_name)
+            .map_or(0, |p| p.matched_blocks);
+        let want = probe.expected.get(new_name).copied().unwrap_or(0);
+        assert_eq!(got, want, "probe {}: {resp:?}", probe.id);
+    }
+}

@@ -57,6 +57,11 @@ pub struct PodSnapshot {
     /// defaulted: snapshots written before it was kept still read.
     #[serde(default)]
     pub offload_block_size: Option<u32>,
+    /// The fingerprint of the batch `last_seq` names: a restarted indexer
+    /// checks the pod's replay buffer still holds that batch, or the pod
+    /// restarted meanwhile. Defaulted, as `offload_block_size`.
+    #[serde(default)]
+    pub last_fingerprint: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -252,6 +257,7 @@ mod tests {
             dp_rank: Some(0),
             block_size: Some(16),
             offload_block_size: Some(64),
+            last_fingerprint: Some(0xf1),
             last_seq: Some(41),
             incomplete: false,
             non_full_groups: vec![1],
@@ -293,10 +299,11 @@ mod tests {
         bytes[n..].copy_from_slice(&sum.to_le_bytes());
     }
 
-    /// A record written before `offload_block_size` was kept (the same
-    /// fields, one fewer) still reads, with the size unknown.
+    /// A record written before `offload_block_size` and `last_fingerprint`
+    /// were kept (the same fields, two fewer) still reads, with both
+    /// unknown.
     #[test]
-    fn a_record_without_the_offload_block_size_reads() {
+    fn a_record_without_the_newer_fields_reads() {
         let p = pod("a", vec![(7, 8, [1, 0, 0])]);
         let before = (
             &p.model,
@@ -315,6 +322,7 @@ mod tests {
             read,
             PodSnapshot {
                 offload_block_size: None,
+                last_fingerprint: None,
                 ..p
             }
         );

@@ -120,8 +120,14 @@ pub enum Action<B> {
     /// The publisher restarted: drop everything the pod holds (and mark
     /// it complete again) before applying what follows.
     Restart,
-    /// Apply this batch to the pod.
-    Apply { seq: u64, batch: B },
+    /// Apply this batch to the pod. Its fingerprint goes into the pod's
+    /// snapshot with its seq: a restored stream checks the pod's buffer
+    /// still holds that batch (see `Stream::restored_batch`).
+    Apply {
+        seq: u64,
+        fingerprint: Fingerprint,
+        batch: B,
+    },
     /// These many batches are gone for good: the pod's answers may be low.
     Lost { missing: u64 },
     /// The pod's replay buffer no longer holds the last batch applied, so
@@ -222,6 +228,21 @@ impl<B> Stream<B> {
             last_seen: now,
             verify: None,
         }
+    }
+
+    /// A stream restored from a snapshot (`upto` given to `new`), whose
+    /// last batch had `fingerprint`: it is remembered as applied, so a
+    /// catch-up or repair reply that holds another batch under its seq
+    /// shows the pod restarted while we were down, as it would have if we
+    /// had never stopped. Without it, a new run that had passed the
+    /// snapshot's seq by the time we came back looked like the old run
+    /// going on.
+    pub fn restored_batch(mut self, fingerprint: Fingerprint) -> Self {
+        if let Some(seq) = self.upto {
+            self.recent.clear();
+            self.recent.push_back((seq, fingerprint));
+        }
+        self
     }
 
     /// The last seq applied, if any.
@@ -374,7 +395,11 @@ impl<B> Stream<B> {
             self.recent.pop_front();
         }
         self.recent.push_back((seq, fingerprint));
-        out.push(Action::Apply { seq, batch });
+        out.push(Action::Apply {
+            seq,
+            fingerprint,
+            batch,
+        });
     }
 
     fn start_repair(

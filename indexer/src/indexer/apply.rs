@@ -18,6 +18,21 @@ impl Indexer {
     /// Applies one decoded batch of `pod`'s events, published with `seq`,
     /// in the order its stream decided (see [`crate::stream`]).
     pub fn apply(&self, pod: &Pod, seq: u64, batch: &EventBatch) -> ApplyStats {
+        self.apply_fingerprinted(pod, seq, None, batch)
+    }
+
+    /// `apply`, with the batch's fingerprint (`stream::Fingerprint`, a
+    /// hash of its payload) when the caller has it: a snapshot keeps it
+    /// beside the seq, so that after a restart the pod's buffer can show
+    /// whether that batch is still the pod's (see
+    /// `stream::Stream::restored_batch`).
+    pub fn apply_fingerprinted(
+        &self,
+        pod: &Pod,
+        seq: u64,
+        fingerprint: Option<u64>,
+        batch: &EventBatch,
+    ) -> ApplyStats {
         let mut stats = ApplyStats::default();
         // A removed pod's late batches would hold entries no query sees:
         // dropped.
@@ -28,6 +43,7 @@ impl Indexer {
         let mut inner = pod.inner.lock();
         let PodInner { state, progress } = &mut *inner;
         progress.last_seq = Some(seq);
+        progress.last_fingerprint = fingerprint;
         progress.batches += 1;
         progress.events += batch.events.len() as u64;
         progress.last_event = Some(Instant::now());
@@ -73,6 +89,7 @@ impl Indexer {
         let mut inner = self.lock(pod);
         inner.progress.publisher_restarts += 1;
         inner.progress.last_seq = None;
+        inner.progress.last_fingerprint = None;
         pod.incomplete.store(false, Ordering::Relaxed);
     }
 

@@ -161,6 +161,8 @@ struct PodInner {
 #[derive(Clone, Copy, Debug, Default)]
 struct Progress {
     last_seq: Option<u64>,
+    /// The fingerprint of the batch `last_seq` named, if its writer gave it.
+    last_fingerprint: Option<u64>,
     batches: u64,
     events: u64,
     seq_gaps: u64,
@@ -350,6 +352,13 @@ impl Indexer {
     /// The last seq applied for `pod` (restored from a snapshot too).
     pub fn last_seq(&self, pod: &Pod) -> Option<u64> {
         self.lock(pod).progress.last_seq
+    }
+
+    /// The last seq applied and, if known, its batch's fingerprint (what
+    /// a restored pod's stream starts from).
+    pub fn last_batch(&self, pod: &Pod) -> (Option<u64>, Option<u64>) {
+        let progress = self.lock(pod).progress;
+        (progress.last_seq, progress.last_fingerprint)
     }
 
     fn lock<'a>(&self, pod: &'a Pod) -> parking_lot::MutexGuard<'a, PodInner> {

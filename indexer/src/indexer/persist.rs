@@ -41,6 +41,7 @@ impl Indexer {
                     dp_rank: p.dp_rank,
                     block_size: inner.state.block_size(),
                     last_seq: inner.progress.last_seq,
+                    last_fingerprint: inner.progress.last_fingerprint,
                     incomplete: p.incomplete.load(Ordering::Relaxed),
                     non_full_groups: export.non_full_groups,
                     blocks: export.blocks,
@@ -82,6 +83,7 @@ impl Indexer {
                 ps.offload_block_size,
             );
             inner.progress.last_seq = ps.last_seq;
+            inner.progress.last_fingerprint = ps.last_fingerprint;
             let entries = inner.state.entries();
             drop(inner);
             pod.incomplete.store(ps.incomplete, Ordering::Relaxed);

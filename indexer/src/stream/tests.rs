@@ -55,7 +55,11 @@ impl Harness {
 }
 
 fn apply(seq: u64, fp: u64) -> Action<u64> {
-    Action::Apply { seq, batch: fp }
+    Action::Apply {
+        seq,
+        fingerprint: fp,
+        batch: fp,
+    }
 }
 
 fn fetch(from: u64, ticket: u32) -> Action<u64> {
@@ -335,6 +339,65 @@ fn a_restored_pod_continues_after_its_snapshot_seq() {
             apply(3, 23)
         ]
     );
+}
+
+/// The applied seqs among `out`.
+fn applied(out: &Out) -> Vec<u64> {
+    out.iter()
+        .filter_map(|a| match a {
+            Action::Apply { seq, .. } => Some(*seq),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Restored from a snapshot whose last batch (seq 5) had fingerprint 15;
+/// the pod's buffer, caught up on connecting, holds seqs 0..=9.
+fn restored_then_caught_up(buffer_fp_of_5: u64) -> Out {
+    let mut h = Harness::new(true);
+    h.stream = Stream::new(limits(), true, Some(5), h.now).restored_batch(15);
+    let buffer = (0..10)
+        .map(|s| b(s, if s == 5 { buffer_fp_of_5 } else { 10 + s }))
+        .collect();
+    h.feed(Input::CatchUp(buffer))
+}
+
+#[test]
+fn a_restored_pod_whose_buffer_still_holds_its_last_batch_continues() {
+    let out = restored_then_caught_up(15);
+    assert!(!out.contains(&Action::Restart), "{out:?}");
+    assert_eq!(applied(&out), vec![6, 7, 8, 9]);
+}
+
+/// The pod restarted while we were down and its new run passed the
+/// snapshot's seq: the batch under seq 5 is another one. Without the
+/// snapshot's fingerprint this continued at 6, over the old run's blocks.
+#[test]
+fn a_restored_pod_whose_buffer_holds_another_last_batch_restarted() {
+    let out = restored_then_caught_up(99);
+    assert_eq!(out.first(), Some(&Action::Restart), "{out:?}");
+    assert_eq!(applied(&out), (0..10).collect::<Vec<_>>());
+}
+
+/// A repair after a restore asks from the restored batch on, and finds
+/// the restart there too.
+#[test]
+fn a_restored_pods_first_repair_checks_its_last_batch() {
+    let mut h = Harness::new(true);
+    h.stream = Stream::new(limits(), true, Some(5), h.now).restored_batch(15);
+    assert_eq!(h.live(8, 18), vec![gap(6, 8), fetch(5, 1)]);
+    let out = h.reply(1, (0..9).map(|s| b(s, 20 + s)).collect());
+    assert_eq!(out.first(), Some(&Action::Restart), "{out:?}");
+    // The live seq 8 came before the restart showed: asked for again.
+    assert_eq!(applied(&out), (0..9).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_restored_pods_last_batch_sent_again_is_a_duplicate() {
+    let mut h = Harness::new(false);
+    h.stream = Stream::new(limits(), false, Some(5), h.now).restored_batch(15);
+    assert_eq!(h.live(5, 15), vec![Action::Note(Note::Duplicate)]);
+    assert_eq!(h.live(6, 16), vec![apply(6, 16)]);
 }
 
 #[test]

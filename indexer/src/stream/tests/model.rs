@@ -94,7 +94,7 @@ impl World {
                     self.applied.clear();
                     self.lost_since_restart = false;
                 }
-                Action::Apply { seq, batch } => self.applied.push((seq, batch)),
+                Action::Apply { seq, batch, .. } => self.applied.push((seq, batch)),
                 Action::Lost { .. } | Action::Unverified => self.lost_since_restart = true,
                 Action::Fetch { from, ticket, .. } => self.fetches.push_back((from, ticket)),
                 Action::Forget => panic!("no expiry configured"),
