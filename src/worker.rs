@@ -48,6 +48,14 @@ pub struct Frame {
 
 pub enum Work {
     Live(Frame),
+    /// A live batch of `topic` dropped on its way to this worker (its
+    /// queue was full): the stream fetches it rather than wait for a later
+    /// batch to show the gap (see `stream::Input::Dropped`).
+    Dropped {
+        topic: Bytes,
+        seq: u64,
+        conn: ConnId,
+    },
     /// A dialed pod's replay buffer for `topic`, fetched when its
     /// connection came up (possibly empty: the stream checks that too).
     CatchUp {
@@ -143,23 +151,42 @@ impl QueueBudget {
 }
 
 /// Queues a live batch for `worker` within its queue's bounds in messages
-/// and bytes, never waiting on them: false, with nothing queued, when
-/// either is full. Disconnected only when shutting down: counted as queued.
+/// and bytes, never waiting on them: the batch back, with nothing queued,
+/// when either is full. Disconnected only when shutting down: counted as
+/// queued.
 pub fn offer_live(
     queues: &[flume::Sender<Work>],
     budget: &QueueBudget,
     worker: usize,
     frame: Frame,
-) -> bool {
+) -> Result<(), Frame> {
     let cost = QueueBudget::cost(&frame);
-    budget.take(worker, cost)
-        && match queues[worker].try_send(Work::Live(frame)) {
-            Ok(()) | Err(flume::TrySendError::Disconnected(_)) => true,
-            Err(flume::TrySendError::Full(_)) => {
-                budget.release(worker, cost);
-                false
+    if !budget.take(worker, cost) {
+        return Err(frame);
+    }
+    match queues[worker].try_send(Work::Live(frame)) {
+        Ok(()) | Err(flume::TrySendError::Disconnected(_)) => Ok(()),
+        Err(flume::TrySendError::Full(work)) => {
+            budget.release(worker, cost);
+            match work {
+                Work::Live(frame) => Err(frame),
+                _ => unreachable!("the work sent is a live batch"),
             }
         }
+    }
+}
+
+/// Tells `worker` that a live batch for it, `frame`, was dropped (see
+/// `Work::Dropped`), on its control queue, never waiting: with that queue
+/// full too, the gap shows on the pod's next batch, as any gap does.
+pub fn notify_dropped(control: &[flume::Sender<Work>], worker: usize, frame: Frame) {
+    if let Some(queue) = control.get(worker) {
+        let _ = queue.try_send(Work::Dropped {
+            topic: frame.topic,
+            seq: frame.seq,
+            conn: frame.conn,
+        });
+    }
 }
 
 /// A pod's stream state machine, continuing after `upto` (the last seq a
@@ -236,6 +263,9 @@ pub struct Worker<'a> {
     /// and has one stream per DP rank's id): what `RemovePod` and expiry
     /// look up, in O(the pod's streams).
     by_pod: HashMap<u32, Vec<StreamKey>, KeyBuildHasher>,
+    /// Streams by topic: its DP ranks (what a dropped batch's notice,
+    /// which names the topic alone, looks up).
+    by_topic: HashMap<Bytes, Vec<Option<u32>>, foldhash::fast::RandomState>,
     actions: Vec<Action<EventBatch>>,
     warn: RateLimited,
     refused_warn: RateLimited,
@@ -283,6 +313,7 @@ impl<'a> Worker<'a> {
             streams: HashMap::default(),
             by_conn: HashMap::new(),
             by_pod: HashMap::default(),
+            by_topic: HashMap::default(),
             actions: Vec::new(),
             warn: RateLimited::new(Duration::from_secs(10)),
             refused_warn: RateLimited::new(Duration::from_secs(10)),
@@ -397,6 +428,7 @@ impl<'a> Worker<'a> {
                     .release(self.index, QueueBudget::cost(&frame));
                 self.live(frame)
             }
+            Work::Dropped { topic, seq, conn } => self.dropped(&topic, seq, conn),
             Work::CatchUp {
                 topic,
                 replay,
@@ -628,8 +660,32 @@ impl<'a> Worker<'a> {
     /// Hands a live batch to its pod's owner, as the receive loop would
     /// have: within that worker's queue bounds, never waiting on them.
     fn forward_live(&self, to: usize, frame: Frame) {
-        if !offer_live(&self.config.workers, &self.config.queue_budget, to, frame) {
+        if let Err(frame) = offer_live(&self.config.workers, &self.config.queue_budget, to, frame) {
             self.metrics.messages_dropped.inc();
+            notify_dropped(&self.config.control, to, frame);
+        }
+    }
+
+    /// A live batch of `topic` was dropped on its way here: each of the
+    /// topic's streams on that connection (one per DP rank) is told.
+    fn dropped(&mut self, topic: &Bytes, seq: u64, conn: ConnId) {
+        let Some(ranks) = self.by_topic.get(topic) else {
+            // No stream yet: its first batch (or a dialed pod's catch-up)
+            // starts from the pod's buffer anyway.
+            return;
+        };
+        let keys: Vec<StreamKey> = ranks
+            .iter()
+            .map(|rank| (topic.clone(), *rank))
+            .filter(|key| {
+                self.streams
+                    .get(key)
+                    .is_some_and(|s| s.conn.is_none_or(|c| c == conn))
+            })
+            .collect();
+        let now = Instant::now();
+        for key in keys {
+            self.feed(&key, Input::Dropped { seq }, now);
         }
     }
 
@@ -770,6 +826,7 @@ impl<'a> Worker<'a> {
             .entry(stream.pod.id.0)
             .or_default()
             .push(key.clone());
+        self.by_topic.entry(key.0.clone()).or_default().push(key.1);
         self.streams.insert(key, stream);
     }
 
@@ -783,6 +840,12 @@ impl<'a> Worker<'a> {
             keys.retain(|k| k != key);
             if keys.is_empty() {
                 self.by_pod.remove(&stream.pod.id.0);
+            }
+        }
+        if let Some(ranks) = self.by_topic.get_mut(&key.0) {
+            ranks.retain(|r| *r != key.1);
+            if ranks.is_empty() {
+                self.by_topic.remove(&key.0);
             }
         }
         Some(stream)

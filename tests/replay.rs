@@ -430,3 +430,39 @@ async fn a_pod_restarted_while_the_indexer_was_down_ends_with_only_its_new_block
         assert_eq!(got, want, "probe {}: {resp:?}", probe.id);
     }
 }
+
+/// Overload, then repair: the service's ingest queue holds one message,
+/// so a burst of the pods' batches is mostly dropped there (counted). Each
+/// drop is a gap, fetched from the pod's replay buffer at once: also the
+/// burst's last batches, which no later batch would show missing (the
+/// pods go quiet). At the end every pod is exact, complete, nothing lost.
+#[tokio::test]
+async fn batches_dropped_by_a_full_ingest_queue_are_repaired_from_the_replay_buffers() {
+    let fleet = Fleet::start("qwen3-sha256-int", |_| PodOptions::default());
+    let service = Service::start_dialing(
+        &fleet.targets(),
+        &["--ingest-workers", "1", "--ingest-queue", "1"],
+    )
+    .await;
+    fleet.wait_subscribed(&service, "m").await;
+    // Each pod's stream exists (a pod none of whose batches got through
+    // is caught up by its next one), then the burst.
+    let mut first = BTreeMap::new();
+    for (pod, p) in &fleet.pubs {
+        p.publish(0, 1, &HashSet::new());
+        first.insert(pod.clone(), 1);
+        service.wait_applied(&fleet.expected.model, &first).await;
+    }
+    fleet.publish(|n| (1, n));
+    service
+        .wait_metric("kv_indexer_messages_dropped_total", |v| v > 0.0)
+        .await;
+    service
+        .wait_applied(&fleet.expected.model, &fleet.per_pod)
+        .await;
+    check_probes(&service, &fleet.expected).await;
+    for pod in service.list_pods(&fleet.expected.model).await {
+        assert!(!pod.incomplete, "{pod:?}");
+        assert_eq!(pod.unrecovered_batches, 0, "{pod:?}");
+    }
+}

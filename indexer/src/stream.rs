@@ -110,6 +110,11 @@ pub enum Input<B> {
     },
     /// The connection the stream arrives on went up or down.
     Connection { up: bool },
+    /// A live batch of this stream, `seq`, was received but dropped before
+    /// it reached the stream (its worker's queue was full). What is missing
+    /// is known now, not only when a later batch shows the gap: a pod that
+    /// goes quiet after the drop would show it only when it next publishes.
+    Dropped { seq: u64 },
     /// Time passed (expiry is checked).
     Tick,
 }
@@ -305,6 +310,7 @@ impl<B> Stream<B> {
                     }
                 }
             }
+            Input::Dropped { seq } => self.dropped(seq, out),
             Input::Tick => {
                 if self.expired(now) {
                     out.push(Action::Forget);
@@ -339,7 +345,8 @@ impl<B> Stream<B> {
                 }
             } else if b.seq >= repair.from {
                 if repair.buffered.len() >= self.limits.max_buffered {
-                    // The next round asks for it.
+                    // The reply, or a later round, must reach it.
+                    repair.seen = repair.seen.max(Some(b.seq));
                     out.push(Action::Note(Note::BufferFull));
                 } else {
                     repair.buffered.insert(b.seq, (b.fingerprint, b.batch));
@@ -376,6 +383,31 @@ impl<B> Stream<B> {
             self.replayed.clear();
         }
         self.apply(b.seq, b.fingerprint, b.batch, out);
+    }
+
+    /// A live batch dropped on its way here: with a replay endpoint, it is
+    /// fetched as a gap is (or the pending repair is told to reach it).
+    /// Without one, the next batch reports it lost, as any gap. At or below
+    /// what was applied there is nothing to fetch (a new run's first batch
+    /// shows itself when the next one arrives).
+    fn dropped(&mut self, seq: u64, out: &mut Vec<Action<B>>) {
+        if !self.replayable || self.backwards(seq) {
+            return;
+        }
+        if let Some(repair) = &mut self.repair {
+            if seq >= repair.from {
+                repair.seen = repair.seen.max(Some(seq));
+            }
+            return;
+        }
+        let Some(from) = self.expected() else {
+            return;
+        };
+        out.push(Action::Note(Note::Gap {
+            from,
+            to: seq.saturating_add(1),
+        }));
+        self.start_repair(from, 1, BTreeMap::new(), Some(seq), out);
     }
 
     /// The publisher restarted: everything known about its old run goes.

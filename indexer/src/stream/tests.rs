@@ -400,6 +400,70 @@ fn a_restored_pods_last_batch_sent_again_is_a_duplicate() {
     assert_eq!(h.live(6, 16), vec![apply(6, 16)]);
 }
 
+/// The pod's last batch was dropped on its way (a full ingest queue) and
+/// the pod went quiet: no later batch will show the gap, so the drop
+/// itself starts the repair.
+#[test]
+fn a_dropped_last_batch_is_fetched_at_once() {
+    let mut h = Harness::new(true);
+    h.live(0, 10);
+    h.live(1, 11);
+    assert_eq!(
+        h.feed(Input::Dropped { seq: 2 }),
+        vec![gap(2, 3), fetch(1, 1)]
+    );
+    let out = h.reply(1, (0..3).map(|s| b(s, 10 + s)).collect());
+    assert_eq!(applied(&out), vec![2]);
+    assert_eq!(h.stream.last_seq(), Some(2));
+    assert!(!h.stream.repairing());
+}
+
+/// Dropped while a repair is pending: the reply must reach it.
+#[test]
+fn a_batch_dropped_during_a_repair_is_part_of_it() {
+    let mut h = Harness::new(true);
+    h.live(0, 10);
+    assert_eq!(h.live(2, 12), vec![gap(1, 2), fetch(0, 1)]);
+    assert!(h.feed(Input::Dropped { seq: 3 }).is_empty());
+    let out = h.reply(1, (0..4).map(|s| b(s, 10 + s)).collect());
+    assert_eq!(applied(&out), vec![1, 2, 3]);
+    assert_eq!(h.stream.last_seq(), Some(3));
+}
+
+/// Without a replay endpoint the next batch reports the gap, as before;
+/// a drop at or below what was applied asks for nothing.
+#[test]
+fn a_drop_without_replay_or_behind_asks_for_nothing() {
+    let mut h = Harness::new(false);
+    h.live(0, 10);
+    assert!(h.feed(Input::Dropped { seq: 1 }).is_empty());
+    let mut h = Harness::new(true);
+    h.live(0, 10);
+    h.live(1, 11);
+    assert!(h.feed(Input::Dropped { seq: 1 }).is_empty());
+}
+
+/// A live batch the full repair buffer could not hold, the pod's last:
+/// the reply must reach it.
+#[test]
+fn a_batch_past_a_full_repair_buffer_is_still_fetched() {
+    let mut h = Harness::new(true);
+    h.stream = Stream::new(
+        StreamLimits {
+            max_buffered: 1,
+            ..limits()
+        },
+        true,
+        None,
+        h.now,
+    );
+    h.live(0, 10);
+    h.live(2, 12);
+    assert_eq!(h.live(3, 13), vec![Action::Note(Note::BufferFull)]);
+    let out = h.reply(1, (0..4).map(|s| b(s, 10 + s)).collect());
+    assert_eq!(applied(&out), vec![1, 2, 3]);
+}
+
 #[test]
 fn only_a_disconnected_silent_stream_expires() {
     let mut h = Harness::new(false);
