@@ -1084,3 +1084,35 @@ fn a_snapshot_keeps_the_chunk_size_learned_from_events() {
         .collect();
     assert_eq!(sizes, vec![64]);
 }
+
+/// `AllBlocksCleared` inside a batch clears what came before it in the
+/// batch, and only that: stores after it in the same batch stand.
+#[test]
+fn a_clear_in_the_middle_of_a_batch_drops_only_what_came_before_it() {
+    let tokens: Vec<u32> = (0..4 * 16).collect();
+    let ix = Indexer::new(IndexerConfig::default());
+    let p = ix.pod("m", "p", None);
+    ix.apply(
+        &p,
+        0,
+        &batch(vec![
+            stored(&[1, 2, 3, 4], None, &tokens, 16),
+            KvEvent::AllCleared,
+            stored(&[1, 2], None, &tokens[..32], 16),
+        ]),
+    );
+    assert_eq!(score_m(&ix, &tokens).pods[0].matched.matched_blocks, 2);
+    let summary = &ix.list_pods(Some("m"))[0];
+    assert_eq!((summary.blocks_per_tier[0], summary.applied.clears), (2, 1));
+    // A clear last in a batch leaves nothing, also of the same batch.
+    ix.apply(
+        &p,
+        1,
+        &batch(vec![
+            stored(&[1, 2, 3, 4], None, &tokens, 16),
+            KvEvent::AllCleared,
+        ]),
+    );
+    assert_eq!(score_m(&ix, &tokens).pods[0].matched.matched_blocks, 0);
+    assert_eq!(ix.list_pods(Some("m"))[0].blocks_per_tier[0], 0);
+}
