@@ -1,6 +1,7 @@
 //! A fleet's first minute: new pods appear by the thousand while the router
 //! already asks about named pods. Nothing may freeze: every call answers
-//! within a few seconds for the whole run.
+//! within a few seconds for the whole run. And churn while the router
+//! scores: every answer about the pods the churn leaves alone stays exact.
 
 mod common;
 
@@ -197,4 +198,92 @@ async fn new_pods_by_the_thousand_while_named_pods_are_scored_never_freeze() {
     );
     assert!(pods > 1000, "only {pods} pods: the storm did not happen");
     assert!(calls > 100, "only {calls} calls");
+}
+
+/// Churn while Score runs, answers checked: one pod of a recorded stream
+/// is removed and published again from seq 0, over and over, while other
+/// pods come and go beside it. Throughout, every answer for the two pods
+/// nobody touches is exact; at the end every answer is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churn_while_scoring_leaves_the_untouched_pods_exact_throughout() {
+    let stream = "qwen3-sha256-int";
+    let (service, expected, mut publisher) = serve_recorded(stream, &["--admin"]).await;
+    let model = expected.model.clone();
+    let churned: Vec<RecordedFrame> = load_frames(stream)
+        .into_iter()
+        .filter(|f| f.pod() == "pod-1")
+        .collect();
+    let untouched = ["pod-0", "pod-2"];
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut scorers = Vec::new();
+    for _ in 0..2 {
+        let (stop, probes, model) = (stop.clone(), expected.probes.clone(), model.clone());
+        let mut client = service.client().await;
+        scorers.push(tokio::spawn(async move {
+            let mut answers = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for probe in &probes {
+                    let resp = bounded("Score", client.score(token_request(&model, probe)))
+                        .await
+                        .expect("Score")
+                        .into_inner();
+                    for pod in untouched {
+                        let got = resp
+                            .pods
+                            .iter()
+                            .find(|p| p.pod == pod)
+                            .map_or(0, |p| p.matched_blocks);
+                        let want = probe.expected.get(pod).copied().unwrap_or(0);
+                        assert_eq!(got, want, "{pod}, probe {}, under churn", probe.id);
+                    }
+                    answers += 1;
+                }
+            }
+            answers
+        }));
+    }
+    let mut client = service.client().await;
+    let remove = |pod: String| pb::RemovePodRequest {
+        model: model.clone(),
+        pod,
+    };
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut rounds = 0u64;
+    while Instant::now() < until {
+        bounded("RemovePod", client.remove_pod(remove("pod-1".into())))
+            .await
+            .expect("RemovePod");
+        let passers: Vec<String> = (0..20).map(|i| format!("churn-{rounds}-{i}")).collect();
+        for (i, pod) in passers.iter().enumerate() {
+            publisher
+                .send(zmq_message(vec![
+                    Bytes::from(format!("kv@{pod}@{model}")),
+                    Bytes::copy_from_slice(&0u64.to_be_bytes()),
+                    Bytes::from(one_block_store(1_000_000 + i as u64)),
+                ]))
+                .await;
+        }
+        publisher.publish_all(&churned).await;
+        service
+            .wait_until("pod-1 published again", async || {
+                service
+                    .list_pods(&model)
+                    .await
+                    .iter()
+                    .any(|p| p.pod == "pod-1" && p.batches == churned.len() as u64)
+            })
+            .await;
+        for pod in passers {
+            bounded("RemovePod", client.remove_pod(remove(pod)))
+                .await
+                .expect("RemovePod");
+        }
+        rounds += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for scorer in scorers {
+        assert!(scorer.await.expect("scorer") > 0);
+    }
+    assert!(rounds > 1, "{rounds} rounds of churn");
+    check_probes(&service, &expected).await;
 }
