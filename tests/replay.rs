@@ -512,3 +512,51 @@ async fn a_crash_after_a_periodic_snapshot_recovers_exactly_without_false_restar
         assert!(!pod.incomplete, "{pod:?}");
     }
 }
+
+/// Bind mode with replay: the pods connect to us, and each one's replay
+/// (ROUTER) endpoint is configured (`--replay-endpoint POD=...`). Every
+/// 5th batch is lost on the way; each gap is filled from the pod's
+/// buffer, and the state is exact. (Every other replay test dials.)
+#[tokio::test]
+async fn in_bind_mode_gaps_are_repaired_from_the_configured_replay_endpoints() {
+    let stream = "qwen3-sha256-int";
+    let fleet = Fleet::start(stream, |_| PodOptions::default());
+    let replay_args: Vec<String> = fleet
+        .pubs
+        .iter()
+        .map(|(pod, p)| {
+            let replay = p.target.split("replay=").nth(1).expect("a replay endpoint");
+            format!("{pod}={replay}")
+        })
+        .collect();
+    let mut args: Vec<&str> = Vec::new();
+    for a in &replay_args {
+        args.extend(["--replay-endpoint", a.as_str()]);
+    }
+    let service = Service::start(&args).await;
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    let frames = load_frames(stream);
+    for (pod, p) in &fleet.pubs {
+        // Into the pod's buffer (its own PUB has no subscriber here).
+        p.publish(0, p.batches(), &HashSet::new());
+        let n = fleet.per_pod[pod.as_str()];
+        // Live to us, every 5th lost but never the last.
+        for f in frames.iter().filter(|f| f.pod() == pod.as_str()) {
+            if f.seq % 5 == 0 && f.seq > 0 && f.seq + 1 < n {
+                continue;
+            }
+            publisher.send(f.message()).await;
+        }
+    }
+    service
+        .wait_applied(&fleet.expected.model, &fleet.per_pod)
+        .await;
+    check_probes(&service, &fleet.expected).await;
+    for pod in service.list_pods(&fleet.expected.model).await {
+        assert!(!pod.incomplete, "{pod:?}");
+        assert_eq!(pod.unrecovered_batches, 0, "{pod:?}");
+    }
+    let (_, m) = service.http_get("/metrics");
+    assert!(!m.contains("kv_indexer_replays_requested_total 0\n"), "{m}");
+}
