@@ -104,3 +104,84 @@ async fn a_pod_that_reconnects_in_time_is_kept() {
     let flaky = pods.iter().find(|p| p.pod == "flaky").expect("kept");
     assert_eq!(flaky.connection, "connected", "{flaky:?}");
 }
+
+/// A rolling restart of a pod that keeps its name (a StatefulSet's): the
+/// new engine connects and publishes its run from seq 0 before the old
+/// connection's close is seen. The restart is seen by its seq, the old
+/// connection closing afterwards neither disconnects nor expires the pod,
+/// and its answers are the new run's. The pods beside it stay exact.
+#[tokio::test]
+async fn a_pod_restarted_under_its_name_before_its_old_connection_closes_is_its_new_run() {
+    let stream = "qwen3-sha256-int";
+    let expected = load_expected(stream);
+    let frames = load_frames(stream);
+    let service = Service::start(&["--pod-expiry", "1s"]).await;
+    let endpoint = service.zmq_bind.clone().unwrap();
+    // pod-0 and pod-2 on connections that stay; pod-1's engine on its own.
+    let mut steady = Publisher::connect(&endpoint).await;
+    steady.wait_subscribed(&service, "steady").await;
+    steady
+        .publish_all(frames.iter().filter(|f| f.pod() != "pod-1"))
+        .await;
+    let mut old = Publisher::connect(&endpoint).await;
+    old.wait_subscribed(&service, "old").await;
+    old.publish_all(frames.iter().filter(|f| f.pod() == "pod-1"))
+        .await;
+    service
+        .wait_applied(&expected.model, &batches_per_pod(&frames))
+        .await;
+    // pod-1's new run: pod-0's recorded batches under pod-1's topic.
+    let topic = frames
+        .iter()
+        .find(|f| f.pod() == "pod-1")
+        .unwrap()
+        .topic
+        .clone();
+    let new_run: Vec<RecordedFrame> = frames
+        .iter()
+        .filter(|f| f.pod() == "pod-0")
+        .map(|f| RecordedFrame {
+            topic: topic.clone(),
+            ..f.clone()
+        })
+        .collect();
+    let mut new = Publisher::connect(&endpoint).await;
+    new.wait_subscribed(&service, "new").await;
+    new.publish_all(&new_run).await;
+    let last = new_run.last().map(|f| f.seq);
+    service
+        .wait_until("pod-1's new run applied", async || {
+            service
+                .list_pods(&expected.model)
+                .await
+                .iter()
+                .any(|p| p.pod == "pod-1" && p.last_seq == last && p.publisher_restarts == 1)
+        })
+        .await;
+    // The old engine's connection closes; well past --pod-expiry.
+    drop(old);
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let pods = service.list_pods(&expected.model).await;
+    let restarted = pods.iter().find(|p| p.pod == "pod-1").expect("pod-1 kept");
+    assert_eq!(restarted.connection, "connected", "{restarted:?}");
+    let mut client = service.client().await;
+    for probe in &expected.probes {
+        let resp = client
+            .score(token_request(&expected.model, probe))
+            .await
+            .unwrap()
+            .into_inner();
+        let got = |pod: &str| {
+            resp.pods
+                .iter()
+                .find(|p| p.pod == pod)
+                .map_or(0, |p| p.matched_blocks)
+        };
+        let want = |pod: &str| probe.expected.get(pod).copied().unwrap_or(0);
+        assert_eq!(got("pod-1"), want("pod-0"), "probe {}", probe.id);
+        for pod in ["pod-0", "pod-2"] {
+            assert_eq!(got(pod), want(pod), "{pod}, probe {}", probe.id);
+        }
+    }
+    drop((new, steady));
+}
