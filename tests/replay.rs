@@ -560,3 +560,64 @@ async fn in_bind_mode_gaps_are_repaired_from_the_configured_replay_endpoints() {
     let (_, m) = service.http_get("/metrics");
     assert!(!m.contains("kv_indexer_replays_requested_total 0\n"), "{m}");
 }
+
+/// The reverse order of a restart right after a catch-up: the pod's engine
+/// restarts, and batches of its new run are lost on the way (among them
+/// the new run's first, so the restart itself shows only in the buffer).
+/// The gaps are repaired from the new run's buffer, and the pod ends with
+/// only the new run's blocks.
+#[tokio::test]
+async fn a_restart_whose_new_run_loses_batches_is_repaired_from_the_new_buffer() {
+    let stream = "qwen3-sha256-int";
+    let expected = load_expected(stream);
+    let (old_name, new_name) = (&expected.pods[1], &expected.pods[0]);
+    let old = VllmPod::start(stream, old_name, PodOptions::default());
+    let topic = old.frames()[0].0.clone();
+    let new_run: Vec<_> = VllmPod::start(stream, new_name, PodOptions::default())
+        .frames()
+        .iter()
+        .map(|(_, seq, payload)| (topic.clone(), *seq, payload.clone()))
+        .collect();
+    let service = Service::start_dialing(std::slice::from_ref(&old.target), &[]).await;
+    old.wait_subscribed(&service, "before").await;
+    old.publish(0, old.batches(), &HashSet::new());
+    let all_old = BTreeMap::from([(old_name.clone(), old.batches() as u64)]);
+    service.wait_applied(&expected.model, &all_old).await;
+
+    let restarted = old.restart(new_run.clone(), PodOptions::default());
+    restarted.wait_subscribed(&service, "after").await;
+    let lost: HashSet<u64> = [0, 1, 7, 20].into_iter().collect();
+    restarted.publish(0, new_run.len(), &lost);
+    let last_seq = new_run.last().map(|b| b.1);
+    service
+        .wait_until("the new run applied, as a restart", async || {
+            service
+                .list_pods(&expected.model)
+                .await
+                .iter()
+                .any(|p| &p.pod == old_name && p.last_seq == last_seq && p.publisher_restarts == 1)
+        })
+        .await;
+    let pod = service
+        .list_pods(&expected.model)
+        .await
+        .into_iter()
+        .find(|p| &p.pod == old_name)
+        .unwrap();
+    assert!(!pod.incomplete && pod.unrecovered_batches == 0, "{pod:?}");
+    let mut client = service.client().await;
+    for probe in &expected.probes {
+        let resp = client
+            .score(token_request(&expected.model, probe))
+            .await
+            .unwrap()
+            .into_inner();
+        let got = resp
+            .pods
+            .iter()
+            .find(|p| &p.pod == old_name)
+            .map_or(0, |p| p.matched_blocks);
+        let want = probe.expected.get(new_name).copied().unwrap_or(0);
+        assert_eq!(got, want, "probe {}: {resp:?}", probe.id);
+    }
+}
