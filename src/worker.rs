@@ -666,8 +666,13 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// A live batch of `topic` was dropped on its way here: each of the
-    /// topic's streams on that connection (one per DP rank) is told.
+    /// A live batch of `topic` was dropped on its way here: the topic's
+    /// stream on that connection is told. The notice names no DP rank (that
+    /// is in the payload, not decoded when dropping): where several ranks'
+    /// streams share the topic and the connection (bind mode), which one
+    /// lost the batch is unknown, and none is told (the gap shows on that
+    /// rank's next batch, as before). Telling all of them would send ranks
+    /// that lost nothing to fetch with another rank's seq.
     fn dropped(&mut self, topic: &Bytes, seq: u64, conn: ConnId) {
         let Some(ranks) = self.by_topic.get(topic) else {
             // No stream yet: its first batch (or a dialed pod's catch-up)
@@ -683,9 +688,8 @@ impl<'a> Worker<'a> {
                     .is_some_and(|s| s.conn.is_none_or(|c| c == conn))
             })
             .collect();
-        let now = Instant::now();
-        for key in keys {
-            self.feed(&key, Input::Dropped { seq }, now);
+        if let [key] = keys.as_slice() {
+            self.feed(key, Input::Dropped { seq }, Instant::now());
         }
     }
 
