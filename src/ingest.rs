@@ -283,13 +283,10 @@ impl Dispatcher {
             Ok((mut frame, owner)) => {
                 frame.replay = replay.cloned();
                 // Never wait on index work: a full queue (in messages or
-                // bytes) drops, the owner is told, and the gap is repaired
-                // through replay.
-                if let Err(frame) =
-                    crate::worker::offer_live(&self.workers, &self.budget, owner, frame)
-                {
+                // bytes) drops, notes the drop for the owner, and the gap
+                // is repaired through replay.
+                if !crate::worker::offer_live(&self.workers, &self.budget, owner, frame) {
                     self.metrics.messages_dropped.inc();
-                    crate::worker::notify_dropped(&self.control, owner, frame);
                     self.dropped.warn(|suppressed| {
                         tracing::warn!(%source, suppressed, "ingest queue full: dropping ZeroMQ messages (raise --ingest-workers or --ingest-queue)")
                     });

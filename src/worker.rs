@@ -48,14 +48,6 @@ pub struct Frame {
 
 pub enum Work {
     Live(Frame),
-    /// A live batch of `topic` dropped on its way to this worker (its
-    /// queue was full): the stream fetches it rather than wait for a later
-    /// batch to show the gap (see `stream::Input::Dropped`).
-    Dropped {
-        topic: Bytes,
-        seq: u64,
-        conn: ConnId,
-    },
     /// A dialed pod's replay buffer for `topic`, fetched when its
     /// connection came up (possibly empty: the stream checks that too).
     CatchUp {
@@ -111,17 +103,37 @@ pub struct RecordReply {
 /// What the ingest queues may hold, in bytes, per worker: a count alone is
 /// either too shallow for a stream of 1-block decode batches (a worker
 /// descheduled for 80 ms dropped 4,096 of them) or, times a 4 MiB message,
-/// far more memory than anyone budgeted.
+/// far more memory than anyone budgeted. And what each queue had to refuse
+/// (see `DroppedBatches`).
 pub struct QueueBudget {
     queued: Vec<AtomicUsize>,
     max_bytes: usize,
+    dropped: Vec<parking_lot::Mutex<DroppedBatches>>,
 }
+
+/// Live batches a worker's full queue refused, newest seq per (topic,
+/// connection), for the worker to fetch from the pods' replay buffers
+/// rather than wait for each pod's next batch to show the gap (which for a
+/// pod gone quiet never comes).
+///
+/// Not a message on a queue: a notice must not overtake the pod's batches
+/// still queued before it (a repair started then would ask for batches
+/// that are on their way, and take them for another run when they come),
+/// and under overload a notice per drop would fill any bounded queue. The
+/// worker takes them only once its queue is empty, when every batch queued
+/// before a drop has been seen; coalesced per topic, they are bounded.
+pub type DroppedBatches = HashMap<(Bytes, ConnId), u64>;
+
+/// Topics with drops noted per worker; past it, a drop is left for the
+/// pod's next batch to show.
+const MAX_DROPPED_TOPICS: usize = 4096;
 
 impl QueueBudget {
     pub fn new(workers: usize, max_bytes: usize) -> Self {
         QueueBudget {
             queued: (0..workers).map(|_| AtomicUsize::new(0)).collect(),
             max_bytes,
+            dropped: (0..workers).map(|_| Default::default()).collect(),
         }
     }
 
@@ -148,44 +160,52 @@ impl QueueBudget {
     pub fn release(&self, worker: usize, n: usize) {
         self.queued[worker].fetch_sub(n, Ordering::Relaxed);
     }
+
+    /// Notes that `worker`'s queue refused `frame`.
+    fn note_dropped(&self, worker: usize, frame: Frame) {
+        let mut dropped = self.dropped[worker].lock();
+        let at_bound = dropped.len() >= MAX_DROPPED_TOPICS;
+        match dropped.entry((frame.topic, frame.conn)) {
+            std::collections::hash_map::Entry::Occupied(mut e) => {
+                *e.get_mut() = (*e.get()).max(frame.seq);
+            }
+            std::collections::hash_map::Entry::Vacant(e) if !at_bound => {
+                e.insert(frame.seq);
+            }
+            std::collections::hash_map::Entry::Vacant(_) => {}
+        }
+    }
+
+    /// The drops noted for `worker` so far, taken.
+    fn take_dropped(&self, worker: usize) -> DroppedBatches {
+        std::mem::take(&mut *self.dropped[worker].lock())
+    }
 }
 
 /// Queues a live batch for `worker` within its queue's bounds in messages
-/// and bytes, never waiting on them: the batch back, with nothing queued,
-/// when either is full. Disconnected only when shutting down: counted as
-/// queued.
+/// and bytes, never waiting on them: false, with nothing queued and the
+/// drop noted for the worker (see `DroppedBatches`), when either is full.
+/// Disconnected only when shutting down: counted as queued.
 pub fn offer_live(
     queues: &[flume::Sender<Work>],
     budget: &QueueBudget,
     worker: usize,
     frame: Frame,
-) -> Result<(), Frame> {
+) -> bool {
     let cost = QueueBudget::cost(&frame);
     if !budget.take(worker, cost) {
-        return Err(frame);
+        budget.note_dropped(worker, frame);
+        return false;
     }
     match queues[worker].try_send(Work::Live(frame)) {
-        Ok(()) | Err(flume::TrySendError::Disconnected(_)) => Ok(()),
+        Ok(()) | Err(flume::TrySendError::Disconnected(_)) => true,
         Err(flume::TrySendError::Full(work)) => {
             budget.release(worker, cost);
-            match work {
-                Work::Live(frame) => Err(frame),
-                _ => unreachable!("the work sent is a live batch"),
+            if let Work::Live(frame) = work {
+                budget.note_dropped(worker, frame);
             }
+            false
         }
-    }
-}
-
-/// Tells `worker` that a live batch for it, `frame`, was dropped (see
-/// `Work::Dropped`), on its control queue, never waiting: with that queue
-/// full too, the gap shows on the pod's next batch, as any gap does.
-pub fn notify_dropped(control: &[flume::Sender<Work>], worker: usize, frame: Frame) {
-    if let Some(queue) = control.get(worker) {
-        let _ = queue.try_send(Work::Dropped {
-            topic: frame.topic,
-            seq: frame.seq,
-            conn: frame.conn,
-        });
     }
 }
 
@@ -387,6 +407,8 @@ impl<'a> Worker<'a> {
             }
             // Both queues empty: wait on either.
             if drained == 0 {
+                // Every batch queued before a drop has been seen.
+                self.fetch_dropped();
                 let wait = if self.tracker.tracked() > 0 {
                     ROUTING_TICK
                 } else {
@@ -428,7 +450,6 @@ impl<'a> Worker<'a> {
                     .release(self.index, QueueBudget::cost(&frame));
                 self.live(frame)
             }
-            Work::Dropped { topic, seq, conn } => self.dropped(&topic, seq, conn),
             Work::CatchUp {
                 topic,
                 replay,
@@ -660,9 +681,17 @@ impl<'a> Worker<'a> {
     /// Hands a live batch to its pod's owner, as the receive loop would
     /// have: within that worker's queue bounds, never waiting on them.
     fn forward_live(&self, to: usize, frame: Frame) {
-        if let Err(frame) = offer_live(&self.config.workers, &self.config.queue_budget, to, frame) {
+        if !offer_live(&self.config.workers, &self.config.queue_budget, to, frame) {
             self.metrics.messages_dropped.inc();
-            notify_dropped(&self.config.control, to, frame);
+        }
+    }
+
+    /// Fetches what this worker's full queue refused (see
+    /// `DroppedBatches`); called with the queue empty.
+    fn fetch_dropped(&mut self) {
+        let dropped = self.config.queue_budget.take_dropped(self.index);
+        for ((topic, conn), seq) in dropped {
+            self.dropped(&topic, seq, conn);
         }
     }
 

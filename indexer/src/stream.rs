@@ -214,6 +214,11 @@ struct Repair<B> {
     /// before a restart was seen, so may be the old run's): the reply
     /// supplies them, and their live copies will not come again.
     seen: Option<u64>,
+    /// Batches of this run up to this seq were received and not kept (a
+    /// full queue or buffer dropped them): a reply that ends before it
+    /// (asked for before they were published) is asked again. Unlike
+    /// `seen`, known to exist in the run the repair is about.
+    owed: Option<u64>,
 }
 
 impl<B> Stream<B> {
@@ -346,7 +351,7 @@ impl<B> Stream<B> {
             } else if b.seq >= repair.from {
                 if repair.buffered.len() >= self.limits.max_buffered {
                     // The reply, or a later round, must reach it.
-                    repair.seen = repair.seen.max(Some(b.seq));
+                    repair.owe(b.seq);
                     out.push(Action::Note(Note::BufferFull));
                 } else {
                     repair.buffered.insert(b.seq, (b.fingerprint, b.batch));
@@ -396,7 +401,7 @@ impl<B> Stream<B> {
         }
         if let Some(repair) = &mut self.repair {
             if seq >= repair.from {
-                repair.seen = repair.seen.max(Some(seq));
+                repair.owe(seq);
             }
             return;
         }
@@ -407,7 +412,10 @@ impl<B> Stream<B> {
             from,
             to: seq.saturating_add(1),
         }));
-        self.start_repair(from, 1, BTreeMap::new(), Some(seq), out);
+        self.start_repair(from, 1, BTreeMap::new(), None, out);
+        if let Some(repair) = &mut self.repair {
+            repair.owe(seq);
+        }
     }
 
     /// The publisher restarted: everything known about its old run goes.
@@ -454,6 +462,7 @@ impl<B> Stream<B> {
             round,
             buffered,
             seen,
+            owed: None,
         });
         self.fetch(Duration::ZERO, out);
     }
@@ -750,7 +759,38 @@ impl<B> Stream<B> {
                 repair.seen.filter(|s| *s >= from),
                 out,
             );
+            if let (Some(owed), Some(next)) = (repair.owed.filter(|s| *s >= from), &mut self.repair)
+            {
+                next.owe(owed);
+            }
+            return;
         }
+        // Batches up to `owed` were received and not kept: their live
+        // copies will not come again. A reply that ended before them (it
+        // was asked for before they were published) is asked again; after
+        // the last round, the pod's next batch shows the gap, as any gap.
+        let Some(owed) = repair.owed.filter(|s| self.upto.is_none_or(|u| u < *s)) else {
+            return;
+        };
+        if last_round {
+            return;
+        }
+        let from = self.expected().unwrap_or(repair.from);
+        let round = repair.round + 1;
+        out.push(Action::Note(Note::NextRound { from, round }));
+        self.start_repair(from, round, BTreeMap::new(), None, out);
+        if let Some(repair) = &mut self.repair {
+            repair.owe(owed);
+        }
+    }
+}
+
+impl<B> Repair<B> {
+    /// Batch `seq` of this run was received and not kept: the reply must
+    /// reach it (see `owed`).
+    fn owe(&mut self, seq: u64) {
+        self.seen = self.seen.max(Some(seq));
+        self.owed = self.owed.max(Some(seq));
     }
 }
 

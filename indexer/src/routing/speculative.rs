@@ -101,9 +101,14 @@ impl Speculative {
         if self.len() + keys.len() > self.max_entries {
             self.sweep_locked(&mut spec, now);
         }
-        let room = self.max_entries.saturating_sub(self.len());
+        // Room reserved up front, the unused part given back: pods'
+        // writers run on several workers at once, and each reading the
+        // room left and then adding could together pass the bound.
+        let want = keys.len();
+        let before = self.entries.fetch_add(want, Ordering::Relaxed);
+        let room = self.max_entries.saturating_sub(before).min(want);
         let (written, new) = spec.insert(keys, until, room);
-        self.entries.fetch_add(new, Ordering::Relaxed);
+        self.entries.fetch_sub(want - new, Ordering::Relaxed);
         written
     }
 

@@ -464,6 +464,24 @@ fn a_batch_past_a_full_repair_buffer_is_still_fetched() {
     assert_eq!(applied(&out), vec![1, 2, 3]);
 }
 
+/// A drop noted after the fetch went out, past the end of its reply: the
+/// batch was received and not kept, so it will not come again live; the
+/// repair asks again and applies it.
+#[test]
+fn a_drop_past_the_replys_end_is_asked_for_again() {
+    let mut h = Harness::new(true);
+    h.live(0, 10);
+    assert_eq!(h.live(2, 12), vec![gap(1, 2), fetch(0, 1)]);
+    assert!(h.feed(Input::Dropped { seq: 4 }).is_empty());
+    // The pod answered before it had published 3 and 4.
+    let out = h.reply(1, (0..3).map(|s| b(s, 10 + s)).collect());
+    assert_eq!(applied(&out), vec![1, 2]);
+    assert_eq!(out.last(), Some(&fetch(2, 2)), "asked again: {out:?}");
+    let out = h.reply(2, (0..5).map(|s| b(s, 10 + s)).collect());
+    assert_eq!(applied(&out), vec![3, 4]);
+    assert!(!h.stream.repairing());
+}
+
 #[test]
 fn only_a_disconnected_silent_stream_expires() {
     let mut h = Harness::new(false);
