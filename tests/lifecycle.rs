@@ -164,24 +164,9 @@ async fn a_pod_restarted_under_its_name_before_its_old_connection_closes_is_its_
     let pods = service.list_pods(&expected.model).await;
     let restarted = pods.iter().find(|p| p.pod == "pod-1").expect("pod-1 kept");
     assert_eq!(restarted.connection, "connected", "{restarted:?}");
-    let mut client = service.client().await;
-    for probe in &expected.probes {
-        let resp = client
-            .score(token_request(&expected.model, probe))
-            .await
-            .unwrap()
-            .into_inner();
-        let got = |pod: &str| {
-            resp.pods
-                .iter()
-                .find(|p| p.pod == pod)
-                .map_or(0, |p| p.matched_blocks)
-        };
-        let want = |pod: &str| probe.expected.get(pod).copied().unwrap_or(0);
-        assert_eq!(got("pod-1"), want("pod-0"), "probe {}", probe.id);
-        for pod in ["pod-0", "pod-2"] {
-            assert_eq!(got(pod), want(pod), "{pod}, probe {}", probe.id);
-        }
+    assert_answers_as(&service, &expected, "pod-1", "pod-0").await;
+    for pod in ["pod-0", "pod-2"] {
+        assert_answers_as(&service, &expected, pod, pod).await;
     }
     drop((new, steady));
 }

@@ -57,6 +57,46 @@ impl Fleet {
     }
 }
 
+/// `new_name`'s recorded batches under `old`'s topic: a new run for
+/// `old`'s engine after a restart.
+fn new_run_for(stream: &str, old: &VllmPod, new_name: &str) -> Vec<common::vllm_pod::Batch> {
+    let topic = old.frames()[0].0.clone();
+    VllmPod::start(stream, new_name, PodOptions::default())
+        .frames()
+        .iter()
+        .map(|(_, seq, payload)| (topic.clone(), *seq, payload.clone()))
+        .collect()
+}
+
+/// Waits until `pod` applied the new run up to `last_seq`, as its one
+/// restart.
+async fn wait_restarted(service: &Service, model: &str, pod: &str, last_seq: Option<u64>) {
+    service
+        .wait_until("the new run applied, as a restart", async || {
+            service
+                .list_pods(model)
+                .await
+                .iter()
+                .any(|p| p.pod == pod && p.last_seq == last_seq && p.publisher_restarts == 1)
+        })
+        .await;
+}
+
+/// Every batch of the fleet applied, every probe exact, every pod complete,
+/// and some of it through replay.
+async fn assert_repaired(service: &Service, fleet: &Fleet) {
+    service
+        .wait_applied(&fleet.expected.model, &fleet.per_pod)
+        .await;
+    check_probes(service, &fleet.expected).await;
+    for pod in service.list_pods(&fleet.expected.model).await {
+        assert!(!pod.incomplete, "{pod:?}");
+        assert_eq!(pod.unrecovered_batches, 0, "{pod:?}");
+    }
+    let (_, m) = service.http_get("/metrics");
+    assert!(!m.contains("kv_indexer_replays_requested_total 0\n"), "{m}");
+}
+
 /// Every 5th batch of each pod never arrives live (PUB dropped it); each
 /// gap is noticed on the next batch and filled from the replay socket.
 #[tokio::test]
@@ -320,12 +360,7 @@ async fn a_pod_restarted_right_after_a_catch_up_ends_with_only_its_new_blocks() 
     let (old_name, new_name) = (&expected.pods[1], &expected.pods[0]);
     let old = VllmPod::start(stream, old_name, PodOptions::default());
     // The new run: another pod's recorded batches, under this pod's topic.
-    let topic = old.frames()[0].0.clone();
-    let new_run: Vec<_> = VllmPod::start(stream, new_name, PodOptions::default())
-        .frames()
-        .iter()
-        .map(|(_, seq, payload)| (topic.clone(), *seq, payload.clone()))
-        .collect();
+    let new_run = new_run_for(stream, &old, new_name);
     assert!(
         new_run.len() < old.batches(),
         "the new run's seqs all lie within what was caught up"
@@ -340,31 +375,9 @@ async fn a_pod_restarted_right_after_a_catch_up_ends_with_only_its_new_blocks() 
     restarted.wait_subscribed(&service, "after-restart").await;
     restarted.publish(0, new_run.len(), &HashSet::new());
     let last_seq = new_run.last().map(|b| b.1);
-    service
-        .wait_until("the new run applied", async || {
-            service
-                .list_pods(&expected.model)
-                .await
-                .iter()
-                .any(|p| &p.pod == old_name && p.last_seq == last_seq && p.publisher_restarts == 1)
-        })
-        .await;
+    wait_restarted(&service, &expected.model, old_name, last_seq).await;
     // Every probe: the restarted pod now answers what the new run's pod did.
-    let mut client = service.client().await;
-    for probe in &expected.probes {
-        let resp = client
-            .score(token_request(&expected.model, probe))
-            .await
-            .unwrap()
-            .into_inner();
-        let got = resp
-            .pods
-            .iter()
-            .find(|p| &p.pod == old_name)
-            .map_or(0, |p| p.matched_blocks);
-        let want = probe.expected.get(new_name).copied().unwrap_or(0);
-        assert_eq!(got, want, "probe {}: {resp:?}", probe.id);
-    }
+    assert_answers_as(&service, &expected, old_name, new_name).await;
 }
 
 /// A pod whose engine restarted while the indexer was down, and whose new
@@ -381,12 +394,7 @@ async fn a_pod_restarted_while_the_indexer_was_down_ends_with_only_its_new_block
     let dir = tempfile::tempdir().unwrap();
     let snap = dir.path().to_str().unwrap();
     let old = VllmPod::start(stream, old_name, PodOptions::default());
-    let topic = old.frames()[0].0.clone();
-    let new_run: Vec<_> = VllmPod::start(stream, new_name, PodOptions::default())
-        .frames()
-        .iter()
-        .map(|(_, seq, payload)| (topic.clone(), *seq, payload.clone()))
-        .collect();
+    let new_run = new_run_for(stream, &old, new_name);
     // The old run's first batches, snapshotted; the new run goes past them.
     let before = (new_run.len() / 2).min(old.batches());
     assert!(before > 0 && new_run.len() > before);
@@ -405,30 +413,8 @@ async fn a_pod_restarted_while_the_indexer_was_down_ends_with_only_its_new_block
     )
     .await;
     let last_seq = new_run.last().map(|b| b.1);
-    second
-        .wait_until("the new run applied, as a restart", async || {
-            second
-                .list_pods(&expected.model)
-                .await
-                .iter()
-                .any(|p| &p.pod == old_name && p.last_seq == last_seq && p.publisher_restarts == 1)
-        })
-        .await;
-    let mut client = second.client().await;
-    for probe in &expected.probes {
-        let resp = client
-            .score(token_request(&expected.model, probe))
-            .await
-            .unwrap()
-            .into_inner();
-        let got = resp
-            .pods
-            .iter()
-            .find(|p| &p.pod == old_name)
-            .map_or(0, |p| p.matched_blocks);
-        let want = probe.expected.get(new_name).copied().unwrap_or(0);
-        assert_eq!(got, want, "probe {}: {resp:?}", probe.id);
-    }
+    wait_restarted(&second, &expected.model, old_name, last_seq).await;
+    assert_answers_as(&second, &expected, old_name, new_name).await;
 }
 
 /// Overload, then repair: the service's ingest queue holds one message,
@@ -457,14 +443,7 @@ async fn batches_dropped_by_a_full_ingest_queue_are_repaired_from_the_replay_buf
     service
         .wait_metric("kv_indexer_messages_dropped_total", |v| v > 0.0)
         .await;
-    service
-        .wait_applied(&fleet.expected.model, &fleet.per_pod)
-        .await;
-    check_probes(&service, &fleet.expected).await;
-    for pod in service.list_pods(&fleet.expected.model).await {
-        assert!(!pod.incomplete, "{pod:?}");
-        assert_eq!(pod.unrecovered_batches, 0, "{pod:?}");
-    }
+    assert_repaired(&service, &fleet).await;
 }
 
 /// A crash (-9) some time after a periodic snapshot: the restored state is
@@ -549,16 +528,7 @@ async fn in_bind_mode_gaps_are_repaired_from_the_configured_replay_endpoints() {
             publisher.send(f.message()).await;
         }
     }
-    service
-        .wait_applied(&fleet.expected.model, &fleet.per_pod)
-        .await;
-    check_probes(&service, &fleet.expected).await;
-    for pod in service.list_pods(&fleet.expected.model).await {
-        assert!(!pod.incomplete, "{pod:?}");
-        assert_eq!(pod.unrecovered_batches, 0, "{pod:?}");
-    }
-    let (_, m) = service.http_get("/metrics");
-    assert!(!m.contains("kv_indexer_replays_requested_total 0\n"), "{m}");
+    assert_repaired(&service, &fleet).await;
 }
 
 /// The reverse order of a restart right after a catch-up: the pod's engine
@@ -572,12 +542,7 @@ async fn a_restart_whose_new_run_loses_batches_is_repaired_from_the_new_buffer()
     let expected = load_expected(stream);
     let (old_name, new_name) = (&expected.pods[1], &expected.pods[0]);
     let old = VllmPod::start(stream, old_name, PodOptions::default());
-    let topic = old.frames()[0].0.clone();
-    let new_run: Vec<_> = VllmPod::start(stream, new_name, PodOptions::default())
-        .frames()
-        .iter()
-        .map(|(_, seq, payload)| (topic.clone(), *seq, payload.clone()))
-        .collect();
+    let new_run = new_run_for(stream, &old, new_name);
     let service = Service::start_dialing(std::slice::from_ref(&old.target), &[]).await;
     old.wait_subscribed(&service, "before").await;
     old.publish(0, old.batches(), &HashSet::new());
@@ -589,15 +554,7 @@ async fn a_restart_whose_new_run_loses_batches_is_repaired_from_the_new_buffer()
     let lost: HashSet<u64> = [0, 1, 7, 20].into_iter().collect();
     restarted.publish(0, new_run.len(), &lost);
     let last_seq = new_run.last().map(|b| b.1);
-    service
-        .wait_until("the new run applied, as a restart", async || {
-            service
-                .list_pods(&expected.model)
-                .await
-                .iter()
-                .any(|p| &p.pod == old_name && p.last_seq == last_seq && p.publisher_restarts == 1)
-        })
-        .await;
+    wait_restarted(&service, &expected.model, old_name, last_seq).await;
     let pod = service
         .list_pods(&expected.model)
         .await
@@ -605,19 +562,5 @@ async fn a_restart_whose_new_run_loses_batches_is_repaired_from_the_new_buffer()
         .find(|p| &p.pod == old_name)
         .unwrap();
     assert!(!pod.incomplete && pod.unrecovered_batches == 0, "{pod:?}");
-    let mut client = service.client().await;
-    for probe in &expected.probes {
-        let resp = client
-            .score(token_request(&expected.model, probe))
-            .await
-            .unwrap()
-            .into_inner();
-        let got = resp
-            .pods
-            .iter()
-            .find(|p| &p.pod == old_name)
-            .map_or(0, |p| p.matched_blocks);
-        let want = probe.expected.get(new_name).copied().unwrap_or(0);
-        assert_eq!(got, want, "probe {}: {resp:?}", probe.id);
-    }
+    assert_answers_as(&service, &expected, old_name, new_name).await;
 }

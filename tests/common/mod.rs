@@ -637,6 +637,26 @@ pub async fn check_probes(service: &Service, expected: &Expected) {
     }
 }
 
+/// Every probe of `expected`: `pod` answers what the recording says
+/// `as_pod` held (a pod whose engine restarted with another pod's run).
+pub async fn assert_answers_as(service: &Service, expected: &Expected, pod: &str, as_pod: &str) {
+    let mut client = service.client().await;
+    for probe in &expected.probes {
+        let resp = client
+            .score(token_request(&expected.model, probe))
+            .await
+            .expect("Score")
+            .into_inner();
+        let got = resp
+            .pods
+            .iter()
+            .find(|p| p.pod == pod)
+            .map_or(0, |p| p.matched_blocks);
+        let want = probe.expected.get(as_pod).copied().unwrap_or(0);
+        assert_eq!(got, want, "{pod} as {as_pod}, probe {}: {resp:?}", probe.id);
+    }
+}
+
 pub fn assert_matches(resp: &pb::ScoreResponse, probe: &Probe) {
     let got: HashMap<&str, u32> = resp
         .pods
