@@ -17,7 +17,11 @@
 //!   a replay endpoint, later live batches are buffered (at most
 //!   `max_buffered`) while the missing range is fetched; replayed and
 //!   buffered batches are merged by seq and applied once each. Without one,
-//!   the batch applies and the gap is reported lost.
+//!   the batch applies and the gap is reported lost. A batch the owner
+//!   received but dropped ([`Input::Dropped`]: its queue was full) is a gap
+//!   known before any later batch shows it, and is fetched the same way;
+//!   a reply that ends before it is asked again (its live copy will not
+//!   come).
 //! - **Duplicates are recognised by content, not by seq alone.** Each batch
 //!   comes with a fingerprint (a hash of its payload). A batch whose seq and
 //!   fingerprint equal one already applied (one of the last few, or one applied
@@ -35,8 +39,10 @@
 //!   catch-up after a reconnect must still hold the newest batch received
 //!   before the connection dropped; a different batch there is a restart
 //!   ([`Action::Unverified`] when the buffer no longer reaches back that
-//!   far). Live batches buffered before a restart showed are not trusted:
-//!   the pod's buffer is asked for their seqs again.
+//!   far). A stream restored from a snapshot remembers the snapshot's last
+//!   batch as applied, and checks it the same way. Live batches buffered
+//!   before a restart showed are not trusted: the pod's buffer is asked
+//!   for their seqs again.
 //! - **Bounded repair.** A failed fetch is retried `max_attempts` times
 //!   with backoff; a reply only covers what the pod had published when it
 //!   answered, so a range past it is asked again, `max_rounds` times at
