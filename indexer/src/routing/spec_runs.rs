@@ -10,7 +10,8 @@
 //! by side, so a prompt's walk reads them in order and probes the map only
 //! where the log stops following the prompt (see `run_from`). On the score bench's case of 16 pods sent a 2,048-block
 //! prompt, that is one probe per pod instead of 2,048, and `Score` took
-//! 36 us instead of 127 (113 instead of 582 with the index out of cache).
+//! 34-35 us instead of 127 (116-123 instead of 582 with the index out of
+//! cache).
 //!
 //! The map (`at`) still names every live entry's place, and each entry is
 //! in exactly one place. An entry that ends (superseded, or past its end at
