@@ -34,6 +34,8 @@ enum Op {
 enum Fate {
     Deliver,
     Drop,
+    /// Received, then dropped by the owner, who says so (`Input::Dropped`).
+    Noted,
     Twice,
 }
 
@@ -41,8 +43,26 @@ fn op(replayable: bool) -> impl Strategy<Value = Op> {
     let fate = prop_oneof![
         6 => Just(Fate::Deliver),
         2 => Just(Fate::Drop),
+        1 => Just(Fate::Noted),
         1 => Just(Fate::Twice),
     ];
+    ops_of(fate, replayable)
+}
+
+/// Histories whose lost batches are all noted ones.
+fn noted_op() -> impl Strategy<Value = Op> {
+    let fate = prop_oneof![
+        6 => Just(Fate::Deliver),
+        3 => Just(Fate::Noted),
+        1 => Just(Fate::Twice),
+    ];
+    ops_of(fate, true)
+}
+
+fn ops_of(
+    fate: impl Strategy<Value = Fate> + 'static,
+    replayable: bool,
+) -> impl Strategy<Value = Op> {
     prop_oneof![
         12 => fate.prop_map(Op::Publish),
         1 => Just(Op::Restart),
@@ -124,6 +144,7 @@ impl World {
                 match fate {
                     Fate::Deliver => self.deliver(seq, fp),
                     Fate::Drop => {}
+                    Fate::Noted => self.feed(Input::Dropped { seq }),
                     Fate::Twice => {
                         self.deliver(seq, fp);
                         self.deliver(seq, fp);
@@ -163,10 +184,13 @@ impl World {
         self.feed(Input::Replayed { ticket, result });
     }
 
-    /// Quiet again: a last batch shows any gap at the end, a due catch-up
+    /// Quiet again: a last batch shows any gap at the end (unless
+    /// `trailing` is false: the pod just goes quiet), a due catch-up
     /// arrives, every fetch is answered.
-    fn settle(&mut self) {
-        self.run(Op::Publish(Fate::Deliver));
+    fn settle(&mut self, trailing: bool) {
+        if trailing {
+            self.run(Op::Publish(Fate::Deliver));
+        }
         self.run(Op::CatchUp);
         for _ in 0..1000 {
             if self.fetches.is_empty() {
@@ -198,6 +222,25 @@ fn check(
     must_be_exact: bool,
     complete_means_exact: bool,
 ) {
+    check_settled(
+        replayable,
+        buffer,
+        ops,
+        must_be_exact,
+        complete_means_exact,
+        true,
+    );
+}
+
+/// `check`, the history ending with a last delivered batch or not.
+fn check_settled(
+    replayable: bool,
+    buffer: usize,
+    ops: &[Op],
+    must_be_exact: bool,
+    complete_means_exact: bool,
+    trailing: bool,
+) {
     let mut world = World::new(replayable, buffer);
     for &op in ops {
         world.run(op);
@@ -208,7 +251,7 @@ fn check(
             world.applied
         );
     }
-    world.settle();
+    world.settle(trailing);
     if must_be_exact {
         assert!(!world.lost_since_restart, "nothing was lost for good");
     }
@@ -248,7 +291,20 @@ proptest! {
     fn without_replay_complete_means_exact(
         ops in prop::collection::vec(op(false), 1..80),
     ) {
-        let drops = ops.iter().any(|o| matches!(o, Op::Publish(Fate::Drop)));
+        let drops = ops
+            .iter()
+            .any(|o| matches!(o, Op::Publish(Fate::Drop | Fate::Noted)));
         check(false, 0, &ops, !drops, !drops);
+    }
+
+    /// Every lost batch noted by the owner, and no last batch to show a
+    /// gap at the end (the pod goes quiet): every history still ends
+    /// exact, the noted drops fetched from the buffer.
+    #[test]
+    fn with_replay_noted_drops_end_exact_without_a_later_batch(
+        ops in prop::collection::vec(noted_op(), 1..80),
+    ) {
+        let failures = ops.iter().filter(|o| matches!(o, Op::Answer { fail: true })).count();
+        check_settled(true, 10_000, &ops, failures < 4, true, false);
     }
 }
