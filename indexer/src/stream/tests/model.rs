@@ -1,5 +1,6 @@
 //! Random histories against a reference model: a publisher with restarts
-//! and a bounded replay buffer, a network that drops and duplicates,
+//! and a bounded replay buffer, a network that drops and duplicates (and
+//! an owner that drops batches it received, and says so),
 //! fetches answered late, partially or not at all, catch-ups that race the
 //! live batches. (No reordering within a connection: ZeroMQ delivers a
 //! connection's messages in order, and a batch arriving after a later one
