@@ -264,24 +264,35 @@ impl Indexer {
 
     /// Records a model's offloaded block size, as `learn_block_size` does.
     pub(super) fn learn_offload_block_size(&self, model: &str, size: u32) {
-        let known = self.table.read().model(model).map(|m| m.offload_block_size);
+        self.learn_model_size(
+            model,
+            size,
+            |m| m.offload_block_size,
+            |m, s| m.offload_block_size = s,
+        );
+    }
+
+    /// Records a model's block size (a pod's events said so).
+    pub(super) fn learn_block_size(&self, model: &str, block_size: u32) {
+        self.learn_model_size(model, block_size, |m| m.block_size, |m, s| m.block_size = s);
+    }
+
+    /// Records a size a pod's events gave for its model (read by `get`,
+    /// written by `set`). Every new pod says so once: the write lock only
+    /// when it changes.
+    fn learn_model_size(
+        &self,
+        model: &str,
+        size: u32,
+        get: impl Fn(&ModelEntry) -> u32,
+        set: impl FnOnce(&mut ModelEntry, u32),
+    ) {
+        let known = self.table.read().model(model).map(get);
         if known.is_none_or(|s| s == size) {
             return;
         }
         if let Some(m) = self.table.write().model_mut(model) {
-            m.offload_block_size = size;
-        }
-    }
-
-    /// Records a model's block size (a pod's events said so). Every new
-    /// pod says so once: the write lock only when it changes.
-    pub(super) fn learn_block_size(&self, model: &str, block_size: u32) {
-        let known = self.table.read().model(model).map(|m| m.block_size);
-        if known.is_none_or(|bs| bs == block_size) {
-            return;
-        }
-        if let Some(m) = self.table.write().model_mut(model) {
-            m.block_size = block_size;
+            set(m, size);
         }
     }
 }
