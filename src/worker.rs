@@ -209,23 +209,6 @@ pub fn offer_live(
     }
 }
 
-/// A pod's stream state machine, continuing after `upto` (the last seq a
-/// snapshot restored; `None`: a new pod) and remembering that batch's
-/// fingerprint, when the snapshot has it, as applied.
-fn restored_stream(
-    limits: StreamLimits,
-    replayable: bool,
-    upto: Option<u64>,
-    last: Option<Fingerprint>,
-    now: Instant,
-) -> StreamMachine<EventBatch> {
-    let machine = StreamMachine::new(limits, replayable, upto, now);
-    match last {
-        Some(fingerprint) => machine.restored_batch(fingerprint),
-        None => machine,
-    }
-}
-
 /// A pod's topic and DP rank: one seq space.
 pub type StreamKey = (Bytes, Option<u32>);
 
@@ -953,16 +936,34 @@ impl<'a> Worker<'a> {
         }
         // A pod restored from a snapshot continues after its last seq, if
         // its buffer shows that batch is still its own.
-        let (upto, last) = self.indexer.last_batch(&pod);
+        let machine = self.restored_machine(&pod, replay.is_some(), now);
+        let upto = machine.last_seq();
         self.new_pod_log.warn(|suppressed| {
             tracing::info!(pod = %pod.name, model = %pod.model, replay = ?replay, ?upto, suppressed, "new pod")
         });
         Some(Stream {
-            machine: restored_stream(self.config.stream_limits, replay.is_some(), upto, last, now),
+            machine,
             pod,
             replay,
             conn: None,
         })
+    }
+
+    /// `pod`'s stream state machine, continuing after the last seq the
+    /// index has for it (a snapshot's; none for a new pod) and remembering
+    /// that batch's fingerprint, when the snapshot has it, as applied.
+    fn restored_machine(
+        &self,
+        pod: &Pod,
+        replayable: bool,
+        now: Instant,
+    ) -> StreamMachine<EventBatch> {
+        let (upto, last) = self.indexer.last_batch(pod);
+        let machine = StreamMachine::new(self.config.stream_limits, replayable, upto, now);
+        match last {
+            Some(fingerprint) => machine.restored_batch(fingerprint),
+            None => machine,
+        }
     }
 
     /// A pod restored from a snapshot, not heard from yet: disconnected
@@ -984,9 +985,7 @@ impl<'a> Worker<'a> {
             .replay_endpoints
             .get(&pod.topic_pod)
             .map(|e| Arc::from(e.as_str()));
-        let (upto, last) = self.indexer.last_batch(&pod);
-        let mut machine =
-            restored_stream(self.config.stream_limits, replay.is_some(), upto, last, now);
+        let mut machine = self.restored_machine(&pod, replay.is_some(), now);
         machine.handle(Input::Connection { up: false }, now, &mut Vec::new());
         pod.set_connection(Connection::Disconnected);
         self.insert_stream(
