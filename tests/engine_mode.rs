@@ -45,14 +45,8 @@ async fn engine_keys_after_a_late_start_never_overclaim() {
     let stream = "qwen3-sha256-int";
     let skip = load_frames(stream).len() / 2;
     let (service, expected) = replay(stream, &["--key-mode", "engine"], skip).await;
-    let mut client = service.client().await;
     let (mut got_total, mut want_total) = (0u64, 0u64);
-    for probe in &expected.probes {
-        let resp = client
-            .score(token_request(&expected.model, probe))
-            .await
-            .expect("Score")
-            .into_inner();
+    for (probe, resp) in probe_answers(&service, &expected).await {
         let got: HashMap<String, u32> = resp
             .pods
             .into_iter()

@@ -368,12 +368,7 @@ async fn exact_matches_on_the_fixture_streams_are_unchanged_with_routings_interl
             .await;
         check_probes(&service, &expected).await;
         // And every pod's speculative count covers at least its exact one.
-        for probe in &expected.probes {
-            let resp = client
-                .score(token_request(&expected.model, probe))
-                .await
-                .expect("Score")
-                .into_inner();
+        for (_, resp) in probe_answers(&service, &expected).await {
             for p in &resp.pods {
                 assert!(p.speculative_blocks >= p.matched_blocks, "{p:?}");
             }

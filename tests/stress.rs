@@ -228,13 +228,7 @@ async fn churn_while_scoring_leaves_the_untouched_pods_exact_throughout() {
                         .expect("Score")
                         .into_inner();
                     for pod in untouched {
-                        let got = resp
-                            .pods
-                            .iter()
-                            .find(|p| p.pod == pod)
-                            .map_or(0, |p| p.matched_blocks);
-                        let want = probe.expected.get(pod).copied().unwrap_or(0);
-                        assert_eq!(got, want, "{pod}, probe {}, under churn", probe.id);
+                        assert_answer_as(&resp, probe, pod, pod);
                     }
                     answers += 1;
                 }

@@ -624,15 +624,27 @@ pub fn token_request(model: &str, probe: &Probe) -> pb::ScoreRequest {
     }
 }
 
-/// Scores every probe by token ids and checks every pod's matched blocks.
-pub async fn check_probes(service: &Service, expected: &Expected) {
+/// Scores every probe of `expected` by token ids, in order.
+pub async fn probe_answers<'a>(
+    service: &Service,
+    expected: &'a Expected,
+) -> Vec<(&'a Probe, pb::ScoreResponse)> {
     let mut client = service.client().await;
+    let mut answers = Vec::with_capacity(expected.probes.len());
     for probe in &expected.probes {
         let resp = client
             .score(token_request(&expected.model, probe))
             .await
             .expect("Score")
             .into_inner();
+        answers.push((probe, resp));
+    }
+    answers
+}
+
+/// Scores every probe by token ids and checks every pod's matched blocks.
+pub async fn check_probes(service: &Service, expected: &Expected) {
+    for (probe, resp) in probe_answers(service, expected).await {
         assert_matches(&resp, probe);
     }
 }
@@ -640,21 +652,21 @@ pub async fn check_probes(service: &Service, expected: &Expected) {
 /// Every probe of `expected`: `pod` answers what the recording says
 /// `as_pod` held (a pod whose engine restarted with another pod's run).
 pub async fn assert_answers_as(service: &Service, expected: &Expected, pod: &str, as_pod: &str) {
-    let mut client = service.client().await;
-    for probe in &expected.probes {
-        let resp = client
-            .score(token_request(&expected.model, probe))
-            .await
-            .expect("Score")
-            .into_inner();
-        let got = resp
-            .pods
-            .iter()
-            .find(|p| p.pod == pod)
-            .map_or(0, |p| p.matched_blocks);
-        let want = probe.expected.get(as_pod).copied().unwrap_or(0);
-        assert_eq!(got, want, "{pod} as {as_pod}, probe {}: {resp:?}", probe.id);
+    for (probe, resp) in probe_answers(service, expected).await {
+        assert_answer_as(&resp, probe, pod, as_pod);
     }
+}
+
+/// `resp` gives `pod` the blocks the recording says `as_pod` held for
+/// `probe` (`as_pod` = `pod`: its own).
+pub fn assert_answer_as(resp: &pb::ScoreResponse, probe: &Probe, pod: &str, as_pod: &str) {
+    let got = resp
+        .pods
+        .iter()
+        .find(|p| p.pod == pod)
+        .map_or(0, |p| p.matched_blocks);
+    let want = probe.expected.get(as_pod).copied().unwrap_or(0);
+    assert_eq!(got, want, "{pod} as {as_pod}, probe {}: {resp:?}", probe.id);
 }
 
 pub fn assert_matches(resp: &pb::ScoreResponse, probe: &Probe) {
