@@ -16,6 +16,7 @@ pub mod offload;
 pub mod pod;
 pub mod repeats;
 pub mod routing;
+pub mod runs;
 pub mod scheme;
 pub mod score;
 pub mod snapshot;

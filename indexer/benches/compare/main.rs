@@ -24,7 +24,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use contenders::{Contender, DynamoPositional, DynamoRadix, Input, Ours, Smg};
+use contenders::{Contender, DynamoPositional, DynamoRadix, Input, Ours, Runs, Smg};
 use serde_json::{json, Value};
 use trace::{Params, Trace};
 
@@ -617,13 +617,15 @@ fn env_filter(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-/// Ours and the peers (`positional`: Dynamo's positional indexer too, which
-/// needs the engine's own hashes), less those `COMPARE_ONLY=ours` (or
-/// `dynamo`, `smg`, ...) leaves out, for profiling one indexer.
-fn contenders(positional: bool) -> Vec<Entry> {
+/// Ours and the peers (`pre_hashed`: also those that need the engine's own
+/// hashes, Dynamo's positional indexer and `runs`, the layout the redesign
+/// is measured with), less those `COMPARE_ONLY=ours` (or `dynamo`, `smg`,
+/// ...) leaves out, for profiling one indexer.
+fn contenders(pre_hashed: bool) -> Vec<Entry> {
     let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
-    if positional {
+    if pre_hashed {
         entries.push(entry::<DynamoPositional>());
+        entries.push(entry::<Runs>());
     }
     let only = env_filter("COMPARE_ONLY");
     entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
@@ -651,7 +653,7 @@ fn for_each_profiled(queries_per_size: usize, mut each: impl FnMut(&Fleet, &Trac
             if input_only.as_deref().is_some_and(|i| i != input.name()) {
                 continue;
             }
-            for e in &contenders(false) {
+            for e in &contenders(input == Input::PreHashed) {
                 each(fleet, &trace, input, e);
             }
         }
