@@ -199,32 +199,11 @@ impl Contender for Ours {
 // ---------------------------------------------------------------- runs
 
 /// `indexer::runs::RunIndex`, the layout the index redesign is measured
-/// with (pre-hashed only: it has no token keys yet). One writer; readers
-/// share a lock with it, as nothing lock-free is built yet.
+/// with (pre-hashed only: it has no token keys yet). Applied on the
+/// caller's thread; readers never wait for it.
 pub struct Runs {
-    ix: parking_lot::RwLock<indexer::runs::RunIndex>,
-    /// A reader is spinning for the lock: the writer lets it in before
-    /// taking the lock again (a writer applying back to back would
-    /// otherwise take it again at once, every time).
-    reader_waiting: std::sync::atomic::AtomicBool,
+    ix: indexer::runs::RunIndex,
 }
-
-impl Runs {
-    fn write(&self) -> parking_lot::RwLockWriteGuard<'_, indexer::runs::RunIndex> {
-        for _ in 0..4096 {
-            if !self
-                .reader_waiting
-                .load(std::sync::atomic::Ordering::Relaxed)
-            {
-                break;
-            }
-            std::hint::spin_loop();
-        }
-        self.ix.write()
-    }
-}
-
-const RUNS_GROUP: usize = 32;
 
 pub enum RunsEvent {
     Stored {
@@ -249,7 +228,6 @@ impl Contender for Runs {
         assert_eq!(input, Input::PreHashed, "runs: engine hashes only");
         Runs {
             ix: Default::default(),
-            reader_waiting: Default::default(),
         }
     }
 
@@ -273,38 +251,19 @@ impl Contender for Runs {
         path.iter().map(|n| nodes.engine[*n as usize]).collect()
     }
 
-    /// Under the write lock `RUNS_GROUP` blocks at a time, as ours holds a
-    /// shard: a reader waits out one group, not a 2,048-block prefill.
     fn apply(&self, (pod, events): Self::Batch) {
         for e in &events {
             match e {
-                RunsEvent::Stored { parent, hashes } => {
-                    let mut parent = *parent;
-                    for group in hashes.chunks(RUNS_GROUP) {
-                        self.write().store(pod, parent, group);
-                        parent = group.last().copied();
-                    }
-                }
+                RunsEvent::Stored { parent, hashes } => self.ix.store(pod, *parent, hashes),
                 RunsEvent::Removed { hashes } => {
-                    for group in hashes.chunks(RUNS_GROUP) {
-                        self.write().remove(pod, group);
-                    }
+                    self.ix.remove(pod, hashes);
                 }
             }
         }
     }
 
     fn find(&self, query: &Self::Query) -> Self::Out {
-        use std::sync::atomic::Ordering::Relaxed;
-        let ix = loop {
-            if let Some(ix) = self.ix.try_read() {
-                break ix;
-            }
-            self.reader_waiting.store(true, Relaxed);
-            std::hint::spin_loop();
-        };
-        self.reader_waiting.store(false, Relaxed);
-        ix.prefix_matches(query)
+        self.ix.prefix_matches(query)
     }
 
     fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)> {

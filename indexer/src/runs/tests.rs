@@ -2,6 +2,8 @@ use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 
+use super::shared::hash;
+use super::writer::Loc;
 use super::*;
 
 /// A forest of chained blocks: node `n`'s hash mixes its parent's hash
@@ -102,11 +104,24 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// What must hold whatever was applied: the table names each run block
-/// once, every count is its holders' spans, no run ends in a dead block.
+/// once, every count is its holders' spans, no run ends in a dead block,
+/// and readers see each run as the writer has it.
 fn check_invariants(ix: &RunIndex) {
+    let w = ix.writer.lock();
     let mut blocks = 0;
-    for (id, run) in ix.runs.iter().enumerate() {
-        if ix.free.contains(&(id as u32)) {
+    for (id, run) in w.runs.iter().enumerate() {
+        let seen = ix
+            .published
+            .get(id as u32)
+            .read(|v| {
+                let hashes: Vec<u64> = (0..v.len()).filter_map(|k| v.hash(k)).collect();
+                let pods: Vec<u32> = v.holdings_at(0).map(|(pod, _)| pod).collect();
+                (hashes, pods)
+            })
+            .unwrap_or_default();
+        let pods: Vec<u32> = run.holdings.iter().map(|h| h.pod).collect();
+        assert_eq!(seen, (run.hashes.clone(), pods), "run {id} as published");
+        if w.free.contains(&(id as u32)) {
             assert!(run.hashes.is_empty());
             continue;
         }
@@ -131,19 +146,20 @@ fn check_invariants(ix: &RunIndex) {
                 run: id as u32,
                 off: off as u32,
             };
-            assert_eq!(ix.locate(*h), Some(loc));
+            assert_eq!(w.table.find(*h), Some(loc));
         }
         blocks += run.hashes.len();
     }
-    assert_eq!(ix.table.len(), blocks);
+    assert_eq!(w.table.len(), blocks);
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
-    /// After any stores, removals (of held blocks or not, in either
-    /// order) and clears, every path and its every suffix matches as the
-    /// model of sets does, and the index keeps only what is held.
+    /// After any stores (from a chain's root or from a later block, under
+    /// a parent the index may not have), removals (of held blocks or not,
+    /// in either order) and clears, every chain matches as the model of
+    /// sets does, and the index keeps only what is held.
     #[test]
     fn answers_as_sets_of_held_blocks_do(
         parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..40),
@@ -151,7 +167,7 @@ proptest! {
     ) {
         let forest = Forest::new(&parents);
         let nodes = forest.hash.len();
-        let mut ix = RunIndex::new();
+        let ix = RunIndex::new();
         let mut model = Model::default();
         for op in ops {
             match op {
@@ -181,14 +197,13 @@ proptest! {
             check_invariants(&ix);
             let held: HashSet<u64> = model.0.values().flatten().copied().collect();
             prop_assert!(ix.blocks() >= held.len());
+            // Every chain from its root (as prompts are), and each one
+            // step further, into a block nobody has.
             for n in 0..nodes {
-                let path = forest.hashes(&forest.path(n));
-                for from in 0..path.len() {
-                    let mut q = path[from..].to_vec();
-                    prop_assert_eq!(ix.prefix_matches(&q), model.prefix_matches(&q));
-                    q.push(hash(q[q.len() - 1] ^ 7));
-                    prop_assert_eq!(ix.prefix_matches(&q), model.prefix_matches(&q));
-                }
+                let mut q = forest.hashes(&forest.path(n));
+                prop_assert_eq!(ix.prefix_matches(&q), model.prefix_matches(&q));
+                q.push(hash(q[q.len() - 1] ^ 7));
+                prop_assert_eq!(ix.prefix_matches(&q), model.prefix_matches(&q));
             }
         }
         // Everything cleared: nothing stays indexed.
@@ -201,29 +216,119 @@ proptest! {
 }
 
 /// A pod storing what another pod holds widens its span in the same run:
-/// no new run, no new table entry.
+/// no new run, no new table entry. A branch is a run of its own.
 #[test]
 fn a_shared_prefix_is_one_run() {
-    let forest = Forest::new(&(0..100).map(|i| Some(i.max(1) - 1)).collect::<Vec<_>>());
+    // Nodes 0..100 are one chain; 100..130 branch off it after node 39.
+    let parents: Vec<Option<usize>> = (0..130)
+        .map(|i| Some(if i == 100 { 39 } else { i.max(1) - 1 }))
+        .collect();
+    let forest = Forest::new(&parents);
     let chain = forest.hashes(&forest.path(99));
-    let mut ix = RunIndex::new();
+    let branch = forest.hashes(&forest.path(129));
+    let ix = RunIndex::new();
     ix.store(0, None, &chain);
     ix.store(1, None, &chain[..60]);
     ix.store(2, Some(chain[9]), &chain[10..30]);
-    assert_eq!(ix.runs.len(), 1);
+    assert_eq!(ix.writer.lock().runs.len(), 1);
     assert_eq!(ix.blocks(), 100);
     assert_eq!(
         ix.prefix_matches(&chain),
         vec![(0, 100), (1, 60)],
         "pod 2 lacks the first block"
     );
+    ix.store(3, Some(chain[39]), &branch[40..]);
+    assert_eq!(ix.writer.lock().runs.len(), 2);
+    assert_eq!(ix.prefix_matches(&branch), vec![(0, 40), (1, 40)]);
+    ix.store(3, None, &branch[..40]);
     assert_eq!(
-        ix.prefix_matches(&chain[10..]),
-        vec![(0, 90), (1, 50), (2, 20)]
+        ix.prefix_matches(&branch),
+        vec![(0, 40), (1, 40), (2, 0), (3, 70)]
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .collect::<Vec<_>>()
     );
     // Evicted leaf first, the tail is cut as it dies.
     let mut tail = chain[60..].to_vec();
     tail.reverse();
     assert_eq!(ix.remove(0, &tail), 0);
-    assert_eq!(ix.blocks(), 60);
+    assert_eq!(ix.blocks(), 90);
+    // Blocks another pod holds stay.
+    assert_eq!(ix.remove(1, &chain[40..60]), 0);
+    assert_eq!(ix.blocks(), 90);
+    let mut tail = chain[40..60].to_vec();
+    tail.reverse();
+    assert_eq!(ix.remove(0, &tail), 0);
+    assert_eq!(ix.blocks(), 70);
+}
+
+/// Readers run while a writer churns other pods' blocks in the same runs
+/// (stores, leaf-first evictions, clears, runs freed and reused): what a
+/// pod nobody writes holds is answered exactly every time, and no answer
+/// names more blocks than the query has.
+#[test]
+fn readers_see_untouched_pods_exactly_while_a_writer_churns() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    // Chains of 64 blocks branching off each other every 16.
+    let parents: Vec<Option<usize>> = (0..1024)
+        .map(|i| Some(if i % 64 == 0 { (i / 64) * 16 } else { i - 1 }))
+        .collect();
+    let forest = Forest::new(&parents);
+    let paths: Vec<Vec<u64>> = (0..16)
+        .map(|c| forest.hashes(&forest.path(c * 64 + 63)))
+        .collect();
+    let ix = RunIndex::new();
+    // Pod 9 holds the first half of every chain, for good.
+    let mut ninth: HashSet<u64> = HashSet::new();
+    for p in &paths {
+        ix.store(9, None, &p[..p.len() / 2]);
+        ninth.extend(&p[..p.len() / 2]);
+    }
+    let want: Vec<u32> = paths
+        .iter()
+        .map(|p| p.iter().take_while(|h| ninth.contains(*h)).count() as u32)
+        .collect();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut rng = 0x2545_f491_4f6c_dd1du64;
+            for round in 0..3000 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let pod = (rng % 4) as u32;
+                let p = &paths[(rng >> 8) as usize % paths.len()];
+                let cut = (rng >> 16) as usize % p.len();
+                match round % 5 {
+                    0..=2 => ix.store(pod, None, p),
+                    3 => {
+                        let tail: Vec<u64> = p[cut..].iter().rev().copied().collect();
+                        ix.remove(pod, &tail);
+                    }
+                    _ => ix.clear(pod),
+                }
+            }
+            stop.store(true, Ordering::Release);
+        });
+        for _ in 0..2 {
+            s.spawn(|| {
+                let want = &want;
+                let mut asked = 0;
+                while !stop.load(Ordering::Acquire) || asked < 100 {
+                    let p = &paths[asked % paths.len()];
+                    let got = ix.prefix_matches(p);
+                    let ninth = got.iter().find(|(pod, _)| *pod == 9).map(|m| m.1);
+                    assert_eq!(
+                        ninth,
+                        Some(want[asked % paths.len()]),
+                        "pod 9, path {asked}"
+                    );
+                    assert!(got.iter().all(|(_, n)| *n as usize <= p.len()));
+                    asked += 1;
+                }
+            });
+        }
+    });
+    check_invariants(&ix);
 }

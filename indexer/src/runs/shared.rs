@@ -1,0 +1,315 @@
+//! What readers of a `RunIndex` see, and how they see it without waiting
+//! for the writer: the table of run heads (sharded read-write locks,
+//! probed once per run a lookup crosses), and each run's blocks and
+//! holdings, published into atomics under a per-run sequence lock.
+//!
+//! Why a sequence lock per run, not a read lock: a lookup that takes a
+//! lock writes its cache line, which the writer's core then has to take
+//! back; with one writer applying back to back, a reader of a run the
+//! writer just touched waited for it each time (the comparison bench's
+//! mixed pass made a third of the lookups SMG did with one lock for the
+//! whole index). Here a reader writes nothing: it reads the run's version,
+//! the run, and the version again, and reads again if the writer was there
+//! in between.
+//!
+//! All in safe Rust: every word a reader reads is an atomic, a run's words
+//! are replaced (when they grow) through `ArcSwapOption`, so a reader that
+//! still holds the old ones reads memory that stays alive, and the run
+//! slots themselves never move (`Arena`).
+
+use std::hash::BuildHasher;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use arc_swap::ArcSwapOption;
+use hashbrown::hash_table::HashTable;
+use parking_lot::{RwLock, RwLockReadGuard};
+
+use super::writer::Span;
+use crate::index::KeyBuildHasher;
+
+#[inline]
+pub(super) fn hash(h: u64) -> u64 {
+    KeyBuildHasher::default().hash_one(h)
+}
+
+/// Shards of the table of run heads: a writer adding a run locks one, so a
+/// reader probing another does not wait.
+const SHARDS: usize = 64;
+
+#[repr(align(64))]
+#[derive(Default)]
+struct Shard(RwLock<HashTable<(u64, u32)>>);
+
+/// The first block of every run -> the run: all a reader needs to find a
+/// run. A lookup's first key starts a chain, so it is a run's first block;
+/// where a lookup leaves a run, its next key is a block stored under the
+/// one it left at, so it is in that run (and did not leave it) or starts
+/// one. (Chained keys: a block is stored under its one parent, and it is
+/// in one place.) Runs are made far less often than blocks, so readers
+/// share this table with the writer while the writer's table of every
+/// block is its own (see `writer`).
+pub(super) struct Heads {
+    shards: Box<[Shard]>,
+}
+
+impl Default for Heads {
+    fn default() -> Self {
+        Heads {
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+        }
+    }
+}
+
+impl Heads {
+    fn shard(&self, hashed: u64) -> &RwLock<HashTable<(u64, u32)>> {
+        // Below the top 7 bits, which hashbrown takes for its tags.
+        &self.shards[((hashed >> 32) as usize) & (SHARDS - 1)].0
+    }
+
+    /// The run `h` starts, if any.
+    pub fn find(&self, h: u64) -> Option<u32> {
+        let hashed = hash(h);
+        read_spinning(self.shard(hashed))
+            .find(hashed, |(k, _)| *k == h)
+            .map(|(_, run)| *run)
+    }
+
+    /// `run` starts with `h`, which starts no other run.
+    pub fn insert(&self, h: u64, run: u32) {
+        let hashed = hash(h);
+        self.shard(hashed)
+            .write()
+            .insert_unique(hashed, (h, run), |(k, _)| hash(*k));
+    }
+
+    pub fn remove(&self, h: u64) {
+        let hashed = hash(h);
+        if let Ok(e) = self
+            .shard(hashed)
+            .write()
+            .find_entry(hashed, |(k, _)| *k == h)
+        {
+            e.remove();
+        }
+    }
+}
+
+/// A shard's read lock, spinning briefly before parking: the writer holds
+/// a shard for one insert or removal.
+fn read_spinning(
+    lock: &RwLock<HashTable<(u64, u32)>>,
+) -> RwLockReadGuard<'_, HashTable<(u64, u32)>> {
+    for _ in 0..256 {
+        if let Some(guard) = lock.try_read() {
+            return guard;
+        }
+        std::hint::spin_loop();
+    }
+    lock.read()
+}
+
+/// A run as readers see it: its block hashes, then its holdings, each
+/// holding a header word (`pod << 32 | spans`) followed by its spans
+/// (`start << 32 | end`), sorted by pod.
+pub(super) struct Words {
+    len: AtomicU32,
+    holding_words: AtomicU32,
+    hashes: Box<[AtomicU64]>,
+    holdings: Box<[AtomicU64]>,
+}
+
+fn atomics(n: usize) -> Box<[AtomicU64]> {
+    (0..n).map(|_| AtomicU64::new(0)).collect()
+}
+
+/// One run's published state. The version is even while the run is
+/// stable and odd while the writer changes it.
+#[derive(Default)]
+pub(super) struct Published {
+    version: AtomicU64,
+    words: ArcSwapOption<Words>,
+}
+
+/// A holding as the writer publishes it.
+pub(super) struct HoldingView<'a> {
+    pub pod: u32,
+    pub spans: &'a [Span],
+}
+
+impl Published {
+    /// Publishes a run: `hashes` (of which those from `changed_from` on
+    /// may differ from what was published) and its holdings. The writer
+    /// alone calls this.
+    pub fn publish<'a>(
+        &self,
+        hashes: &[u64],
+        changed_from: usize,
+        holdings: impl Iterator<Item = HoldingView<'a>> + Clone,
+    ) {
+        let holding_words: usize = holdings.clone().map(|h| 1 + h.spans.len()).sum();
+        let v = self.version.load(Ordering::Relaxed);
+        self.version.store(v + 1, Ordering::Relaxed);
+        // Orders the odd version before the writes below, for a reader
+        // that sees any of them (the sequence lock's writer side).
+        fence(Ordering::Release);
+        let current = self.words.load();
+        let fits = current
+            .as_ref()
+            .filter(|w| w.hashes.len() >= hashes.len() && w.holdings.len() >= holding_words);
+        let (words, from) = match fits {
+            Some(w) => (w.clone(), changed_from),
+            None => {
+                let w = Arc::new(Words {
+                    len: AtomicU32::new(0),
+                    holding_words: AtomicU32::new(0),
+                    hashes: atomics(hashes.len().next_power_of_two().max(4)),
+                    holdings: atomics(holding_words.next_power_of_two().max(4)),
+                });
+                self.words.store(Some(w.clone()));
+                (w, 0)
+            }
+        };
+        drop(current);
+        for (slot, h) in words.hashes[from..hashes.len()].iter().zip(&hashes[from..]) {
+            slot.store(*h, Ordering::Relaxed);
+        }
+        let mut at = 0;
+        for h in holdings {
+            words.holdings[at].store(
+                u64::from(h.pod) << 32 | h.spans.len() as u64,
+                Ordering::Relaxed,
+            );
+            at += 1;
+            for span in h.spans {
+                words.holdings[at].store(
+                    u64::from(span.start) << 32 | u64::from(span.end),
+                    Ordering::Relaxed,
+                );
+                at += 1;
+            }
+        }
+        words.len.store(hashes.len() as u32, Ordering::Relaxed);
+        words.holding_words.store(at as u32, Ordering::Relaxed);
+        self.version.store(v + 2, Ordering::Release);
+    }
+
+    /// Runs `read` on a consistent view of the run (`None` if it was never
+    /// published). `read` may run several times, each on a view that may
+    /// be torn; only the result of a run the version check accepts is
+    /// returned, so `read` must undo nothing and may not panic on any
+    /// words (bounds are the view's own).
+    pub fn read<R>(&self, mut read: impl FnMut(View<'_>) -> R) -> Option<R> {
+        loop {
+            let v1 = self.version.load(Ordering::Acquire);
+            if v1 & 1 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let guard = self.words.load();
+            let result = guard.as_ref().map(|w| {
+                let len = (w.len.load(Ordering::Relaxed) as usize).min(w.hashes.len());
+                let held = (w.holding_words.load(Ordering::Relaxed) as usize).min(w.holdings.len());
+                read(View {
+                    hashes: &w.hashes[..len],
+                    holdings: &w.holdings[..held],
+                })
+            });
+            // The reader's side: the reads above before the check below.
+            fence(Ordering::Acquire);
+            if self.version.load(Ordering::Relaxed) == v1 {
+                return result;
+            }
+        }
+    }
+}
+
+/// A run's words as one read saw them.
+#[derive(Clone, Copy)]
+pub(super) struct View<'a> {
+    hashes: &'a [AtomicU64],
+    holdings: &'a [AtomicU64],
+}
+
+impl View<'_> {
+    pub fn len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    pub fn hash(&self, off: usize) -> Option<u64> {
+        self.hashes.get(off).map(|h| h.load(Ordering::Relaxed))
+    }
+
+    /// Each holding: (pod, where the span holding `off` ends, if one does).
+    pub fn holdings_at(&self, off: u32) -> impl Iterator<Item = (u32, Option<u32>)> + '_ {
+        let mut at = 0;
+        std::iter::from_fn(move || {
+            let header = self.holdings.get(at)?.load(Ordering::Relaxed);
+            let (pod, spans) = ((header >> 32) as u32, (header & 0xffff_ffff) as usize);
+            let first = at + 1;
+            at = first.saturating_add(spans);
+            let spans = self.holdings.get(first..at.min(self.holdings.len()))?;
+            let end = spans.iter().find_map(|s| {
+                let s = s.load(Ordering::Relaxed);
+                let (start, end) = ((s >> 32) as u32, s as u32);
+                (start <= off && off < end).then_some(end)
+            });
+            Some((pod, end))
+        })
+    }
+}
+
+/// Published runs by id, in segments that never move: segment `k` holds
+/// `FIRST << k` runs, allocated when the first of them is.
+pub(super) struct Arena {
+    segments: [OnceLock<Box<[Published]>>; SEGMENTS],
+}
+
+const FIRST: usize = 1024;
+/// Enough segments for every `u32` id.
+const SEGMENTS: usize = 23;
+
+impl Default for Arena {
+    fn default() -> Self {
+        Arena {
+            segments: [const { OnceLock::new() }; SEGMENTS],
+        }
+    }
+}
+
+impl Arena {
+    /// Run `id`'s segment and index in it.
+    fn place(id: u32) -> (usize, usize) {
+        let n = id as usize / FIRST + 1;
+        let k = (usize::BITS - 1 - n.leading_zeros()) as usize;
+        (k, id as usize - FIRST * ((1 << k) - 1))
+    }
+
+    /// Run `id`, its segment allocated if it was not.
+    pub fn get(&self, id: u32) -> &Published {
+        let (k, i) = Self::place(id);
+        &self.segments[k].get_or_init(|| (0..FIRST << k).map(|_| Published::default()).collect())[i]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_ids_map_to_distinct_slots() {
+        let mut last = (0, 0);
+        assert_eq!(Arena::place(0), (0, 0));
+        for id in 1..200_000u32 {
+            let p = Arena::place(id);
+            let next = if last.1 + 1 == FIRST << last.0 {
+                (last.0 + 1, 0)
+            } else {
+                (last.0, last.1 + 1)
+            };
+            assert_eq!(p, next, "id {id}");
+            last = p;
+        }
+        assert_eq!(Arena::place(u32::MAX).0, SEGMENTS - 1);
+    }
+}

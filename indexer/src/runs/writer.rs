@@ -1,0 +1,386 @@
+//! The writer's side of a `RunIndex`: the runs as plain vectors, the
+//! rules that apply a pod's stores and removals to them, and which runs
+//! changed since they were last published (see `shared`).
+
+use hashbrown::hash_table::HashTable;
+use smallvec::SmallVec;
+
+use super::shared::{hash, Arena, Heads, HoldingView};
+
+/// A block's place: its run and its offset in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Loc {
+    pub run: u32,
+    pub off: u32,
+}
+
+/// One distinct block in the writer's table: its hash, kept beside its
+/// place so a probe reads one slot, not the run too.
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    hash: u64,
+    loc: Loc,
+}
+
+/// Every block in a run -> its place: the writer's alone (readers find
+/// runs by their heads, see `shared::Heads`), so it takes no lock.
+#[derive(Default)]
+pub(super) struct Table(HashTable<Slot>);
+
+impl Table {
+    pub fn find(&self, h: u64) -> Option<Loc> {
+        self.0.find(hash(h), |s| s.hash == h).map(|s| s.loc)
+    }
+
+    fn insert(&mut self, h: u64, loc: Loc) {
+        self.0
+            .insert_unique(hash(h), Slot { hash: h, loc }, |s| hash(s.hash));
+    }
+
+    fn remove(&mut self, h: u64) {
+        if let Ok(e) = self.0.find_entry(hash(h), |s| s.hash == h) {
+            e.remove();
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// A half-open range of a run's offsets a pod holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Span {
+    pub start: u32,
+    pub end: u32,
+}
+
+/// What one pod holds of one run: disjoint spans, sorted, none touching
+/// (touching spans are merged). A pod whose cache is prefix-closed, as
+/// vLLM's leaf-first eviction keeps it, has one.
+#[derive(Clone, Debug)]
+pub(super) struct Holding {
+    pub pod: u32,
+    pub spans: SmallVec<[Span; 1]>,
+}
+
+impl Holding {
+    /// Adds `off`; false if it was held.
+    #[inline]
+    fn insert(&mut self, off: u32) -> bool {
+        // A chain stored in order extends the last span.
+        if let Some(last) = self.spans.last_mut() {
+            if last.end == off {
+                last.end += 1;
+                return true;
+            }
+        }
+        let i = self.spans.partition_point(|s| s.end < off);
+        match self.spans.get(i).copied() {
+            Some(s) if s.start <= off && off < s.end => false,
+            Some(s) if s.end == off => {
+                // Extends span i, maybe into the next one.
+                let merge = self.spans.get(i + 1).is_some_and(|n| n.start == off + 1);
+                if merge {
+                    self.spans[i].end = self.spans[i + 1].end;
+                    self.spans.remove(i + 1);
+                } else {
+                    self.spans[i].end = off + 1;
+                }
+                true
+            }
+            Some(s) if s.start == off + 1 => {
+                self.spans[i].start = off;
+                true
+            }
+            _ => {
+                self.spans.insert(
+                    i,
+                    Span {
+                        start: off,
+                        end: off + 1,
+                    },
+                );
+                true
+            }
+        }
+    }
+
+    /// Drops `off`; false if it was not held.
+    fn remove(&mut self, off: u32) -> bool {
+        let i = self.spans.partition_point(|s| s.end <= off);
+        let Some(s) = self.spans.get(i).copied().filter(|s| s.start <= off) else {
+            return false;
+        };
+        match (s.start == off, s.end == off + 1) {
+            (true, true) => {
+                self.spans.remove(i);
+            }
+            (true, false) => self.spans[i].start = off + 1,
+            (false, true) => self.spans[i].end = off,
+            (false, false) => {
+                self.spans[i].end = off;
+                self.spans.insert(
+                    i + 1,
+                    Span {
+                        start: off + 1,
+                        end: s.end,
+                    },
+                );
+            }
+        }
+        true
+    }
+}
+
+/// A stretch of one chain: `hashes[k + 1]` was stored under `hashes[k]`.
+#[derive(Default)]
+pub(super) struct Run {
+    pub hashes: Vec<u64>,
+    /// Pods holding each block. A block nobody holds stays only while a
+    /// held block comes after it in the run (a dead tail is cut at once).
+    pub holders_of: Vec<u32>,
+    /// Sorted by pod.
+    pub holdings: Vec<Holding>,
+    /// Hashes from here on changed since the run was last published.
+    changed_from: u32,
+    /// In `Writer::changed`.
+    listed: bool,
+}
+
+impl Run {
+    pub fn len(&self) -> u32 {
+        self.hashes.len() as u32
+    }
+
+    /// The index of `pod`'s holding, added (empty) if it has none.
+    fn holding(&mut self, pod: u32) -> usize {
+        match self.holdings.binary_search_by_key(&pod, |h| h.pod) {
+            Ok(i) => i,
+            Err(i) => {
+                self.holdings.insert(
+                    i,
+                    Holding {
+                        pod,
+                        spans: SmallVec::new(),
+                    },
+                );
+                i
+            }
+        }
+    }
+}
+
+/// The runs by id, and what is left to publish.
+#[derive(Default)]
+pub(super) struct Writer {
+    pub table: Table,
+    pub runs: Vec<Run>,
+    /// Run ids whose run died, reused first.
+    pub free: Vec<u32>,
+    /// Runs changed since the last `publish`.
+    changed: Vec<u32>,
+}
+
+impl Writer {
+    /// Notes that `run` changed, from hash `from` on (its holdings: any).
+    fn touch(&mut self, run: u32, from: u32) {
+        let r = &mut self.runs[run as usize];
+        r.changed_from = r.changed_from.min(from);
+        if !r.listed {
+            r.listed = true;
+            self.changed.push(run);
+        }
+    }
+
+    /// Makes every change so far visible to readers.
+    pub fn publish(&mut self, arena: &Arena) {
+        for id in std::mem::take(&mut self.changed) {
+            let r = &mut self.runs[id as usize];
+            let holdings = r.holdings.iter();
+            arena.get(id).publish(
+                &r.hashes,
+                (r.changed_from as usize).min(r.hashes.len()),
+                holdings.map(|h| HoldingView {
+                    pod: h.pod,
+                    spans: &h.spans,
+                }),
+            );
+            r.changed_from = r.len();
+            r.listed = false;
+        }
+    }
+
+    /// `h` at `loc`, if `loc` is in its run.
+    fn is_at(&self, h: u64, loc: Loc) -> bool {
+        self.runs[loc.run as usize].hashes.get(loc.off as usize) == Some(&h)
+    }
+
+    fn new_run(&mut self) -> u32 {
+        match self.free.pop() {
+            Some(id) => id,
+            None => {
+                self.runs.push(Run::default());
+                (self.runs.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Puts a new block `h` at the end of `run`.
+    fn push(&mut self, heads: &Heads, run: u32, h: u64) -> Loc {
+        let r = &mut self.runs[run as usize];
+        let loc = Loc { run, off: r.len() };
+        r.hashes.push(h);
+        r.holders_of.push(0);
+        self.touch(run, loc.off);
+        self.table.insert(h, loc);
+        if loc.off == 0 {
+            heads.insert(h, run);
+        }
+        loc
+    }
+
+    /// `pod` stored `hashes`, a chain under `parent`.
+    pub fn store(&mut self, heads: &Heads, pod: u32, parent: Option<u64>, hashes: &[u64]) {
+        let mut at = parent.and_then(|p| self.table.find(p));
+        // (run, index of the pod's holding in it).
+        let mut holding: Option<(u32, usize)> = None;
+        for &h in hashes {
+            let next = at.map(|l| Loc {
+                run: l.run,
+                off: l.off + 1,
+            });
+            let loc = match next {
+                Some(n) if self.is_at(h, n) => n,
+                _ => match self.table.find(h) {
+                    Some(loc) => loc,
+                    // A new block: it extends its parent's run if the
+                    // parent ends it, or starts a run.
+                    None => match next {
+                        Some(n) if n.off == self.runs[n.run as usize].len() => {
+                            self.push(heads, n.run, h)
+                        }
+                        _ => {
+                            let run = self.new_run();
+                            self.push(heads, run, h)
+                        }
+                    },
+                },
+            };
+            let run = &mut self.runs[loc.run as usize];
+            // Along a run, the pod's holding is the one the last block used.
+            let i = match holding {
+                Some((r, i)) if r == loc.run => i,
+                _ => run.holding(pod),
+            };
+            holding = Some((loc.run, i));
+            if run.holdings[i].insert(loc.off) {
+                run.holders_of[loc.off as usize] += 1;
+                self.touch(loc.run, u32::MAX);
+            }
+            at = Some(loc);
+        }
+    }
+
+    /// `pod` removed `hashes`; returns how many it did not hold.
+    pub fn remove(&mut self, heads: &Heads, pod: u32, hashes: &[u64]) -> usize {
+        let mut unknown = 0;
+        let mut last: Option<Loc> = None;
+        // (run, index of the pod's holding in it), as in `store`.
+        let mut holding: Option<(u32, usize)> = None;
+        for &h in hashes {
+            // Leaf-first eviction names a chain tail first: the block
+            // before the last one is the likeliest.
+            let near = last.and_then(|l| {
+                [l.off.checked_sub(1), l.off.checked_add(1)]
+                    .into_iter()
+                    .flatten()
+                    .map(|off| Loc { run: l.run, off })
+                    .find(|n| self.is_at(h, *n))
+            });
+            let Some(loc) = near.or_else(|| self.table.find(h)) else {
+                unknown += 1;
+                continue;
+            };
+            if !self.release(heads, pod, loc, &mut holding) {
+                unknown += 1;
+            }
+            last = Some(loc);
+        }
+        unknown
+    }
+
+    /// Drops `pod`'s hold on `loc`; false if it had none. `holding`: where
+    /// the pod's holding of a run was last found, kept up to date.
+    fn release(
+        &mut self,
+        heads: &Heads,
+        pod: u32,
+        loc: Loc,
+        holding: &mut Option<(u32, usize)>,
+    ) -> bool {
+        let run = &mut self.runs[loc.run as usize];
+        let i = match *holding {
+            Some((r, i)) if r == loc.run => i,
+            _ => match run.holdings.binary_search_by_key(&pod, |h| h.pod) {
+                Ok(i) => i,
+                Err(_) => return false,
+            },
+        };
+        *holding = Some((loc.run, i));
+        if !run.holdings[i].remove(loc.off) {
+            return false;
+        }
+        if run.holdings[i].spans.is_empty() {
+            run.holdings.remove(i);
+            *holding = None;
+        }
+        run.holders_of[loc.off as usize] -= 1;
+        let tail = loc.off + 1 == run.len();
+        self.touch(loc.run, u32::MAX);
+        if tail {
+            self.cut_dead_tail(heads, loc.run);
+        }
+        true
+    }
+
+    /// Forgets the blocks nobody holds at the end of `run`, and the run
+    /// once it is empty.
+    fn cut_dead_tail(&mut self, heads: &Heads, run: u32) {
+        let r = &mut self.runs[run as usize];
+        while r.holders_of.last() == Some(&0) {
+            r.holders_of.pop();
+            let h = r.hashes.pop().expect("parallel to holders_of");
+            self.table.remove(h);
+            if r.hashes.is_empty() {
+                heads.remove(h);
+            }
+        }
+        if r.hashes.is_empty() {
+            debug_assert!(r.holdings.is_empty());
+            // Kept listed if it was: its emptiness is published.
+            r.holdings = Vec::new();
+            r.hashes = Vec::new();
+            r.holders_of = Vec::new();
+            self.free.push(run);
+        }
+    }
+
+    /// Drops everything `pod` holds.
+    pub fn clear(&mut self, heads: &Heads, pod: u32) {
+        for id in 0..self.runs.len() as u32 {
+            let r = &mut self.runs[id as usize];
+            let Ok(i) = r.holdings.binary_search_by_key(&pod, |h| h.pod) else {
+                continue;
+            };
+            let holding = r.holdings.remove(i);
+            for s in holding.spans {
+                for off in s.start..s.end {
+                    r.holders_of[off as usize] -= 1;
+                }
+            }
+            self.touch(id, u32::MAX);
+            self.cut_dead_tail(heads, id);
+        }
+    }
+}
