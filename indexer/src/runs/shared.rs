@@ -109,9 +109,12 @@ fn read_spinning(
     lock.read()
 }
 
-/// A run as readers see it: its block hashes, then its holdings, each
-/// holding a header word (`pod << 32 | spans`) followed by its spans
-/// (`start << 32 | end`), sorted by pod.
+/// A run's words: its block hashes, then its holdings, each holding a
+/// header word (`pod << 32 | spans`) followed by its spans (`start << 32
+/// | end`), sorted by pod. Readers read the first `len` hashes and
+/// `holding_words` holdings, both set when the run is published; the
+/// writer appends hashes past `len` at any time (no reader looks there),
+/// and changes the rest only while the run's version is odd.
 pub(super) struct Words {
     len: AtomicU32,
     holding_words: AtomicU32,
@@ -121,6 +124,44 @@ pub(super) struct Words {
 
 fn atomics(n: usize) -> Box<[AtomicU64]> {
     (0..n).map(|_| AtomicU64::new(0)).collect()
+}
+
+impl Words {
+    /// Room for `hashes` hashes and `holding_words` holding words, and
+    /// `from`'s first `len` hashes.
+    pub fn grown(
+        from: Option<&Words>,
+        len: usize,
+        hashes: usize,
+        holding_words: usize,
+    ) -> Arc<Words> {
+        let w = Words {
+            len: AtomicU32::new(0),
+            holding_words: AtomicU32::new(0),
+            hashes: atomics(hashes.next_power_of_two().max(4)),
+            holdings: atomics(holding_words.next_power_of_two().max(4)),
+        };
+        if let Some(from) = from {
+            for (to, h) in w.hashes.iter().zip(&from.hashes[..len]) {
+                to.store(h.load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+        }
+        Arc::new(w)
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.hashes.len()
+    }
+
+    pub fn hash(&self, off: usize) -> u64 {
+        self.hashes[off].load(Ordering::Relaxed)
+    }
+
+    /// Writes hash `off`, which no reader reads: at or past the published
+    /// length, or while the run's version is odd.
+    pub fn set_hash(&self, off: usize, h: u64) {
+        self.hashes[off].store(h, Ordering::Relaxed);
+    }
 }
 
 /// One run's published state. The version is even while the run is
@@ -138,42 +179,29 @@ pub(super) struct HoldingView<'a> {
 }
 
 impl Published {
-    /// Publishes a run: `hashes` (of which those from `changed_from` on
-    /// may differ from what was published) and its holdings. The writer
-    /// alone calls this.
+    /// Publishes a run: its first `len` hashes, already in `words` (which
+    /// is replaced by a larger copy if the holdings do not fit), and its
+    /// holdings. The writer alone calls this.
     pub fn publish<'a>(
         &self,
-        hashes: &[u64],
-        changed_from: usize,
+        words: &mut Arc<Words>,
+        len: usize,
         holdings: impl Iterator<Item = HoldingView<'a>> + Clone,
     ) {
         let holding_words: usize = holdings.clone().map(|h| 1 + h.spans.len()).sum();
+        if holding_words > words.holdings.len() {
+            *words = Words::grown(Some(words), len, words.capacity(), holding_words);
+        }
         let v = self.version.load(Ordering::Relaxed);
         self.version.store(v + 1, Ordering::Relaxed);
         // Orders the odd version before the writes below, for a reader
         // that sees any of them (the sequence lock's writer side).
         fence(Ordering::Release);
         let current = self.words.load();
-        let fits = current
-            .as_ref()
-            .filter(|w| w.hashes.len() >= hashes.len() && w.holdings.len() >= holding_words);
-        let (words, from) = match fits {
-            Some(w) => (w.clone(), changed_from),
-            None => {
-                let w = Arc::new(Words {
-                    len: AtomicU32::new(0),
-                    holding_words: AtomicU32::new(0),
-                    hashes: atomics(hashes.len().next_power_of_two().max(4)),
-                    holdings: atomics(holding_words.next_power_of_two().max(4)),
-                });
-                self.words.store(Some(w.clone()));
-                (w, 0)
-            }
-        };
-        drop(current);
-        for (slot, h) in words.hashes[from..hashes.len()].iter().zip(&hashes[from..]) {
-            slot.store(*h, Ordering::Relaxed);
+        if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, words)) {
+            self.words.store(Some(words.clone()));
         }
+        drop(current);
         let mut at = 0;
         for h in holdings {
             words.holdings[at].store(
@@ -189,7 +217,7 @@ impl Published {
                 at += 1;
             }
         }
-        words.len.store(hashes.len() as u32, Ordering::Relaxed);
+        words.len.store(len as u32, Ordering::Relaxed);
         words.holding_words.store(at as u32, Ordering::Relaxed);
         self.version.store(v + 2, Ordering::Release);
     }

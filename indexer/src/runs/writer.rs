@@ -2,10 +2,12 @@
 //! rules that apply a pod's stores and removals to them, and which runs
 //! changed since they were last published (see `shared`).
 
+use std::sync::Arc;
+
 use hashbrown::hash_table::HashTable;
 use smallvec::SmallVec;
 
-use super::shared::{hash, Arena, Heads, HoldingView};
+use super::shared::{hash, Arena, Heads, HoldingView, Words};
 
 /// A block's place: its run and its offset in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,24 +135,63 @@ impl Holding {
     }
 }
 
-/// A stretch of one chain: `hashes[k + 1]` was stored under `hashes[k]`.
+/// A stretch of one chain: block `k + 1` was stored under block `k`.
 #[derive(Default)]
 pub(super) struct Run {
-    pub hashes: Vec<u64>,
+    /// The blocks' hashes, in the words readers read (one copy, see
+    /// `shared::Words`); the first `len`.
+    words: Option<Arc<Words>>,
+    len: u32,
     /// Pods holding each block. A block nobody holds stays only while a
     /// held block comes after it in the run (a dead tail is cut at once).
     pub holders_of: Vec<u32>,
     /// Sorted by pod.
     pub holdings: Vec<Holding>,
-    /// Hashes from here on changed since the run was last published.
-    changed_from: u32,
     /// In `Writer::changed`.
     listed: bool,
 }
 
 impl Run {
     pub fn len(&self) -> u32 {
-        self.hashes.len() as u32
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn hash(&self, off: u32) -> Option<u64> {
+        (off < self.len).then(|| {
+            self.words
+                .as_ref()
+                .expect("a block has words")
+                .hash(off as usize)
+        })
+    }
+
+    /// Appends `h`. Readers do not see it until the run is published: it
+    /// is past the length they read (every public call of the index ends
+    /// by publishing, and only removals shorten a run, so the published
+    /// length is never above `len` when a store appends).
+    fn push_hash(&mut self, h: u64) {
+        let len = self.len as usize;
+        let words = match &self.words {
+            Some(w) if w.capacity() > len => w,
+            old => {
+                let grown = Words::grown(old.as_deref(), len, len + 1, 0);
+                self.words.insert(grown)
+            }
+        };
+        words.set_hash(len, h);
+        self.len += 1;
+    }
+
+    fn pop_hash(&mut self) -> u64 {
+        self.len -= 1;
+        self.words
+            .as_ref()
+            .expect("a block has words")
+            .hash(self.len as usize)
     }
 
     /// The index of `pod`'s holding, added (empty) if it has none.
@@ -183,10 +224,9 @@ pub(super) struct Writer {
 }
 
 impl Writer {
-    /// Notes that `run` changed, from hash `from` on (its holdings: any).
-    fn touch(&mut self, run: u32, from: u32) {
+    /// Notes that `run` changed.
+    fn touch(&mut self, run: u32) {
         let r = &mut self.runs[run as usize];
-        r.changed_from = r.changed_from.min(from);
         if !r.listed {
             r.listed = true;
             self.changed.push(run);
@@ -197,23 +237,25 @@ impl Writer {
     pub fn publish(&mut self, arena: &Arena) {
         for id in std::mem::take(&mut self.changed) {
             let r = &mut self.runs[id as usize];
-            let holdings = r.holdings.iter();
+            r.listed = false;
+            // A run that was never given a block has nothing to show.
+            let Some(words) = r.words.as_mut() else {
+                continue;
+            };
             arena.get(id).publish(
-                &r.hashes,
-                (r.changed_from as usize).min(r.hashes.len()),
-                holdings.map(|h| HoldingView {
+                words,
+                r.len as usize,
+                r.holdings.iter().map(|h| HoldingView {
                     pod: h.pod,
                     spans: &h.spans,
                 }),
             );
-            r.changed_from = r.len();
-            r.listed = false;
         }
     }
 
     /// `h` at `loc`, if `loc` is in its run.
     fn is_at(&self, h: u64, loc: Loc) -> bool {
-        self.runs[loc.run as usize].hashes.get(loc.off as usize) == Some(&h)
+        self.runs[loc.run as usize].hash(loc.off) == Some(h)
     }
 
     fn new_run(&mut self) -> u32 {
@@ -230,9 +272,9 @@ impl Writer {
     fn push(&mut self, heads: &Heads, run: u32, h: u64) -> Loc {
         let r = &mut self.runs[run as usize];
         let loc = Loc { run, off: r.len() };
-        r.hashes.push(h);
+        r.push_hash(h);
         r.holders_of.push(0);
-        self.touch(run, loc.off);
+        self.touch(run);
         self.table.insert(h, loc);
         if loc.off == 0 {
             heads.insert(h, run);
@@ -276,7 +318,7 @@ impl Writer {
             holding = Some((loc.run, i));
             if run.holdings[i].insert(loc.off) {
                 run.holders_of[loc.off as usize] += 1;
-                self.touch(loc.run, u32::MAX);
+                self.touch(loc.run);
             }
             at = Some(loc);
         }
@@ -337,7 +379,7 @@ impl Writer {
         }
         run.holders_of[loc.off as usize] -= 1;
         let tail = loc.off + 1 == run.len();
-        self.touch(loc.run, u32::MAX);
+        self.touch(loc.run);
         if tail {
             self.cut_dead_tail(heads, loc.run);
         }
@@ -350,17 +392,17 @@ impl Writer {
         let r = &mut self.runs[run as usize];
         while r.holders_of.last() == Some(&0) {
             r.holders_of.pop();
-            let h = r.hashes.pop().expect("parallel to holders_of");
+            let h = r.pop_hash();
             self.table.remove(h);
-            if r.hashes.is_empty() {
+            if r.is_empty() {
                 heads.remove(h);
             }
         }
-        if r.hashes.is_empty() {
+        if r.is_empty() {
             debug_assert!(r.holdings.is_empty());
-            // Kept listed if it was: its emptiness is published.
+            // Its words stay (readers may hold them; a new run here reuses
+            // them); it is listed, so its emptiness is published.
             r.holdings = Vec::new();
-            r.hashes = Vec::new();
             r.holders_of = Vec::new();
             self.free.push(run);
         }
@@ -379,7 +421,7 @@ impl Writer {
                     r.holders_of[off as usize] -= 1;
                 }
             }
-            self.touch(id, u32::MAX);
+            self.touch(id);
             self.cut_dead_tail(heads, id);
         }
     }
