@@ -27,10 +27,14 @@
 //! is a small part of ingesting (the service's profile: messaging and
 //! wake-ups bound it, not the index).
 //!
+//! Keys are the engine hashes (`store`), or computed from the blocks'
+//! tokens (`with_token_keys`, `store_tokens`), removals still naming
+//! engine hashes: the writer's table is by engine hash, runs hold keys.
+//!
 //! What it does not do yet (the index keeps doing it until this layout
-//! carries it): tiers, repeated stores of a hash counted, keys that differ
-//! from engine hashes, eviction by age, snapshots. Holdings here are sets:
-//! a second store of a held block changes nothing, one removal drops it.
+//! carries it): tiers, repeated stores of a hash counted, eviction by age,
+//! snapshots, extra keys. Holdings here are sets: a second store of a held
+//! block changes nothing, one removal drops it.
 
 mod shared;
 mod writer;
@@ -58,16 +62,67 @@ impl RunIndex {
         self.writer.lock().table.len()
     }
 
+    /// An index whose keys are not the engine hashes: blocks are stored
+    /// with `store_tokens` and keyed from their tokens, and removals still
+    /// name engine hashes.
+    pub fn with_token_keys() -> Self {
+        let ix = Self::default();
+        ix.writer.lock().token_keys = true;
+        ix
+    }
+
     /// `pod` stored `hashes`, a chain under `parent` (the block before the
-    /// first, if it has one).
+    /// first, if it has one); the engine hashes are the keys.
     pub fn store(&self, pod: u32, parent: Option<u64>, hashes: &[u64]) {
         let mut w = self.writer.lock();
-        w.store(&self.heads, pod, parent, hashes);
+        debug_assert!(!w.token_keys, "store_tokens");
+        let at = parent.and_then(|p| w.table.find(p));
+        w.store(&self.heads, pod, at, hashes.iter().map(|h| (*h, *h)));
         w.publish(&self.published);
     }
 
-    /// `pod` removed `hashes`; unknown ones (or ones it does not hold) are
-    /// counted in the result, not applied.
+    /// `pod` stored the blocks `engines` name, a chain under `parent`,
+    /// with `tokens` (`block_size` per block): each keyed from its parent's
+    /// key (`root_seed` for a chain's first block), as a prompt's keys are
+    /// (`keys::prompt_keys`). Returns how many blocks were not stored: all
+    /// of them if the parent is unknown or the tokens do not fit, or from
+    /// a block whose engine hash names another block.
+    pub fn store_tokens(
+        &self,
+        pod: u32,
+        parent: Option<u64>,
+        engines: &[u64],
+        tokens: &[u32],
+        block_size: usize,
+        root_seed: u64,
+    ) -> usize {
+        if block_size == 0 || tokens.len() != engines.len() * block_size {
+            return engines.len();
+        }
+        let mut w = self.writer.lock();
+        debug_assert!(w.token_keys, "store");
+        let (at, mut prev) = match parent {
+            None => (None, root_seed),
+            Some(p) => match w.table.find(p).zip(w.key_of(p)) {
+                Some(found) => (Some(found.0), found.1),
+                None => return engines.len(),
+            },
+        };
+        let blocks = engines
+            .iter()
+            .zip(tokens.chunks_exact(block_size))
+            .map(|(e, t)| {
+                prev = crate::keys::chain(prev, t).0;
+                (*e, prev)
+            });
+        let skipped = w.store(&self.heads, pod, at, blocks);
+        w.publish(&self.published);
+        skipped
+    }
+
+    /// `pod` removed the blocks its engine hashes `hashes` name; unknown
+    /// ones (or ones it does not hold) are counted in the result, not
+    /// applied.
     pub fn remove(&self, pod: u32, hashes: &[u64]) -> usize {
         let mut w = self.writer.lock();
         let unknown = w.remove(&self.heads, pod, hashes);

@@ -199,25 +199,35 @@ impl Contender for Ours {
 // ---------------------------------------------------------------- runs
 
 /// `indexer::runs::RunIndex`, the layout the index redesign is measured
-/// with (pre-hashed only: it has no token keys yet). Applied on the
-/// caller's thread; readers never wait for it.
+/// with: engine hashes as keys for pre-hashed input, keys from token ids
+/// otherwise (as ours). Applied on the caller's thread; readers never wait
+/// for it.
 pub struct Runs {
     ix: indexer::runs::RunIndex,
+    input: Input,
+    root_seed: u64,
 }
 
 pub enum RunsEvent {
     Stored {
         parent: Option<u64>,
         hashes: Vec<u64>,
+        /// Token ids input only.
+        tokens: Vec<u32>,
     },
     Removed {
         hashes: Vec<u64>,
     },
 }
 
+pub enum RunsQuery {
+    Keys(Vec<u64>),
+    Tokens(Vec<u32>),
+}
+
 impl Contender for Runs {
     type Batch = (u32, Vec<RunsEvent>);
-    type Query = Vec<u64>;
+    type Query = RunsQuery;
     type Out = Vec<(u32, u32)>;
 
     fn name() -> &'static str {
@@ -225,9 +235,13 @@ impl Contender for Runs {
     }
 
     fn new(_: &Trace, input: Input) -> Self {
-        assert_eq!(input, Input::PreHashed, "runs: engine hashes only");
         Runs {
-            ix: Default::default(),
+            ix: match input {
+                Input::PreHashed => indexer::runs::RunIndex::new(),
+                Input::Tokens => indexer::runs::RunIndex::with_token_keys(),
+            },
+            input,
+            root_seed: indexer::keys::request_root_seed(MODEL, None, None),
         }
     }
 
@@ -240,6 +254,10 @@ impl Contender for Runs {
                 Event::Stored { parent, nodes: ns } => RunsEvent::Stored {
                     parent: parent.map(|p| nodes.engine[p as usize]),
                     hashes: hashes(ns),
+                    tokens: match self.input {
+                        Input::PreHashed => Vec::new(),
+                        Input::Tokens => tokens_of(nodes, ns),
+                    },
                 },
                 Event::Removed { nodes: ns } => RunsEvent::Removed { hashes: hashes(ns) },
             })
@@ -248,13 +266,34 @@ impl Contender for Runs {
     }
 
     fn prepare_query(&self, nodes: &Nodes, path: &[u32]) -> Self::Query {
-        path.iter().map(|n| nodes.engine[*n as usize]).collect()
+        match self.input {
+            Input::PreHashed => {
+                RunsQuery::Keys(path.iter().map(|n| nodes.engine[*n as usize]).collect())
+            }
+            Input::Tokens => RunsQuery::Tokens(tokens_of(nodes, path)),
+        }
     }
 
     fn apply(&self, (pod, events): Self::Batch) {
         for e in &events {
             match e {
-                RunsEvent::Stored { parent, hashes } => self.ix.store(pod, *parent, hashes),
+                RunsEvent::Stored {
+                    parent,
+                    hashes,
+                    tokens,
+                } => match self.input {
+                    Input::PreHashed => self.ix.store(pod, *parent, hashes),
+                    Input::Tokens => {
+                        self.ix.store_tokens(
+                            pod,
+                            *parent,
+                            hashes,
+                            tokens,
+                            BLOCK_SIZE,
+                            self.root_seed,
+                        );
+                    }
+                },
                 RunsEvent::Removed { hashes } => {
                     self.ix.remove(pod, hashes);
                 }
@@ -263,7 +302,16 @@ impl Contender for Runs {
     }
 
     fn find(&self, query: &Self::Query) -> Self::Out {
-        self.ix.prefix_matches(query)
+        match query {
+            RunsQuery::Keys(keys) => self.ix.prefix_matches(keys),
+            RunsQuery::Tokens(tokens) => {
+                let keys: Vec<u64> = indexer::keys::prompt_keys(self.root_seed, tokens, BLOCK_SIZE)
+                    .into_iter()
+                    .map(|k| k.0)
+                    .collect();
+                self.ix.prefix_matches(&keys)
+            }
+        }
     }
 
     fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)> {

@@ -617,16 +617,16 @@ fn env_filter(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-/// Ours and the peers (`pre_hashed`: also those that need the engine's own
-/// hashes, Dynamo's positional indexer and `runs`, the layout the redesign
-/// is measured with), less those `COMPARE_ONLY=ours` (or `dynamo`, `smg`,
-/// ...) leaves out, for profiling one indexer.
+/// Ours, the peers (`pre_hashed`: also Dynamo's positional indexer, which
+/// needs the engine's own hashes) and `runs`, the layout the redesign is
+/// measured with, less those `COMPARE_ONLY=ours` (or `dynamo`, `smg`, ...)
+/// leaves out, for profiling one indexer.
 fn contenders(pre_hashed: bool) -> Vec<Entry> {
     let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
     if pre_hashed {
         entries.push(entry::<DynamoPositional>());
-        entries.push(entry::<Runs>());
     }
+    entries.push(entry::<Runs>());
     let only = env_filter("COMPARE_ONLY");
     entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
     entries

@@ -147,9 +147,17 @@ fn check_invariants(ix: &RunIndex) {
                 run: id as u32,
                 off: off as u32,
             };
-            assert_eq!(w.table.find(*h), Some(loc));
+            let named = if w.token_keys {
+                run.engine(off as u32)
+            } else {
+                *h
+            };
+            assert_eq!(w.table.find(named), Some(loc));
+            if off == 0 {
+                assert_eq!(ix.heads.find(*h), Some(id as u32), "a run's head");
+            }
         }
-        blocks += hashes.len();
+        blocks += hashes.len() + run.aliases().len();
     }
     assert_eq!(w.table.len(), blocks);
 }
@@ -208,6 +216,96 @@ proptest! {
             }
         }
         // Everything cleared: nothing stays indexed.
+        for pod in 0..4 {
+            ix.clear(pod);
+        }
+        check_invariants(&ix);
+        prop_assert_eq!(ix.blocks(), 0);
+    }
+}
+
+/// Token keys: what pods 0 and 1 name a node by, and what pods 2 and 3 do
+/// (engines whose hash seed differs name the same blocks otherwise).
+fn engine_of(forest: &Forest, pod: u32, node: usize) -> u64 {
+    if pod < 2 {
+        forest.hash[node]
+    } else {
+        hash(forest.hash[node] ^ 0x5eed)
+    }
+}
+
+const ROOT_SEED: u64 = 0x0dd5_eed0;
+const TOKENS_PER_BLOCK: usize = 4;
+
+fn tokens_of(path: &[usize]) -> Vec<u32> {
+    path.iter()
+        .flat_map(|n| (0..TOKENS_PER_BLOCK as u32).map(move |t| *n as u32 * 8 + t))
+        .collect()
+}
+
+fn keys_of(path: &[usize]) -> Vec<u64> {
+    crate::keys::prompt_keys(ROOT_SEED, &tokens_of(path), TOKENS_PER_BLOCK)
+        .into_iter()
+        .map(|k| k.0)
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Keys from tokens, removals by engine hash, half the pods naming
+    /// blocks by other engine hashes than the rest: every chain matches as
+    /// the model of sets of keys does, and the index keeps only what is
+    /// held.
+    #[test]
+    fn token_keys_answer_as_sets_of_held_blocks_do(
+        parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..30),
+        ops in prop::collection::vec(op(), 1..50),
+    ) {
+        let forest = Forest::new(&parents);
+        let nodes = forest.hash.len();
+        let ix = RunIndex::with_token_keys();
+        let mut model = Model::default();
+        for op in ops {
+            match op {
+                Op::Store { pod, node, .. } => {
+                    let path = forest.path(node % nodes);
+                    let engines: Vec<u64> = path.iter().map(|n| engine_of(&forest, pod, *n)).collect();
+                    let skipped = ix.store_tokens(
+                        pod, None, &engines, &tokens_of(&path), TOKENS_PER_BLOCK, ROOT_SEED,
+                    );
+                    prop_assert_eq!(skipped, 0);
+                    model.0.entry(pod).or_default().extend(keys_of(&path));
+                }
+                Op::Remove { pod, node, from, leaf_first } => {
+                    let path = forest.path(node % nodes);
+                    let mut part = path[from.min(path.len() - 1)..].to_vec();
+                    if leaf_first {
+                        part.reverse();
+                    }
+                    let keys = keys_of(&path);
+                    let held = model.0.entry(pod).or_default();
+                    let unknown = part
+                        .iter()
+                        .map(|n| path.iter().position(|p| p == n).expect("on the path"))
+                        .filter(|i| !held.remove(&keys[*i]))
+                        .count();
+                    let engines: Vec<u64> = part.iter().map(|n| engine_of(&forest, pod, *n)).collect();
+                    prop_assert_eq!(ix.remove(pod, &engines), unknown);
+                }
+                Op::Clear { pod } => {
+                    ix.clear(pod);
+                    model.0.remove(&pod);
+                }
+            }
+            check_invariants(&ix);
+            for n in 0..nodes {
+                let mut q = keys_of(&forest.path(n));
+                prop_assert_eq!(ix.prefix_matches(&q), model.prefix_matches(&q));
+                q.push(hash(q[q.len() - 1] ^ 7));
+                prop_assert_eq!(ix.prefix_matches(&q), model.prefix_matches(&q));
+            }
+        }
         for pod in 0..4 {
             ix.clear(pod);
         }

@@ -147,6 +147,12 @@ pub(super) struct Run {
     pub holders_of: Vec<u32>,
     /// Sorted by pod.
     pub holdings: Vec<Holding>,
+    /// Token keys only: each block's engine hash, as the pod that stored
+    /// it first named it (what its table entry is under).
+    engines: Vec<u64>,
+    /// Token keys only: other engine hashes pods named a block by (pods
+    /// whose hash seed differs), by offset, each also in the table.
+    aliases: Vec<(u32, u64)>,
     /// In `Writer::changed`.
     listed: bool,
 }
@@ -186,6 +192,16 @@ impl Run {
         self.len += 1;
     }
 
+    #[cfg(test)]
+    pub fn engine(&self, off: u32) -> u64 {
+        self.engines[off as usize]
+    }
+
+    #[cfg(test)]
+    pub fn aliases(&self) -> &[(u32, u64)] {
+        &self.aliases
+    }
+
     fn pop_hash(&mut self) -> u64 {
         self.len -= 1;
         self.words
@@ -215,6 +231,9 @@ impl Run {
 /// The runs by id, and what is left to publish.
 #[derive(Default)]
 pub(super) struct Writer {
+    /// Token keys: a block's key is not its engine hash (see `Run::engines`).
+    pub token_keys: bool,
+    /// Engine hash -> block.
     pub table: Table,
     pub runs: Vec<Run>,
     /// Run ids whose run died, reused first.
@@ -253,9 +272,24 @@ impl Writer {
         }
     }
 
-    /// `h` at `loc`, if `loc` is in its run.
-    fn is_at(&self, h: u64, loc: Loc) -> bool {
-        self.runs[loc.run as usize].hash(loc.off) == Some(h)
+    /// Key `k` at `loc`, if `loc` is in its run.
+    fn is_at(&self, k: u64, loc: Loc) -> bool {
+        self.runs[loc.run as usize].hash(loc.off) == Some(k)
+    }
+
+    /// The block at `loc` was first named `e`, if `loc` is in its run.
+    fn is_named(&self, e: u64, loc: Loc) -> bool {
+        if self.token_keys {
+            self.runs[loc.run as usize].engines.get(loc.off as usize) == Some(&e)
+        } else {
+            self.is_at(e, loc)
+        }
+    }
+
+    /// The key of the block engine hash `e` names, if any.
+    pub fn key_of(&self, e: u64) -> Option<u64> {
+        let loc = self.table.find(e)?;
+        self.runs[loc.run as usize].hash(loc.off)
     }
 
     fn new_run(&mut self) -> u32 {
@@ -268,44 +302,81 @@ impl Writer {
         }
     }
 
-    /// Puts a new block `h` at the end of `run`.
-    fn push(&mut self, heads: &Heads, run: u32, h: u64) -> Loc {
+    /// Puts a new block (engine hash `e`, key `k`) at the end of `run`.
+    fn push(&mut self, heads: &Heads, run: u32, e: u64, k: u64) -> Loc {
         let r = &mut self.runs[run as usize];
         let loc = Loc { run, off: r.len() };
-        r.push_hash(h);
+        r.push_hash(k);
         r.holders_of.push(0);
+        if self.token_keys {
+            r.engines.push(e);
+        }
         self.touch(run);
-        self.table.insert(h, loc);
+        self.table.insert(e, loc);
         if loc.off == 0 {
-            heads.insert(h, run);
+            heads.insert(k, run);
         }
         loc
     }
 
-    /// `pod` stored `hashes`, a chain under `parent`.
-    pub fn store(&mut self, heads: &Heads, pod: u32, parent: Option<u64>, hashes: &[u64]) {
-        let mut at = parent.and_then(|p| self.table.find(p));
+    /// Makes the block at `loc` findable by `e` too, if it is not.
+    fn alias(&mut self, e: u64, loc: Loc) {
+        if self.table.find(e).is_none() {
+            self.table.insert(e, loc);
+            self.runs[loc.run as usize].aliases.push((loc.off, e));
+        }
+    }
+
+    /// `pod` stored `blocks` ((engine hash, key) each), a chain under the
+    /// block at `at` (if the parent is known). Returns how many blocks it
+    /// could not store: from one whose engine hash the index knows as
+    /// another block on (two pods' claims disagree; the rest of the chain
+    /// is keyed from it, so it goes too).
+    pub fn store(
+        &mut self,
+        heads: &Heads,
+        pod: u32,
+        mut at: Option<Loc>,
+        blocks: impl ExactSizeIterator<Item = (u64, u64)>,
+    ) -> usize {
+        let total = blocks.len();
         // (run, index of the pod's holding in it).
         let mut holding: Option<(u32, usize)> = None;
-        for &h in hashes {
+        for (done, (e, k)) in blocks.enumerate() {
             let next = at.map(|l| Loc {
                 run: l.run,
                 off: l.off + 1,
             });
             let loc = match next {
-                Some(n) if self.is_at(h, n) => n,
-                _ => match self.table.find(h) {
-                    Some(loc) => loc,
-                    // A new block: it extends its parent's run if the
-                    // parent ends it, or starts a run.
-                    None => match next {
-                        Some(n) if n.off == self.runs[n.run as usize].len() => {
-                            self.push(heads, n.run, h)
+                Some(n) if self.is_at(k, n) => {
+                    if self.token_keys && !self.is_named(e, n) {
+                        self.alias(e, n);
+                    }
+                    n
+                }
+                _ => match self.table.find(e) {
+                    Some(loc) if self.is_at(k, loc) => loc,
+                    Some(_) => return total - done,
+                    // Under another engine hash, a block that is not where
+                    // its parent's run goes on starts a run (see
+                    // `shared::Heads`).
+                    None => match heads.find(k).filter(|_| self.token_keys) {
+                        Some(run) => {
+                            let loc = Loc { run, off: 0 };
+                            self.alias(e, loc);
+                            loc
                         }
-                        _ => {
-                            let run = self.new_run();
-                            self.push(heads, run, h)
-                        }
+                        // A new block: it extends its parent's run if the
+                        // parent ends it, or starts a run.
+                        None => match next {
+                            Some(n) if n.off == self.runs[n.run as usize].len() => {
+                                self.push(heads, n.run, e, k)
+                            }
+                            _ => {
+                                let run = self.new_run();
+                                self.push(heads, run, e, k)
+                            }
+                        },
                     },
                 },
             };
@@ -322,6 +393,7 @@ impl Writer {
             }
             at = Some(loc);
         }
+        0
     }
 
     /// `pod` removed `hashes`; returns how many it did not hold.
@@ -338,7 +410,7 @@ impl Writer {
                     .into_iter()
                     .flatten()
                     .map(|off| Loc { run: l.run, off })
-                    .find(|n| self.is_at(h, *n))
+                    .find(|n| self.is_named(h, *n))
             });
             let Some(loc) = near.or_else(|| self.table.find(h)) else {
                 unknown += 1;
@@ -392,10 +464,25 @@ impl Writer {
         let r = &mut self.runs[run as usize];
         while r.holders_of.last() == Some(&0) {
             r.holders_of.pop();
-            let h = r.pop_hash();
-            self.table.remove(h);
+            let k = r.pop_hash();
+            let e = if self.token_keys {
+                r.engines.pop().expect("parallel to holders_of")
+            } else {
+                k
+            };
+            self.table.remove(e);
+            if !r.aliases.is_empty() {
+                let (len, table) = (r.len, &mut self.table);
+                r.aliases.retain(|(off, alias)| {
+                    let keep = *off < len;
+                    if !keep {
+                        table.remove(*alias);
+                    }
+                    keep
+                });
+            }
             if r.is_empty() {
-                heads.remove(h);
+                heads.remove(k);
             }
         }
         if r.is_empty() {
