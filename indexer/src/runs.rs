@@ -44,6 +44,12 @@ use parking_lot::Mutex;
 use shared::{Arena, Heads, View};
 use writer::Writer;
 
+thread_local! {
+    /// A lookup's two lists of pods still matching, kept for the thread's
+    /// next lookup (a lookup of a prompt many pods share fills them).
+    static SCRATCH: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// Pods' blocks by chain runs; see the module doc for what it covers.
 #[derive(Default)]
 pub struct RunIndex {
@@ -138,7 +144,7 @@ impl RunIndex {
     }
 
     /// For every pod holding `keys[0]`, how many leading keys it holds
-    /// (pods holding none are left out), sorted by pod. `keys` must be a
+    /// (pods holding none are left out), in no particular order. `keys` must be a
     /// chain from its first block, as a prompt's keys are: see
     /// `shared::Heads`.
     ///
@@ -149,8 +155,10 @@ impl RunIndex {
         let mut out = Vec::new();
         // Pods that hold every key before `i`, sorted; `next`: those that
         // hold the current run's stretch too.
-        let mut alive: Vec<u32> = Vec::new();
-        let mut next: Vec<u32> = Vec::new();
+        let (mut alive, mut next) = SCRATCH
+            .with(|cell| cell.try_borrow_mut().map(|mut s| std::mem::take(&mut *s)))
+            .unwrap_or_default();
+        alive.clear();
         let mut i = 0usize;
         while i < keys.len() {
             // The run this key starts (see `shared::Heads`).
@@ -205,7 +213,11 @@ impl RunIndex {
             }
         }
         out.extend(alive.iter().map(|&pod| (pod, i as u32)));
-        out.sort_unstable();
+        SCRATCH.with(|cell| {
+            if let Ok(mut scratch) = cell.try_borrow_mut() {
+                *scratch = (alive, next);
+            }
+        });
         out
     }
 }

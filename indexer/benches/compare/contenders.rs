@@ -315,7 +315,9 @@ impl Contender for Runs {
     }
 
     fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)> {
-        out.clone()
+        let mut out = out.clone();
+        out.sort_unstable();
+        out
     }
 }
 

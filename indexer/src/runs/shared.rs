@@ -1,7 +1,7 @@
 //! What readers of a `RunIndex` see, and how they see it without waiting
-//! for the writer: the table of run heads (sharded read-write locks,
-//! probed once per run a lookup crosses), and each run's blocks and
-//! holdings, published into atomics under a per-run sequence lock.
+//! for the writer: the table of run heads (probed once per run a lookup
+//! crosses), and each run's blocks and holdings, published into atomics
+//! under a per-run sequence lock; all of it read with no lock.
 //!
 //! Why a sequence lock per run, not a read lock: a lookup that takes a
 //! lock writes its cache line, which the writer's core then has to take
@@ -18,12 +18,10 @@
 //! slots themselves never move (`Arena`).
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use arc_swap::ArcSwapOption;
-use hashbrown::hash_table::HashTable;
-use parking_lot::{RwLock, RwLockReadGuard};
 
 use super::writer::Span;
 use crate::index::KeyBuildHasher;
@@ -33,80 +31,153 @@ pub(super) fn hash(h: u64) -> u64 {
     KeyBuildHasher::default().hash_one(h)
 }
 
-/// Shards of the table of run heads: a writer adding a run locks one, so a
-/// reader probing another does not wait.
-const SHARDS: usize = 64;
-
-#[repr(align(64))]
-#[derive(Default)]
-struct Shard(RwLock<HashTable<(u64, u32)>>);
-
 /// The first block of every run -> the run: all a reader needs to find a
 /// run. A lookup's first key starts a chain, so it is a run's first block;
 /// where a lookup leaves a run, its next key is a block stored under the
 /// one it left at, so it is in that run (and did not leave it) or starts
 /// one. (Chained keys: a block is stored under its one parent, and it is
-/// in one place.) Runs are made far less often than blocks, so readers
-/// share this table with the writer while the writer's table of every
-/// block is its own (see `writer`).
+/// in one place.) The writer's table of every block is its own (see
+/// `writer`): readers need only this one, one entry per run.
+///
+/// Open addressing over atomics, so that readers take no lock: each slot
+/// is a key word and a state word (`FULL << 32 | run`, `EMPTY` or a
+/// tombstone). The writer writes a slot's key before its state (release),
+/// a reader reads the state (acquire) before the key. Entries never move
+/// (a removal leaves a tombstone), so a reader finds every entry that was
+/// there for all of its probe; one removed or reused meanwhile may give it
+/// a run that no longer starts with its key, which the reader checks under
+/// the run's sequence lock anyway (`RunIndex::prefix_matches`). The table
+/// grows (and sheds tombstones) by copying into a new one, swapped in.
+#[derive(Default)]
 pub(super) struct Heads {
-    shards: Box<[Shard]>,
+    table: ArcSwapOption<HeadSlots>,
+    /// The writer's counts of the current table's full and dead slots.
+    full: AtomicUsize,
+    dead: AtomicUsize,
 }
 
-impl Default for Heads {
-    fn default() -> Self {
-        Heads {
-            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+struct HeadSlots {
+    /// `[key, state]` per slot.
+    words: Box<[AtomicU64]>,
+    mask: usize,
+}
+
+const EMPTY: u64 = 0;
+const FULL: u64 = 1 << 32;
+const DEAD: u64 = 2 << 32;
+
+/// A state word names a run (its low half) only if it is `FULL`.
+fn is_full(state: u64) -> bool {
+    state >> 32 == FULL >> 32
+}
+
+impl HeadSlots {
+    fn new(slots: usize) -> HeadSlots {
+        HeadSlots {
+            words: atomics(2 * slots),
+            mask: slots - 1,
         }
+    }
+
+    /// Slot indices from `h`'s home on.
+    fn probe(&self, h: u64) -> impl Iterator<Item = usize> + '_ {
+        let home = hash(h) as usize;
+        (0..=self.mask).map(move |i| (home + i) & self.mask)
+    }
+
+    fn state(&self, slot: usize) -> u64 {
+        self.words[2 * slot + 1].load(Ordering::Acquire)
+    }
+
+    fn key(&self, slot: usize) -> u64 {
+        self.words[2 * slot].load(Ordering::Relaxed)
+    }
+
+    fn fill(&self, slot: usize, h: u64, run: u32) {
+        self.words[2 * slot].store(h, Ordering::Relaxed);
+        self.words[2 * slot + 1].store(FULL | u64::from(run), Ordering::Release);
     }
 }
 
 impl Heads {
-    fn shard(&self, hashed: u64) -> &RwLock<HashTable<(u64, u32)>> {
-        // Below the top 7 bits, which hashbrown takes for its tags.
-        &self.shards[((hashed >> 32) as usize) & (SHARDS - 1)].0
-    }
-
-    /// The run `h` starts, if any.
+    /// The run `h` starts, if any (or, while the writer changes it, a run
+    /// that did: see the type's doc).
     pub fn find(&self, h: u64) -> Option<u32> {
-        let hashed = hash(h);
-        read_spinning(self.shard(hashed))
-            .find(hashed, |(k, _)| *k == h)
-            .map(|(_, run)| *run)
+        let guard = self.table.load();
+        let t = guard.as_ref()?;
+        for slot in t.probe(h) {
+            let state = t.state(slot);
+            if state == EMPTY {
+                return None;
+            }
+            if is_full(state) && t.key(slot) == h {
+                return Some(state as u32);
+            }
+        }
+        None
     }
 
-    /// `run` starts with `h`, which starts no other run.
+    /// `run` starts with `h`, which starts no other run. The writer alone
+    /// calls this and `remove`.
     pub fn insert(&self, h: u64, run: u32) {
-        let hashed = hash(h);
-        self.shard(hashed)
-            .write()
-            .insert_unique(hashed, (h, run), |(k, _)| hash(*k));
+        let (full, dead) = (
+            self.full.load(Ordering::Relaxed),
+            self.dead.load(Ordering::Relaxed),
+        );
+        let current = self.table.load_full();
+        let t = match current {
+            // At most half full, tombstones counted, so probes stay short.
+            Some(t) if (full + dead + 1) * 2 <= t.mask + 1 => t,
+            old => self.rebuilt(old.as_deref(), full + 1),
+        };
+        let slot = t
+            .probe(h)
+            .find(|s| !is_full(t.state(*s)))
+            .expect("a free slot: the table is at most half full");
+        if t.state(slot) == DEAD {
+            self.dead.fetch_sub(1, Ordering::Relaxed);
+        }
+        t.fill(slot, h, run);
+        self.full.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn remove(&self, h: u64) {
-        let hashed = hash(h);
-        if let Ok(e) = self
-            .shard(hashed)
-            .write()
-            .find_entry(hashed, |(k, _)| *k == h)
-        {
-            e.remove();
+        let guard = self.table.load();
+        let Some(t) = guard.as_ref() else { return };
+        for slot in t.probe(h) {
+            let state = t.state(slot);
+            if state == EMPTY {
+                return;
+            }
+            if is_full(state) && t.key(slot) == h {
+                t.words[2 * slot + 1].store(DEAD, Ordering::Release);
+                self.full.fetch_sub(1, Ordering::Relaxed);
+                self.dead.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
         }
     }
-}
 
-/// A shard's read lock, spinning briefly before parking: the writer holds
-/// a shard for one insert or removal.
-fn read_spinning(
-    lock: &RwLock<HashTable<(u64, u32)>>,
-) -> RwLockReadGuard<'_, HashTable<(u64, u32)>> {
-    for _ in 0..256 {
-        if let Some(guard) = lock.try_read() {
-            return guard;
+    /// A new table with room for `entries` at a quarter full, holding
+    /// `old`'s live entries, swapped in (readers on the old one finish
+    /// there; it is not written again).
+    fn rebuilt(&self, old: Option<&HeadSlots>, entries: usize) -> Arc<HeadSlots> {
+        let t = HeadSlots::new((entries * 4).next_power_of_two().max(64));
+        if let Some(old) = old {
+            for slot in 0..=old.mask {
+                let state = old.state(slot);
+                if is_full(state) {
+                    let h = old.key(slot);
+                    let free = t.probe(h).find(|s| t.state(*s) == EMPTY).expect("room");
+                    t.fill(free, h, state as u32);
+                }
+            }
         }
-        std::hint::spin_loop();
+        let t = Arc::new(t);
+        self.table.store(Some(t.clone()));
+        self.dead.store(0, Ordering::Relaxed);
+        t
     }
-    lock.read()
 }
 
 /// A run's words: its block hashes, then its holdings, each holding a
@@ -202,23 +273,27 @@ impl Published {
             self.words.store(Some(words.clone()));
         }
         drop(current);
+        // Only the words that changed are written: a store takes its line
+        // from every reader's cache, and most publishes move one span end
+        // of one holding among many.
         let mut at = 0;
-        for h in holdings {
-            words.holdings[at].store(
-                u64::from(h.pod) << 32 | h.spans.len() as u64,
-                Ordering::Relaxed,
-            );
+        let mut put = |word: u64| {
+            let slot = &words.holdings[at];
+            if slot.load(Ordering::Relaxed) != word {
+                slot.store(word, Ordering::Relaxed);
+            }
             at += 1;
+        };
+        for h in holdings {
+            put(u64::from(h.pod) << 32 | h.spans.len() as u64);
             for span in h.spans {
-                words.holdings[at].store(
-                    u64::from(span.start) << 32 | u64::from(span.end),
-                    Ordering::Relaxed,
-                );
-                at += 1;
+                put(u64::from(span.start) << 32 | u64::from(span.end));
             }
         }
         words.len.store(len as u32, Ordering::Relaxed);
-        words.holding_words.store(at as u32, Ordering::Relaxed);
+        words
+            .holding_words
+            .store(holding_words as u32, Ordering::Relaxed);
         self.version.store(v + 2, Ordering::Release);
     }
 
@@ -323,6 +398,41 @@ impl Arena {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Through growth, tombstones and slots reused: every head present is
+    /// found, every one removed is not.
+    #[test]
+    fn heads_are_found_while_present() {
+        let heads = Heads::default();
+        let key = |i: u32| hash(u64::from(i) ^ 0xabcd);
+        let mut present = std::collections::HashMap::new();
+        for round in 0..6u32 {
+            for i in 0..5_000 {
+                let id = round * 5_000 + i;
+                heads.insert(key(id), id);
+                present.insert(id, id);
+            }
+            // Every third of all so far goes.
+            let gone: Vec<u32> = present
+                .keys()
+                .copied()
+                .filter(|id| id % 3 == round % 3)
+                .collect();
+            for id in gone {
+                heads.remove(key(id));
+                present.remove(&id);
+            }
+            for id in 0..(round + 1) * 5_000 {
+                assert_eq!(
+                    heads.find(key(id)),
+                    present.get(&id).copied(),
+                    "round {round}, id {id}"
+                );
+            }
+        }
+        let t = heads.table.load_full().expect("a table");
+        assert!(heads.full.load(Ordering::Relaxed) * 4 <= t.mask + 1 + 64 * 4);
+    }
 
     #[test]
     fn run_ids_map_to_distinct_slots() {

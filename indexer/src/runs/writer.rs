@@ -355,12 +355,13 @@ impl Writer {
                     n
                 }
                 _ => match self.table.find(e) {
-                    Some(loc) if self.is_at(k, loc) => loc,
+                    // Engine keys: the table is by key, nothing to check.
+                    Some(loc) if !self.token_keys || self.is_at(k, loc) => loc,
                     Some(_) => return total - done,
                     // Under another engine hash, a block that is not where
                     // its parent's run goes on starts a run (see
                     // `shared::Heads`).
-                    None => match heads.find(k).filter(|_| self.token_keys) {
+                    None => match self.token_keys.then(|| heads.find(k)).flatten() {
                         Some(run) => {
                             let loc = Loc { run, off: 0 };
                             self.alias(e, loc);
