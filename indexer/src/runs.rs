@@ -31,9 +31,13 @@
 //! tokens (`with_token_keys`, `store_tokens`), removals still naming
 //! engine hashes: the writer's table is by engine hash, runs hold keys.
 //!
+//! A pod holds blocks per tier (a holder is a pod and a tier); a lookup
+//! answers each pod's leading blocks on any tier and how many of those are
+//! on each.
+//!
 //! What it does not do yet (the index keeps doing it until this layout
-//! carries it): tiers, repeated stores of a hash counted, eviction by age,
-//! snapshots, extra keys. Holdings here are sets: a second store of a held
+//! carries it): repeated stores of a hash counted, eviction by age,
+//! snapshots, extra keys, the best tier's weights. Holdings here are sets: a second store of a held
 //! block changes nothing, one removal drops it.
 
 mod shared;
@@ -41,13 +45,12 @@ mod writer;
 
 use parking_lot::Mutex;
 
-use shared::{Arena, Heads, View};
+use crate::event::{Tier, TIERS};
+use shared::{Arena, Heads, Held, PodSpans, View, TIER_BITS};
 use writer::Writer;
 
 thread_local! {
-    /// A lookup's two lists of pods still matching, kept for the thread's
-    /// next lookup (a lookup of a prompt many pods share fills them).
-    static SCRATCH: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 /// Pods' blocks by chain runs; see the module doc for what it covers.
@@ -77,25 +80,32 @@ impl RunIndex {
         ix
     }
 
-    /// `pod` stored `hashes`, a chain under `parent` (the block before the
-    /// first, if it has one); the engine hashes are the keys.
-    pub fn store(&self, pod: u32, parent: Option<u64>, hashes: &[u64]) {
+    /// `pod` stored `hashes` on `tier`, a chain under `parent` (the block
+    /// before the first, if it has one); the engine hashes are the keys.
+    pub fn store(&self, pod: u32, tier: Tier, parent: Option<u64>, hashes: &[u64]) {
         let mut w = self.writer.lock();
         debug_assert!(!w.token_keys, "store_tokens");
         let at = parent.and_then(|p| w.table.find(p));
-        w.store(&self.heads, pod, at, hashes.iter().map(|h| (*h, *h)));
+        w.store(
+            &self.heads,
+            holder(pod, tier),
+            at,
+            hashes.iter().map(|h| (*h, *h)),
+        );
         w.publish(&self.published);
     }
 
-    /// `pod` stored the blocks `engines` name, a chain under `parent`,
-    /// with `tokens` (`block_size` per block): each keyed from its parent's
-    /// key (`root_seed` for a chain's first block), as a prompt's keys are
-    /// (`keys::prompt_keys`). Returns how many blocks were not stored: all
-    /// of them if the parent is unknown or the tokens do not fit, or from
-    /// a block whose engine hash names another block.
+    /// `pod` stored the blocks `engines` name on `tier`, a chain under
+    /// `parent`, with `tokens` (`block_size` per block): each keyed from
+    /// its parent's key (`root_seed` for a chain's first block), as a
+    /// prompt's keys are (`keys::prompt_keys`). Returns how many blocks
+    /// were not stored: all of them if the parent is unknown or the tokens
+    /// do not fit, or from a block whose engine hash names another block.
+    #[allow(clippy::too_many_arguments)]
     pub fn store_tokens(
         &self,
         pod: u32,
+        tier: Tier,
         parent: Option<u64>,
         engines: &[u64],
         tokens: &[u32],
@@ -121,44 +131,59 @@ impl RunIndex {
                 prev = crate::keys::chain(prev, t).0;
                 (*e, prev)
             });
-        let skipped = w.store(&self.heads, pod, at, blocks);
+        let skipped = w.store(&self.heads, holder(pod, tier), at, blocks);
         w.publish(&self.published);
         skipped
     }
 
-    /// `pod` removed the blocks its engine hashes `hashes` name; unknown
-    /// ones (or ones it does not hold) are counted in the result, not
-    /// applied.
-    pub fn remove(&self, pod: u32, hashes: &[u64]) -> usize {
+    /// `pod` removed from `tier` the blocks its engine hashes `hashes`
+    /// name; unknown ones (or ones it does not hold there) are counted in
+    /// the result, not applied.
+    pub fn remove(&self, pod: u32, tier: Tier, hashes: &[u64]) -> usize {
         let mut w = self.writer.lock();
-        let unknown = w.remove(&self.heads, pod, hashes);
+        let unknown = w.remove(&self.heads, holder(pod, tier), hashes);
         w.publish(&self.published);
         unknown
     }
 
-    /// Drops everything `pod` holds (its cache was cleared).
+    /// Drops everything `pod` holds, on every tier (its cache was cleared).
     pub fn clear(&self, pod: u32) {
         let mut w = self.writer.lock();
-        w.clear(&self.heads, pod);
+        w.clear(&self.heads, |h| h >> TIER_BITS == pod);
         w.publish(&self.published);
     }
 
-    /// For every pod holding `keys[0]`, how many leading keys it holds
-    /// (pods holding none are left out), in no particular order. `keys` must be a
-    /// chain from its first block, as a prompt's keys are: see
-    /// `shared::Heads`.
+    /// For every pod holding `keys[0]` (on any tier), how many leading
+    /// keys it holds and how many of those on each tier (pods holding none
+    /// are left out), in no particular order. `keys` must be a chain from
+    /// its first block, as a prompt's keys are: see `shared::Heads`.
     ///
     /// Each run is read as one consistent view, but the runs of one lookup
     /// at different instants: under writes, an answer is one the index
     /// could have given at some point during the lookup, per run.
-    pub fn prefix_matches(&self, keys: &[u64]) -> Vec<(u32, u32)> {
+    pub fn prefix_matches(&self, keys: &[u64]) -> Vec<RunMatch> {
         let mut out = Vec::new();
-        // Pods that hold every key before `i`, sorted; `next`: those that
-        // hold the current run's stretch too.
-        let (mut alive, mut next) = SCRATCH
-            .with(|cell| cell.try_borrow_mut().map(|mut s| std::mem::take(&mut *s)))
-            .unwrap_or_default();
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => self.walk(keys, &mut scratch, &mut out),
+            Err(_) => self.walk(keys, &mut Scratch::default(), &mut out),
+        });
+        out
+    }
+
+    fn walk(&self, keys: &[u64], scratch: &mut Scratch, out: &mut Vec<RunMatch>) {
+        let Scratch { alive, next, mixed } = scratch;
         alive.clear();
+        mixed.clear();
+        // A pod's match ends here: `tiers` says where its blocks are.
+        let answer = |pod: u32, blocks: u32, tiers: Tiers, mixed: &[[u32; TIERS]]| RunMatch {
+            pod,
+            blocks,
+            per_tier: match tiers.get() {
+                None => [0; TIERS],
+                Some(Ok(t)) => std::array::from_fn(|i| if i == t { blocks } else { 0 }),
+                Some(Err(at)) => mixed[at],
+            },
+        };
         let mut i = 0usize;
         while i < keys.len() {
             // The run this key starts (see `shared::Heads`).
@@ -166,11 +191,12 @@ impl RunIndex {
                 break;
             };
             let rest = &keys[i..];
-            let answered = out.len();
+            let (answered, mixed_before) = (out.len(), mixed.len());
             let read = self.published.get(run).read(|run| {
                 // A read the version check turns down leaves nothing.
                 next.clear();
                 out.truncate(answered);
+                mixed.truncate(mixed_before);
                 // The run may have died, and its slot gone to another,
                 // since the table named it.
                 if run.hash(0) != Some(rest[0]) {
@@ -178,27 +204,52 @@ impl RunIndex {
                 }
                 let len = matched_in_run(run, rest);
                 let more = len < rest.len();
-                let mut decide = |pod: u32, end: Option<u32>| {
-                    let n = end.map_or(0, |e| (e as usize).min(len));
-                    if n == len && more {
-                        next.push(pod);
-                    } else if i + n > 0 {
-                        out.push((pod, (i + n) as u32));
+                let mut decide = |pod: u32, tiers: Tiers, spans: Option<&PodSpans<'_>>| {
+                    let (n, held) =
+                        spans.map_or((0, Held::Many([0; TIERS])), |s| s.matched(len as u32));
+                    // Where the pod's blocks so far and these are.
+                    let tiers = match (tiers.get(), held) {
+                        (_, _) if n == 0 => tiers,
+                        (None, Held::One(t)) => Tiers::one(t),
+                        (Some(Ok(a)), Held::One(t)) if a == t => tiers,
+                        (before, held) => {
+                            let mut per_tier = match before {
+                                None => [0; TIERS],
+                                Some(Ok(a)) => {
+                                    std::array::from_fn(|k| if k == a { i as u32 } else { 0 })
+                                }
+                                Some(Err(at)) => mixed[at],
+                            };
+                            match held {
+                                Held::One(t) => per_tier[t] += n,
+                                Held::Many(h) => {
+                                    for (total, here) in per_tier.iter_mut().zip(h) {
+                                        *total += here;
+                                    }
+                                }
+                            }
+                            mixed.push(per_tier);
+                            Tiers::mixed(mixed.len() - 1)
+                        }
+                    };
+                    let blocks = i as u32 + n;
+                    if n as usize == len && more {
+                        next.push((pod, tiers));
+                    } else if blocks > 0 {
+                        out.push(answer(pod, blocks, tiers, mixed));
                     }
                 };
-                let mut holdings = run.holdings_at(0).peekable();
+                let mut pods = run.pods().peekable();
                 if i == 0 {
-                    for (pod, end) in holdings {
-                        decide(pod, end);
+                    for p in pods {
+                        decide(p.pod, Tiers::NONE, Some(&p));
                     }
                 } else {
                     // Merge the pods still matching with the run's holders.
-                    for &pod in &alive {
-                        while holdings.next_if(|(p, _)| *p < pod).is_some() {}
-                        match holdings.next_if(|(p, _)| *p == pod) {
-                            Some((pod, end)) => decide(pod, end),
-                            None => decide(pod, None),
-                        }
+                    for &(pod, tiers) in alive.iter() {
+                        while pods.next_if(|p| p.pod < pod).is_some() {}
+                        let here = pods.next_if(|p| p.pod == pod);
+                        decide(pod, tiers, here.as_ref());
                     }
                 }
                 Some(len)
@@ -206,20 +257,71 @@ impl RunIndex {
             let Some(len) = read.flatten() else {
                 break;
             };
-            std::mem::swap(&mut alive, &mut next);
+            std::mem::swap(alive, next);
             i += len;
             if alive.is_empty() {
                 break;
             }
         }
-        out.extend(alive.iter().map(|&pod| (pod, i as u32)));
-        SCRATCH.with(|cell| {
-            if let Ok(mut scratch) = cell.try_borrow_mut() {
-                *scratch = (alive, next);
-            }
-        });
-        out
+        out.extend(
+            alive
+                .iter()
+                .map(|&(pod, tiers)| answer(pod, i as u32, tiers, mixed)),
+        );
     }
+}
+
+/// Where a pod still matching holds the blocks it matched so far: nowhere
+/// yet, all on one tier (most pods), or as counted in `Scratch::mixed`.
+/// Four bytes, as it is copied per pod per run a lookup crosses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tiers(u32);
+
+impl Tiers {
+    const NONE: Tiers = Tiers(u32::MAX);
+    const MIXED: u32 = 1 << 31;
+
+    fn one(tier: usize) -> Tiers {
+        Tiers(tier as u32)
+    }
+
+    fn mixed(at: usize) -> Tiers {
+        Tiers(Self::MIXED | at as u32)
+    }
+
+    /// (the one tier, or the index of the counts in `Scratch::mixed`).
+    fn get(self) -> Option<Result<usize, usize>> {
+        match self.0 {
+            u32::MAX => None,
+            t if t & Self::MIXED != 0 => Some(Err((t & !Self::MIXED) as usize)),
+            t => Some(Ok(t as usize)),
+        }
+    }
+}
+
+/// A lookup's lists of pods still matching (and the per-tier counts of
+/// those whose blocks are on several tiers), kept for the thread's next
+/// lookup (a lookup of a prompt many pods share fills them).
+#[derive(Default)]
+struct Scratch {
+    alive: Vec<(u32, Tiers)>,
+    next: Vec<(u32, Tiers)>,
+    mixed: Vec<[u32; TIERS]>,
+}
+
+/// What a pod holds of a prompt: its leading blocks held on any tier, and
+/// of those, how many on each tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RunMatch {
+    pub pod: u32,
+    pub blocks: u32,
+    pub per_tier: [u32; TIERS],
+}
+
+/// A holder: one pod's blocks on one tier.
+fn holder(pod: u32, tier: Tier) -> u32 {
+    debug_assert!(pod < u32::MAX >> TIER_BITS);
+    pod << TIER_BITS | tier.index() as u32
 }
 
 /// How many of `keys` (whose first starts the run) the run holds in order.

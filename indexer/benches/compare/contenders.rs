@@ -20,7 +20,7 @@ use dynamo_kv_router::{
     compute_block_hash_for_seq, ConcurrentRadixTreeCompressed, PositionalIndexer, SyncIndexer,
     ThreadPoolIndexer,
 };
-use indexer::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
+use indexer::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
 use indexer::keys::BlockKey;
 use indexer::scheme::KeySchemes;
 use indexer::{Indexer, IndexerConfig, Pod};
@@ -228,7 +228,7 @@ pub enum RunsQuery {
 impl Contender for Runs {
     type Batch = (u32, Vec<RunsEvent>);
     type Query = RunsQuery;
-    type Out = Vec<(u32, u32)>;
+    type Out = Vec<indexer::runs::RunMatch>;
 
     fn name() -> &'static str {
         "runs"
@@ -282,10 +282,11 @@ impl Contender for Runs {
                     hashes,
                     tokens,
                 } => match self.input {
-                    Input::PreHashed => self.ix.store(pod, *parent, hashes),
+                    Input::PreHashed => self.ix.store(pod, Tier::Gpu, *parent, hashes),
                     Input::Tokens => {
                         self.ix.store_tokens(
                             pod,
+                            Tier::Gpu,
                             *parent,
                             hashes,
                             tokens,
@@ -295,7 +296,7 @@ impl Contender for Runs {
                     }
                 },
                 RunsEvent::Removed { hashes } => {
-                    self.ix.remove(pod, hashes);
+                    self.ix.remove(pod, Tier::Gpu, hashes);
                 }
             }
         }
@@ -315,7 +316,7 @@ impl Contender for Runs {
     }
 
     fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)> {
-        let mut out = out.clone();
+        let mut out: Vec<(u32, u32)> = out.iter().map(|m| (m.pod, m.blocks)).collect();
         out.sort_unstable();
         out
     }

@@ -24,6 +24,7 @@ use std::sync::{Arc, OnceLock};
 use arc_swap::ArcSwapOption;
 
 use super::writer::Span;
+use crate::event::TIERS;
 use crate::index::KeyBuildHasher;
 
 #[inline]
@@ -259,7 +260,17 @@ impl Published {
         len: usize,
         holdings: impl Iterator<Item = HoldingView<'a>> + Clone,
     ) {
-        let holding_words: usize = holdings.clone().map(|h| 1 + h.spans.len()).sum();
+        // A header per pod, a word per span.
+        let mut last_pod = None;
+        let holding_words: usize = holdings
+            .clone()
+            .map(|h| {
+                let pod = h.pod >> TIER_BITS;
+                let header = usize::from(last_pod != Some(pod));
+                last_pod = Some(pod);
+                header + h.spans.len()
+            })
+            .sum();
         if holding_words > words.holdings.len() {
             *words = Words::grown(Some(words), len, words.capacity(), holding_words);
         }
@@ -276,18 +287,38 @@ impl Published {
         // Only the words that changed are written: a store takes its line
         // from every reader's cache, and most publishes move one span end
         // of one holding among many.
-        let mut at = 0;
-        let mut put = |word: u64| {
-            let slot = &words.holdings[at];
+        let put = |at: &mut usize, word: u64| {
+            let slot = &words.holdings[*at];
             if slot.load(Ordering::Relaxed) != word {
                 slot.store(word, Ordering::Relaxed);
             }
-            at += 1;
+            *at += 1;
         };
-        for h in holdings {
-            put(u64::from(h.pod) << 32 | h.spans.len() as u64);
-            for span in h.spans {
-                put(u64::from(span.start) << 32 | u64::from(span.end));
+        let mut at = 0;
+        // Each pod: a header (`pod << 32 | tiers << 24 | spans`), then its
+        // spans (`tier << 62 | start << 32 | end`), tier by tier.
+        let mut holdings = holdings.peekable();
+        while let Some(first) = holdings.peek() {
+            let pod = first.pod >> TIER_BITS;
+            let header_at = at;
+            at += 1;
+            let (mut tiers, mut spans) = (0u64, 0u64);
+            while let Some(h) = holdings.next_if(|h| h.pod >> TIER_BITS == pod) {
+                let tier = u64::from(h.pod & TIER_MASK);
+                tiers |= 1 << tier;
+                for span in h.spans {
+                    debug_assert!(span.start < MAX_RUN);
+                    put(
+                        &mut at,
+                        tier << 62 | u64::from(span.start) << 32 | u64::from(span.end),
+                    );
+                    spans += 1;
+                }
+            }
+            let header = u64::from(pod) << 32 | tiers << 24 | spans;
+            let slot = &words.holdings[header_at];
+            if slot.load(Ordering::Relaxed) != header {
+                slot.store(header, Ordering::Relaxed);
             }
         }
         words.len.store(len as u32, Ordering::Relaxed);
@@ -343,22 +374,105 @@ impl View<'_> {
         self.hashes.get(off).map(|h| h.load(Ordering::Relaxed))
     }
 
-    /// Each holding: (pod, where the span holding `off` ends, if one does).
-    pub fn holdings_at(&self, off: u32) -> impl Iterator<Item = (u32, Option<u32>)> + '_ {
+    /// Each pod's holdings of the run, in pod order.
+    #[inline]
+    pub fn pods(&self) -> impl Iterator<Item = PodSpans<'_>> + '_ {
+        let words = self.holdings;
         let mut at = 0;
         std::iter::from_fn(move || {
-            let header = self.holdings.get(at)?.load(Ordering::Relaxed);
-            let (pod, spans) = ((header >> 32) as u32, (header & 0xffff_ffff) as usize);
+            let header = words.get(at)?.load(Ordering::Relaxed);
             let first = at + 1;
-            at = first.saturating_add(spans);
-            let spans = self.holdings.get(first..at.min(self.holdings.len()))?;
-            let end = spans.iter().find_map(|s| {
-                let s = s.load(Ordering::Relaxed);
-                let (start, end) = ((s >> 32) as u32, s as u32);
-                (start <= off && off < end).then_some(end)
-            });
-            Some((pod, end))
+            at = first.saturating_add((header & 0xff_ffff) as usize);
+            Some(PodSpans {
+                pod: (header >> 32) as u32,
+                tiers: (header >> 24) as u8,
+                spans: words.get(first..at.min(words.len()))?,
+            })
         })
+    }
+}
+
+/// Bits of a holder id that are its tier (`pod << TIER_BITS | tier`).
+pub(super) const TIER_BITS: u32 = 2;
+const TIER_MASK: u32 = (1 << TIER_BITS) - 1;
+
+/// Runs are at most this long (a block past it starts a run), so that a
+/// published span's start leaves room for its tier.
+pub(super) const MAX_RUN: u32 = 1 << 30;
+
+/// On which tiers a pod holds the blocks `PodSpans::matched` counted: all
+/// on one, or so many on each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Held {
+    One(usize),
+    Many([u32; TIERS]),
+}
+
+/// One pod's spans of one run (each tagged with its tier), as one read
+/// saw them.
+pub(super) struct PodSpans<'a> {
+    pub pod: u32,
+    /// Bit `t`: the pod holds some of the run on tier `t`.
+    tiers: u8,
+    spans: &'a [AtomicU64],
+}
+
+/// A span word: (tier, start, end).
+fn span(word: &AtomicU64) -> (usize, u32, u32) {
+    let s = word.load(Ordering::Relaxed);
+    (
+        (s >> 62) as usize,
+        (s >> 32) as u32 & (MAX_RUN - 1),
+        s as u32,
+    )
+}
+
+impl PodSpans<'_> {
+    /// Of the run's first `len` blocks, how many leading ones the pod
+    /// holds (on any tier), and on which tiers.
+    #[inline]
+    pub fn matched(&self, len: u32) -> (u32, Held) {
+        // Most pods hold a run on one tier, in one span from its start.
+        if self.tiers.count_ones() == 1 {
+            let n = match self.spans.first().map(span) {
+                Some((_, 0, end)) => end.min(len),
+                _ => 0,
+            };
+            return (n, Held::One(self.tiers.trailing_zeros() as usize));
+        }
+        let n = self.covered().min(len);
+        (n, Held::Many(self.held_below(n)))
+    }
+
+    /// How many of the run's first blocks the pod holds, on any tier.
+    fn covered(&self) -> u32 {
+        let mut end = 0;
+        // Each pass moves `end` past a span that holds it, or stops: at
+        // most one pass per span, whatever a torn read holds.
+        loop {
+            let next = self
+                .spans
+                .iter()
+                .map(span)
+                .filter(|(_, start, stop)| *start <= end && end < *stop)
+                .map(|(_, _, stop)| stop)
+                .max();
+            match next {
+                Some(stop) => end = stop,
+                None => return end,
+            }
+        }
+    }
+
+    /// Of the run's first `n` blocks, how many the pod holds on each tier.
+    pub(super) fn held_below(&self, n: u32) -> [u32; TIERS] {
+        let mut held = [0u32; TIERS];
+        for (tier, start, stop) in self.spans.iter().map(span) {
+            if let Some(h) = held.get_mut(tier) {
+                *h = h.saturating_add(stop.min(n).saturating_sub(start));
+            }
+        }
+        held
     }
 }
 

@@ -2,9 +2,10 @@ use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 
-use super::shared::hash;
+use super::shared::{hash, TIER_BITS};
 use super::writer::Loc;
 use super::*;
+use crate::event::{Tier, TIERS};
 
 /// A forest of chained blocks: node `n`'s hash mixes its parent's hash
 /// with its own id, so two paths that part at a node differ at every node
@@ -49,30 +50,48 @@ impl Forest {
     }
 }
 
-fn sorted(mut v: Vec<(u32, u32)>) -> Vec<(u32, u32)> {
+fn sorted(mut v: Vec<RunMatch>) -> Vec<RunMatch> {
     v.sort_unstable();
     v
 }
 
-/// The model: what each pod holds, as a set.
+/// (pod, blocks) of each answer.
+fn blocks(v: Vec<RunMatch>) -> Vec<(u32, u32)> {
+    sorted(v).iter().map(|m| (m.pod, m.blocks)).collect()
+}
+
+/// The model: what each pod holds on each tier, as a set.
 #[derive(Default)]
-struct Model(HashMap<u32, HashSet<u64>>);
+struct Model(HashMap<(u32, usize), HashSet<u64>>);
 
 impl Model {
-    fn prefix_matches(&self, keys: &[u64]) -> Vec<(u32, u32)> {
-        let mut out: Vec<(u32, u32)> = self
-            .0
-            .iter()
-            .map(|(pod, held)| {
-                (
-                    *pod,
-                    keys.iter().take_while(|k| held.contains(k)).count() as u32,
-                )
+    fn prefix_matches(&self, keys: &[u64]) -> Vec<RunMatch> {
+        let pods: HashSet<u32> = self.0.keys().map(|(pod, _)| *pod).collect();
+        let mut out: Vec<RunMatch> = pods
+            .into_iter()
+            .map(|pod| {
+                let on =
+                    |tier: usize, k: &u64| self.0.get(&(pod, tier)).is_some_and(|s| s.contains(k));
+                let n = keys
+                    .iter()
+                    .take_while(|k| (0..TIERS).any(|t| on(t, k)))
+                    .count();
+                RunMatch {
+                    pod,
+                    blocks: n as u32,
+                    per_tier: std::array::from_fn(|t| {
+                        keys[..n].iter().filter(|k| on(t, k)).count() as u32
+                    }),
+                }
             })
-            .filter(|(_, n)| *n > 0)
+            .filter(|m| m.blocks > 0)
             .collect();
         out.sort_unstable();
         out
+    }
+
+    fn clear(&mut self, pod: u32) {
+        self.0.retain(|(p, _), _| *p != pod);
     }
 }
 
@@ -82,6 +101,7 @@ enum Op {
     /// before it).
     Store {
         pod: u32,
+        tier: usize,
         node: usize,
         from: usize,
     },
@@ -89,6 +109,7 @@ enum Op {
     /// evicts) or root first.
     Remove {
         pod: u32,
+        tier: usize,
         node: usize,
         from: usize,
         leaf_first: bool,
@@ -100,10 +121,10 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u32..4, any::<usize>(), 0usize..12)
-            .prop_map(|(pod, node, from)| Op::Store { pod, node, from }),
-        4 => (0u32..4, any::<usize>(), 0usize..12, any::<bool>())
-            .prop_map(|(pod, node, from, leaf_first)| Op::Remove { pod, node, from, leaf_first }),
+        6 => (0u32..4, 0..TIERS, any::<usize>(), 0usize..12)
+            .prop_map(|(pod, tier, node, from)| Op::Store { pod, tier, node, from }),
+        4 => (0u32..4, 0..TIERS, any::<usize>(), 0usize..12, any::<bool>())
+            .prop_map(|(pod, tier, node, from, leaf_first)| Op::Remove { pod, tier, node, from, leaf_first }),
         1 => (0u32..4).prop_map(|pod| Op::Clear { pod }),
     ]
 }
@@ -120,11 +141,21 @@ fn check_invariants(ix: &RunIndex) {
             .get(id as u32)
             .read(|v| {
                 let hashes: Vec<u64> = (0..v.len()).filter_map(|k| v.hash(k)).collect();
-                let pods: Vec<u32> = v.holdings_at(0).map(|(pod, _)| pod).collect();
+                let pods: Vec<(u32, [u32; TIERS])> =
+                    v.pods().map(|p| (p.pod, p.held_below(u32::MAX))).collect();
                 (hashes, pods)
             })
             .unwrap_or_default();
-        let pods: Vec<u32> = run.holdings.iter().map(|h| h.pod).collect();
+        // What the writer has: blocks held per pod and tier.
+        let mut pods: Vec<(u32, [u32; TIERS])> = Vec::new();
+        for h in &run.holdings {
+            let (pod, tier) = (h.pod >> TIER_BITS, (h.pod & 3) as usize);
+            if pods.last().is_none_or(|(p, _)| *p != pod) {
+                pods.push((pod, [0; TIERS]));
+            }
+            let held: u32 = h.spans.iter().map(|s| s.end - s.start).sum();
+            pods.last_mut().expect("pushed").1[tier] = held;
+        }
         let hashes: Vec<u64> = (0..run.len()).filter_map(|k| run.hash(k)).collect();
         assert_eq!(seen, (hashes.clone(), pods), "run {id} as published");
         if w.free.contains(&(id as u32)) {
@@ -185,27 +216,27 @@ proptest! {
         let mut model = Model::default();
         for op in ops {
             match op {
-                Op::Store { pod, node, from } => {
+                Op::Store { pod, tier, node, from } => {
                     let path = forest.path(node % nodes);
                     let from = from.min(path.len() - 1);
                     let parent = from.checked_sub(1).map(|i| forest.hash[path[i]]);
                     let hashes = forest.hashes(&path[from..]);
-                    ix.store(pod, parent, &hashes);
-                    model.0.entry(pod).or_default().extend(hashes);
+                    ix.store(pod, Tier::ALL[tier], parent, &hashes);
+                    model.0.entry((pod, tier)).or_default().extend(hashes);
                 }
-                Op::Remove { pod, node, from, leaf_first } => {
+                Op::Remove { pod, tier, node, from, leaf_first } => {
                     let path = forest.path(node % nodes);
                     let mut hashes = forest.hashes(&path[from.min(path.len() - 1)..]);
                     if leaf_first {
                         hashes.reverse();
                     }
-                    let held = model.0.entry(pod).or_default();
+                    let held = model.0.entry((pod, tier)).or_default();
                     let unknown = hashes.iter().filter(|h| !held.remove(*h)).count();
-                    prop_assert_eq!(ix.remove(pod, &hashes), unknown);
+                    prop_assert_eq!(ix.remove(pod, Tier::ALL[tier], &hashes), unknown);
                 }
                 Op::Clear { pod } => {
                     ix.clear(pod);
-                    model.0.remove(&pod);
+                    model.clear(pod);
                 }
             }
             check_invariants(&ix);
@@ -273,34 +304,34 @@ proptest! {
         let mut model = Model::default();
         for op in ops {
             match op {
-                Op::Store { pod, node, .. } => {
+                Op::Store { pod, tier, node, .. } => {
                     let path = forest.path(node % nodes);
                     let engines: Vec<u64> = path.iter().map(|n| engine_of(&forest, pod, *n)).collect();
                     let skipped = ix.store_tokens(
-                        pod, None, &engines, &tokens_of(&path), TOKENS_PER_BLOCK, ROOT_SEED,
+                        pod, Tier::ALL[tier], None, &engines, &tokens_of(&path), TOKENS_PER_BLOCK, ROOT_SEED,
                     );
                     prop_assert_eq!(skipped, 0);
-                    model.0.entry(pod).or_default().extend(keys_of(&path));
+                    model.0.entry((pod, tier)).or_default().extend(keys_of(&path));
                 }
-                Op::Remove { pod, node, from, leaf_first } => {
+                Op::Remove { pod, tier, node, from, leaf_first } => {
                     let path = forest.path(node % nodes);
                     let mut part = path[from.min(path.len() - 1)..].to_vec();
                     if leaf_first {
                         part.reverse();
                     }
                     let keys = keys_of(&path);
-                    let held = model.0.entry(pod).or_default();
+                    let held = model.0.entry((pod, tier)).or_default();
                     let unknown = part
                         .iter()
                         .map(|n| path.iter().position(|p| p == n).expect("on the path"))
                         .filter(|i| !held.remove(&keys[*i]))
                         .count();
                     let engines: Vec<u64> = part.iter().map(|n| engine_of(&forest, pod, *n)).collect();
-                    prop_assert_eq!(ix.remove(pod, &engines), unknown);
+                    prop_assert_eq!(ix.remove(pod, Tier::ALL[tier], &engines), unknown);
                 }
                 Op::Clear { pod } => {
                     ix.clear(pod);
-                    model.0.remove(&pod);
+                    model.clear(pod);
                 }
             }
             check_invariants(&ix);
@@ -331,35 +362,35 @@ fn a_shared_prefix_is_one_run() {
     let chain = forest.hashes(&forest.path(99));
     let branch = forest.hashes(&forest.path(129));
     let ix = RunIndex::new();
-    ix.store(0, None, &chain);
-    ix.store(1, None, &chain[..60]);
-    ix.store(2, Some(chain[9]), &chain[10..30]);
+    ix.store(0, Tier::Gpu, None, &chain);
+    ix.store(1, Tier::Gpu, None, &chain[..60]);
+    ix.store(2, Tier::Gpu, Some(chain[9]), &chain[10..30]);
     assert_eq!(ix.writer.lock().runs.len(), 1);
     assert_eq!(ix.blocks(), 100);
     assert_eq!(
-        sorted(ix.prefix_matches(&chain)),
+        blocks(ix.prefix_matches(&chain)),
         vec![(0, 100), (1, 60)],
         "pod 2 lacks the first block"
     );
-    ix.store(3, Some(chain[39]), &branch[40..]);
+    ix.store(3, Tier::Gpu, Some(chain[39]), &branch[40..]);
     assert_eq!(ix.writer.lock().runs.len(), 2);
-    assert_eq!(sorted(ix.prefix_matches(&branch)), vec![(0, 40), (1, 40)]);
-    ix.store(3, None, &branch[..40]);
+    assert_eq!(blocks(ix.prefix_matches(&branch)), vec![(0, 40), (1, 40)]);
+    ix.store(3, Tier::Gpu, None, &branch[..40]);
     assert_eq!(
-        sorted(ix.prefix_matches(&branch)),
+        blocks(ix.prefix_matches(&branch)),
         vec![(0, 40), (1, 40), (3, 70)]
     );
     // Evicted leaf first, the tail is cut as it dies.
     let mut tail = chain[60..].to_vec();
     tail.reverse();
-    assert_eq!(ix.remove(0, &tail), 0);
+    assert_eq!(ix.remove(0, Tier::Gpu, &tail), 0);
     assert_eq!(ix.blocks(), 90);
     // Blocks another pod holds stay.
-    assert_eq!(ix.remove(1, &chain[40..60]), 0);
+    assert_eq!(ix.remove(1, Tier::Gpu, &chain[40..60]), 0);
     assert_eq!(ix.blocks(), 90);
     let mut tail = chain[40..60].to_vec();
     tail.reverse();
-    assert_eq!(ix.remove(0, &tail), 0);
+    assert_eq!(ix.remove(0, Tier::Gpu, &tail), 0);
     assert_eq!(ix.blocks(), 70);
 }
 
@@ -383,7 +414,7 @@ fn readers_see_untouched_pods_exactly_while_a_writer_churns() {
     // Pod 9 holds the first half of every chain, for good.
     let mut ninth: HashSet<u64> = HashSet::new();
     for p in &paths {
-        ix.store(9, None, &p[..p.len() / 2]);
+        ix.store(9, Tier::Gpu, None, &p[..p.len() / 2]);
         ninth.extend(&p[..p.len() / 2]);
     }
     let want: Vec<u32> = paths
@@ -402,10 +433,10 @@ fn readers_see_untouched_pods_exactly_while_a_writer_churns() {
                 let p = &paths[(rng >> 8) as usize % paths.len()];
                 let cut = (rng >> 16) as usize % p.len();
                 match round % 5 {
-                    0..=2 => ix.store(pod, None, p),
+                    0..=2 => ix.store(pod, Tier::Gpu, None, p),
                     3 => {
                         let tail: Vec<u64> = p[cut..].iter().rev().copied().collect();
-                        ix.remove(pod, &tail);
+                        ix.remove(pod, Tier::Gpu, &tail);
                     }
                     _ => ix.clear(pod),
                 }
@@ -418,7 +449,7 @@ fn readers_see_untouched_pods_exactly_while_a_writer_churns() {
                 let mut asked = 0;
                 while !stop.load(Ordering::Acquire) || asked < 100 {
                     let p = &paths[asked % paths.len()];
-                    let got = ix.prefix_matches(p);
+                    let got = blocks(ix.prefix_matches(p));
                     let ninth = got.iter().find(|(pod, _)| *pod == 9).map(|m| m.1);
                     assert_eq!(
                         ninth,

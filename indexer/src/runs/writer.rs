@@ -7,7 +7,7 @@ use std::sync::Arc;
 use hashbrown::hash_table::HashTable;
 use smallvec::SmallVec;
 
-use super::shared::{hash, Arena, Heads, HoldingView, Words};
+use super::shared::{hash, Arena, Heads, HoldingView, Words, MAX_RUN};
 
 /// A block's place: its run and its offset in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -370,7 +370,9 @@ impl Writer {
                         // A new block: it extends its parent's run if the
                         // parent ends it, or starts a run.
                         None => match next {
-                            Some(n) if n.off == self.runs[n.run as usize].len() => {
+                            Some(n)
+                                if n.off == self.runs[n.run as usize].len() && n.off < MAX_RUN =>
+                            {
                                 self.push(heads, n.run, e, k)
                             }
                             _ => {
@@ -496,19 +498,21 @@ impl Writer {
         }
     }
 
-    /// Drops everything `pod` holds.
-    pub fn clear(&mut self, heads: &Heads, pod: u32) {
+    /// Drops everything the holders `which` picks hold.
+    pub fn clear(&mut self, heads: &Heads, which: impl Fn(u32) -> bool) {
         for id in 0..self.runs.len() as u32 {
             let r = &mut self.runs[id as usize];
-            let Ok(i) = r.holdings.binary_search_by_key(&pod, |h| h.pod) else {
+            if !r.holdings.iter().any(|h| which(h.pod)) {
                 continue;
-            };
-            let holding = r.holdings.remove(i);
-            for s in holding.spans {
-                for off in s.start..s.end {
-                    r.holders_of[off as usize] -= 1;
+            }
+            for h in r.holdings.iter().filter(|h| which(h.pod)) {
+                for s in &h.spans {
+                    for off in s.start..s.end {
+                        r.holders_of[off as usize] -= 1;
+                    }
                 }
             }
+            r.holdings.retain(|h| !which(h.pod));
             self.touch(id);
             self.cut_dead_tail(heads, id);
         }
