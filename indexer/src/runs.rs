@@ -204,6 +204,10 @@ impl RunIndex {
                 }
                 let len = matched_in_run(run, rest);
                 let more = len < rest.len();
+                if i == 0 {
+                    // Room for every pod that holds the first run, at once.
+                    out.reserve(run.pods_at_most());
+                }
                 let mut decide = |pod: u32, tiers: Tiers, spans: Option<&PodSpans<'_>>| {
                     let (n, held) =
                         spans.map_or((0, Held::Many([0; TIERS])), |s| s.matched(len as u32));
