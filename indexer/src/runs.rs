@@ -88,6 +88,7 @@ impl RunIndex {
         let at = parent.and_then(|p| w.table.find(p));
         w.store(
             &self.heads,
+            &self.published,
             holder(pod, tier),
             at,
             hashes.iter().map(|h| (*h, *h)),
@@ -131,7 +132,7 @@ impl RunIndex {
                 prev = crate::keys::chain(prev, t).0;
                 (*e, prev)
             });
-        let skipped = w.store(&self.heads, holder(pod, tier), at, blocks);
+        let skipped = w.store(&self.heads, &self.published, holder(pod, tier), at, blocks);
         w.publish(&self.published);
         skipped
     }
@@ -192,7 +193,12 @@ impl RunIndex {
             };
             let rest = &keys[i..];
             let (answered, mixed_before) = (out.len(), mixed.len());
-            let read = self.published.get(run).read(|run| {
+            // A run the table names is in an allocated segment; `None`
+            // only from a torn read of the table.
+            let Some(published) = self.published.find(run) else {
+                break;
+            };
+            let read = published.read(|run| {
                 // A read the version check turns down leaves nothing.
                 next.clear();
                 out.truncate(answered);
@@ -225,10 +231,10 @@ impl RunIndex {
                                 Some(Err(at)) => mixed[at],
                             };
                             match held {
-                                Held::One(t) => per_tier[t] += n,
+                                Held::One(t) => per_tier[t] = per_tier[t].saturating_add(n),
                                 Held::Many(h) => {
                                     for (total, here) in per_tier.iter_mut().zip(h) {
-                                        *total += here;
+                                        *total = total.saturating_add(here);
                                     }
                                 }
                             }
@@ -236,7 +242,7 @@ impl RunIndex {
                             Tiers::mixed(mixed.len() - 1)
                         }
                     };
-                    let blocks = i as u32 + n;
+                    let blocks = (i as u32).saturating_add(n);
                     if n as usize == len && more {
                         next.push((pod, tiers));
                     } else if blocks > 0 {

@@ -225,6 +225,10 @@ impl Words {
         self.hashes.len()
     }
 
+    pub fn holding_capacity(&self) -> usize {
+        self.holdings.len()
+    }
+
     pub fn hash(&self, off: usize) -> u64 {
         self.hashes[off].load(Ordering::Relaxed)
     }
@@ -334,10 +338,18 @@ impl Published {
     /// returned, so `read` must undo nothing and may not panic on any
     /// words (bounds are the view's own).
     pub fn read<R>(&self, mut read: impl FnMut(View<'_>) -> R) -> Option<R> {
+        let mut spins = 0u32;
         loop {
             let v1 = self.version.load(Ordering::Acquire);
             if v1 & 1 == 1 {
-                std::hint::spin_loop();
+                // The writer is publishing (a few hundred nanoseconds); if
+                // it was descheduled meanwhile, let it run.
+                spins += 1;
+                if spins % 64 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
                 continue;
             }
             let guard = self.words.load();
@@ -391,7 +403,8 @@ impl View<'_> {
             at = first.saturating_add((header & 0xff_ffff) as usize);
             Some(PodSpans {
                 pod: (header >> 32) as u32,
-                tiers: (header >> 24) as u8,
+                // Masked: a torn read may hold anything.
+                tiers: (header >> 24) as u8 & ((1 << TIERS) - 1),
                 spans: words.get(first..at.min(words.len()))?,
             })
         })
@@ -403,8 +416,16 @@ pub(super) const TIER_BITS: u32 = 2;
 const TIER_MASK: u32 = (1 << TIER_BITS) - 1;
 
 /// Runs are at most this long (a block past it starts a run), so that a
-/// published span's start leaves room for its tier.
-pub(super) const MAX_RUN: u32 = 1 << 30;
+/// published span's start leaves room for its tier and a pod's spans in a
+/// run (at most half its length) fit its header's 24-bit count.
+pub(super) const MAX_RUN: u32 = 1 << 24;
+
+/// Where the writer starts a new run: `MAX_RUN`, and a few blocks in tests
+/// (so that they cross it).
+#[cfg(not(test))]
+pub(super) const RUN_CAP: u32 = MAX_RUN;
+#[cfg(test)]
+pub(super) const RUN_CAP: u32 = 8;
 
 /// On which tiers a pod holds the blocks `PodSpans::matched` counted: all
 /// on one, or so many on each.
@@ -508,10 +529,18 @@ impl Arena {
         (k, id as usize - FIRST * ((1 << k) - 1))
     }
 
-    /// Run `id`, its segment allocated if it was not.
+    /// Run `id`, its segment allocated if it was not: the writer's, when
+    /// it makes a run (before any reader can find it).
     pub fn get(&self, id: u32) -> &Published {
         let (k, i) = Self::place(id);
         &self.segments[k].get_or_init(|| (0..FIRST << k).map(|_| Published::default()).collect())[i]
+    }
+
+    /// Run `id` if its segment exists: the readers', which never allocate
+    /// (a segment is up to 2^22 slots) nor wait for the writer to.
+    pub fn find(&self, id: u32) -> Option<&Published> {
+        let (k, i) = Self::place(id);
+        self.segments[k].get().map(|segment| &segment[i])
     }
 }
 

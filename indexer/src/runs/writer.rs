@@ -7,7 +7,7 @@ use std::sync::Arc;
 use hashbrown::hash_table::HashTable;
 use smallvec::SmallVec;
 
-use super::shared::{hash, Arena, Heads, HoldingView, Words, MAX_RUN};
+use super::shared::{hash, Arena, Heads, HoldingView, Words, RUN_CAP};
 
 /// A block's place: its run and its offset in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -184,7 +184,8 @@ impl Run {
         let words = match &self.words {
             Some(w) if w.capacity() > len => w,
             old => {
-                let grown = Words::grown(old.as_deref(), len, len + 1, 0);
+                let holdings = old.as_deref().map_or(0, Words::holding_capacity);
+                let grown = Words::grown(old.as_deref(), len, len + 1, holdings);
                 self.words.insert(grown)
             }
         };
@@ -303,7 +304,9 @@ impl Writer {
     }
 
     /// Puts a new block (engine hash `e`, key `k`) at the end of `run`.
-    fn push(&mut self, heads: &Heads, run: u32, e: u64, k: u64) -> Loc {
+    /// A run's first block makes it findable: its published slot is
+    /// allocated first (readers never allocate one, see `Arena::find`).
+    fn push(&mut self, heads: &Heads, arena: &Arena, run: u32, e: u64, k: u64) -> Loc {
         let r = &mut self.runs[run as usize];
         let loc = Loc { run, off: r.len() };
         r.push_hash(k);
@@ -314,6 +317,7 @@ impl Writer {
         self.touch(run);
         self.table.insert(e, loc);
         if loc.off == 0 {
+            arena.get(run);
             heads.insert(k, run);
         }
         loc
@@ -335,6 +339,7 @@ impl Writer {
     pub fn store(
         &mut self,
         heads: &Heads,
+        arena: &Arena,
         pod: u32,
         mut at: Option<Loc>,
         blocks: impl ExactSizeIterator<Item = (u64, u64)>,
@@ -350,7 +355,12 @@ impl Writer {
             let loc = match next {
                 Some(n) if self.is_at(k, n) => {
                     if self.token_keys && !self.is_named(e, n) {
-                        self.alias(e, n);
+                        match self.table.find(e) {
+                            None => self.alias(e, n),
+                            Some(named) if named == n => {}
+                            // `e` names another block: the claims disagree.
+                            Some(_) => return total - done,
+                        }
                     }
                     n
                 }
@@ -371,13 +381,13 @@ impl Writer {
                         // parent ends it, or starts a run.
                         None => match next {
                             Some(n)
-                                if n.off == self.runs[n.run as usize].len() && n.off < MAX_RUN =>
+                                if n.off == self.runs[n.run as usize].len() && n.off < RUN_CAP =>
                             {
-                                self.push(heads, n.run, e, k)
+                                self.push(heads, arena, n.run, e, k)
                             }
                             _ => {
                                 let run = self.new_run();
-                                self.push(heads, run, e, k)
+                                self.push(heads, arena, run, e, k)
                             }
                         },
                     },
