@@ -8,8 +8,9 @@
 //! comparison bench's floor (one hash-map operation per block) caps them.
 //! Here the unit is a *run*: a stretch of one chain's distinct blocks, side
 //! by side, shared by every pod that holds any of them. Per distinct block
-//! the index keeps one table slot, its hash in the run and a holder count;
-//! per (pod, run) the spans of the run the pod holds, usually one. So:
+//! the index keeps one table slot, its key in the run and a holder count;
+//! per (pod, tier, run) the spans of the run the pod holds, usually one.
+//! So:
 //! - a pod storing blocks others hold already walks the run (the next
 //!   block is compared with the run's next hash, no probe) and widens its
 //!   span: work per run, not per block;
@@ -22,10 +23,10 @@
 //! - memory per (pod, block) is a share of what the block costs once, plus
 //!   a span per (pod, run).
 //!
-//! Readers never wait for the writer and write nothing shared (see
-//! `shared`); writers take turns (one mutex), which costs little: applying
-//! is a small part of ingesting (the service's profile: messaging and
-//! wake-ups bound it, not the index).
+//! Readers take no lock and write nothing shared but `arc-swap`'s own
+//! per-thread slots (see `shared`); writers take turns (one mutex), which
+//! costs little: applying is a small part of ingesting (the service's
+//! profile: messaging and wake-ups bound it, not the index).
 //!
 //! Keys are the engine hashes (`store`), or computed from the blocks'
 //! tokens (`with_token_keys`, `store_tokens`), removals still naming
@@ -37,8 +38,10 @@
 //!
 //! What it does not do yet (the index keeps doing it until this layout
 //! carries it): repeated stores of a hash counted, eviction by age,
-//! snapshots, extra keys, the best tier's weights. Holdings here are sets: a second store of a held
-//! block changes nothing, one removal drops it.
+//! snapshots, extra keys, the best tier's weights. Holdings here are sets:
+//! a second store of a held block changes nothing, one removal drops it.
+//! BENCHMARKS.md ("twelfth session") has its numbers against the peers and
+//! what the service needs before it can use it.
 
 mod shared;
 mod writer;
