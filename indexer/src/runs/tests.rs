@@ -198,6 +198,35 @@ fn check_invariants(ix: &RunIndex) {
     assert_eq!(w.table.len(), blocks);
 }
 
+/// After an operation: the invariants, the index holding at least what
+/// the model does, and every chain (from its root, as prompts are, and one
+/// step further into a block nobody has) answered as the model answers.
+fn check_every_chain(
+    ix: &RunIndex,
+    model: &Model,
+    chains: impl Iterator<Item = Vec<u64>>,
+) -> Result<(), TestCaseError> {
+    check_invariants(ix);
+    let held: HashSet<u64> = model.0.values().flatten().copied().collect();
+    prop_assert!(ix.blocks() >= held.len());
+    for mut q in chains {
+        prop_assert_eq!(sorted(ix.prefix_matches(&q)), model.prefix_matches(&q));
+        q.push(hash(q[q.len() - 1] ^ 7));
+        prop_assert_eq!(sorted(ix.prefix_matches(&q)), model.prefix_matches(&q));
+    }
+    Ok(())
+}
+
+/// Every pod cleared: nothing stays indexed.
+fn check_cleared(ix: &RunIndex) -> Result<(), TestCaseError> {
+    for pod in 0..4 {
+        ix.clear(pod);
+    }
+    check_invariants(ix);
+    prop_assert_eq!(ix.blocks(), 0);
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
@@ -239,24 +268,9 @@ proptest! {
                     model.clear(pod);
                 }
             }
-            check_invariants(&ix);
-            let held: HashSet<u64> = model.0.values().flatten().copied().collect();
-            prop_assert!(ix.blocks() >= held.len());
-            // Every chain from its root (as prompts are), and each one
-            // step further, into a block nobody has.
-            for n in 0..nodes {
-                let mut q = forest.hashes(&forest.path(n));
-                prop_assert_eq!(sorted(ix.prefix_matches(&q)), model.prefix_matches(&q));
-                q.push(hash(q[q.len() - 1] ^ 7));
-                prop_assert_eq!(sorted(ix.prefix_matches(&q)), model.prefix_matches(&q));
-            }
+            check_every_chain(&ix, &model, (0..nodes).map(|n| forest.hashes(&forest.path(n))))?;
         }
-        // Everything cleared: nothing stays indexed.
-        for pod in 0..4 {
-            ix.clear(pod);
-        }
-        check_invariants(&ix);
-        prop_assert_eq!(ix.blocks(), 0);
+        check_cleared(&ix)?;
     }
 }
 
@@ -350,19 +364,9 @@ proptest! {
                     model.clear(pod);
                 }
             }
-            check_invariants(&ix);
-            for n in 0..nodes {
-                let mut q = keys_of(&forest.path(n));
-                prop_assert_eq!(sorted(ix.prefix_matches(&q)), model.prefix_matches(&q));
-                q.push(hash(q[q.len() - 1] ^ 7));
-                prop_assert_eq!(sorted(ix.prefix_matches(&q)), model.prefix_matches(&q));
-            }
+            check_every_chain(&ix, &model, (0..nodes).map(|n| keys_of(&forest.path(n))))?;
         }
-        for pod in 0..4 {
-            ix.clear(pod);
-        }
-        check_invariants(&ix);
-        prop_assert_eq!(ix.blocks(), 0);
+        check_cleared(&ix)?;
     }
 }
 
