@@ -147,14 +147,22 @@ pub(super) struct Run {
     pub holders_of: Vec<u32>,
     /// Sorted by pod.
     pub holdings: Vec<Holding>,
-    /// Token keys only: each block's engine hash, as the pod that stored
-    /// it first named it (what its table entry is under).
-    engines: Vec<u64>,
-    /// Token keys only: other engine hashes pods named a block by (pods
-    /// whose hash seed differs), by offset, each also in the table.
-    aliases: Vec<(u32, u64)>,
+    /// Token keys only (boxed: most runs are short, and a run's fixed cost
+    /// is a good part of an entry's bytes).
+    names: Option<Box<Names>>,
     /// In `Writer::changed`.
     listed: bool,
+}
+
+/// What a run's blocks are named by, where names are not keys.
+#[derive(Default)]
+struct Names {
+    /// Each block's engine hash, as the pod that stored it first named it
+    /// (what its table entry is under).
+    engines: Vec<u64>,
+    /// Other engine hashes pods named a block by (pods whose hash seed
+    /// differs), by offset, each also in the table.
+    aliases: Vec<(u32, u64)>,
 }
 
 impl Run {
@@ -195,12 +203,12 @@ impl Run {
 
     #[cfg(test)]
     pub fn engine(&self, off: u32) -> u64 {
-        self.engines[off as usize]
+        self.names.as_ref().expect("token keys").engines[off as usize]
     }
 
     #[cfg(test)]
     pub fn aliases(&self) -> &[(u32, u64)] {
-        &self.aliases
+        self.names.as_ref().map_or(&[], |n| &n.aliases)
     }
 
     fn pop_hash(&mut self) -> u64 {
@@ -281,7 +289,11 @@ impl Writer {
     /// The block at `loc` was first named `e`, if `loc` is in its run.
     fn is_named(&self, e: u64, loc: Loc) -> bool {
         if self.token_keys {
-            self.runs[loc.run as usize].engines.get(loc.off as usize) == Some(&e)
+            self.runs[loc.run as usize]
+                .names
+                .as_ref()
+                .and_then(|n| n.engines.get(loc.off as usize))
+                == Some(&e)
         } else {
             self.is_at(e, loc)
         }
@@ -312,7 +324,7 @@ impl Writer {
         r.push_hash(k);
         r.holders_of.push(0);
         if self.token_keys {
-            r.engines.push(e);
+            r.names.get_or_insert_default().engines.push(e);
         }
         self.touch(run);
         self.table.insert(e, loc);
@@ -327,7 +339,8 @@ impl Writer {
     fn alias(&mut self, e: u64, loc: Loc) {
         if self.table.find(e).is_none() {
             self.table.insert(e, loc);
-            self.runs[loc.run as usize].aliases.push((loc.off, e));
+            let run = &mut self.runs[loc.run as usize];
+            run.names.get_or_insert_default().aliases.push((loc.off, e));
         }
     }
 
@@ -478,21 +491,19 @@ impl Writer {
         while r.holders_of.last() == Some(&0) {
             r.holders_of.pop();
             let k = r.pop_hash();
-            let e = if self.token_keys {
-                r.engines.pop().expect("parallel to holders_of")
-            } else {
-                k
-            };
-            self.table.remove(e);
-            if !r.aliases.is_empty() {
-                let (len, table) = (r.len, &mut self.table);
-                r.aliases.retain(|(off, alias)| {
-                    let keep = *off < len;
-                    if !keep {
-                        table.remove(*alias);
-                    }
-                    keep
-                });
+            let (len, table) = (r.len, &mut self.table);
+            match r.names.as_deref_mut() {
+                None => table.remove(k),
+                Some(names) => {
+                    table.remove(names.engines.pop().expect("parallel to holders_of"));
+                    names.aliases.retain(|(off, alias)| {
+                        let keep = *off < len;
+                        if !keep {
+                            table.remove(*alias);
+                        }
+                        keep
+                    });
+                }
             }
             if r.is_empty() {
                 heads.remove(k);
@@ -504,6 +515,7 @@ impl Writer {
             // them); it is listed, so its emptiness is published.
             r.holdings = Vec::new();
             r.holders_of = Vec::new();
+            r.names = None;
             self.free.push(run);
         }
     }
