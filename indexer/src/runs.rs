@@ -36,10 +36,13 @@
 //! answers each pod's leading blocks on any tier and how many of those are
 //! on each.
 //!
+//! A second store of a block its holder holds is counted (vLLM can store a
+//! hash twice and remove it twice): the block stays until the last
+//! removal.
+//!
 //! What it does not do yet (the index keeps doing it until this layout
-//! carries it): repeated stores of a hash counted, eviction by age,
-//! snapshots, extra keys, the best tier's weights. Holdings here are sets:
-//! a second store of a held block changes nothing, one removal drops it.
+//! carries it): eviction by age, snapshots, extra keys, the best tier's
+//! weights.
 //! BENCHMARKS.md ("twelfth session") has its numbers against the peers and
 //! what the service needs before it can use it.
 

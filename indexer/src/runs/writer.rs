@@ -2,6 +2,7 @@
 //! rules that apply a pod's stores and removals to them, and which runs
 //! changed since they were last published (see `shared`).
 
+use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Arc;
 
 use hashbrown::hash_table::HashTable;
@@ -240,7 +241,7 @@ impl Run {
 /// The runs by id, and what is left to publish.
 #[derive(Default)]
 pub(super) struct Writer {
-    /// Token keys: a block's key is not its engine hash (see `Run::engines`).
+    /// Token keys: a block's key is not its engine hash (see `Names`).
     pub token_keys: bool,
     /// Engine hash -> block.
     pub table: Table,
@@ -249,6 +250,11 @@ pub(super) struct Writer {
     pub free: Vec<u32>,
     /// Runs changed since the last `publish`.
     changed: Vec<u32>,
+    /// Stores of a block its holder held already, beyond the first, by
+    /// (holder, the name it stored it by): vLLM can store a hash twice and
+    /// remove it twice, and the block stays until the last removal. Empty
+    /// almost always, so a removal looks here only when it is not.
+    repeats: HashMap<(u32, u64), u32>,
 }
 
 impl Writer {
@@ -416,6 +422,8 @@ impl Writer {
             if run.holdings[i].insert(loc.off) {
                 run.holders_of[loc.off as usize] += 1;
                 self.touch(loc.run);
+            } else {
+                *self.repeats.entry((pod, e)).or_default() += 1;
             }
             at = Some(loc);
         }
@@ -442,10 +450,19 @@ impl Writer {
                 unknown += 1;
                 continue;
             };
+            last = Some(loc);
+            if !self.repeats.is_empty() {
+                if let Entry::Occupied(mut repeated) = self.repeats.entry((pod, h)) {
+                    *repeated.get_mut() -= 1;
+                    if *repeated.get() == 0 {
+                        repeated.remove();
+                    }
+                    continue;
+                }
+            }
             if !self.release(heads, pod, loc, &mut holding) {
                 unknown += 1;
             }
-            last = Some(loc);
         }
         unknown
     }
@@ -522,6 +539,7 @@ impl Writer {
 
     /// Drops everything the holders `which` picks hold.
     pub fn clear(&mut self, heads: &Heads, which: impl Fn(u32) -> bool) {
+        self.repeats.retain(|(holder, _), _| !which(*holder));
         for id in 0..self.runs.len() as u32 {
             let r = &mut self.runs[id as usize];
             if !r.holdings.iter().any(|h| which(h.pod)) {
