@@ -266,7 +266,7 @@ proptest! {
     /// chain matches as the model of counted stores does, and the index
     /// keeps only what is held.
     #[test]
-    fn answers_as_sets_of_held_blocks_do(
+    fn answers_as_counted_stores_do(
         parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..40),
         ops in prop::collection::vec(op(), 1..60),
     ) {
@@ -336,10 +336,10 @@ proptest! {
 
     /// Keys from tokens, removals by engine hash, half the pods naming
     /// blocks by other engine hashes than the rest: every chain matches as
-    /// the model of sets of keys does, and the index keeps only what is
+    /// the model of counted stores does, and the index keeps only what is
     /// held.
     #[test]
-    fn token_keys_answer_as_sets_of_held_blocks_do(
+    fn token_keys_answer_as_counted_stores_do(
         parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..30),
         ops in prop::collection::vec(op(), 1..50),
     ) {
