@@ -250,7 +250,7 @@ pub(super) struct Published {
 
 /// A holding as the writer publishes it.
 pub(super) struct HoldingView<'a> {
-    pub pod: u32,
+    pub holder: u32,
     pub spans: &'a [Span],
 }
 
@@ -269,7 +269,7 @@ impl Published {
         let holding_words: usize = holdings
             .clone()
             .map(|h| {
-                let pod = h.pod >> TIER_BITS;
+                let pod = h.holder >> TIER_BITS;
                 let header = usize::from(last_pod != Some(pod));
                 last_pod = Some(pod);
                 header + h.spans.len()
@@ -303,12 +303,12 @@ impl Published {
         // spans (`tier << 62 | start << 32 | end`), tier by tier.
         let mut holdings = holdings.peekable();
         while let Some(first) = holdings.peek() {
-            let pod = first.pod >> TIER_BITS;
+            let pod = first.holder >> TIER_BITS;
             let header_at = at;
             at += 1;
             let (mut tiers, mut spans) = (0u64, 0u64);
-            while let Some(h) = holdings.next_if(|h| h.pod >> TIER_BITS == pod) {
-                let tier = u64::from(h.pod & TIER_MASK);
+            while let Some(h) = holdings.next_if(|h| h.holder >> TIER_BITS == pod) {
+                let tier = u64::from(h.holder & TIER_MASK);
                 tiers |= 1 << tier;
                 for span in h.spans {
                     debug_assert!(span.start < MAX_RUN);

@@ -179,7 +179,7 @@ fn check_invariants(ix: &RunIndex) {
         // What the writer has: blocks held per pod and tier.
         let mut pods: Vec<(u32, [u32; TIERS])> = Vec::new();
         for h in &run.holdings {
-            let (pod, tier) = (h.pod >> TIER_BITS, (h.pod & 3) as usize);
+            let (pod, tier) = (h.holder >> TIER_BITS, (h.holder & 3) as usize);
             if pods.last().is_none_or(|(p, _)| *p != pod) {
                 pods.push((pod, [0; TIERS]));
             }

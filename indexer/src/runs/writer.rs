@@ -63,7 +63,8 @@ pub(super) struct Span {
 /// vLLM's leaf-first eviction keeps it, has one.
 #[derive(Clone, Debug)]
 pub(super) struct Holding {
-    pub pod: u32,
+    /// A pod and a tier (`pod << TIER_BITS | tier`, see `RunIndex`).
+    pub holder: u32,
     pub spans: SmallVec<[Span; 1]>,
 }
 
@@ -221,14 +222,14 @@ impl Run {
     }
 
     /// The index of `pod`'s holding, added (empty) if it has none.
-    fn holding(&mut self, pod: u32) -> usize {
-        match self.holdings.binary_search_by_key(&pod, |h| h.pod) {
+    fn holding(&mut self, holder: u32) -> usize {
+        match self.holdings.binary_search_by_key(&holder, |h| h.holder) {
             Ok(i) => i,
             Err(i) => {
                 self.holdings.insert(
                     i,
                     Holding {
-                        pod,
+                        holder,
                         spans: SmallVec::new(),
                     },
                 );
@@ -280,7 +281,7 @@ impl Writer {
                 words,
                 r.len as usize,
                 r.holdings.iter().map(|h| HoldingView {
-                    pod: h.pod,
+                    holder: h.holder,
                     spans: &h.spans,
                 }),
             );
@@ -479,7 +480,7 @@ impl Writer {
         let run = &mut self.runs[loc.run as usize];
         let i = match *holding {
             Some((r, i)) if r == loc.run => i,
-            _ => match run.holdings.binary_search_by_key(&pod, |h| h.pod) {
+            _ => match run.holdings.binary_search_by_key(&pod, |h| h.holder) {
                 Ok(i) => i,
                 Err(_) => return false,
             },
@@ -542,17 +543,17 @@ impl Writer {
         self.repeats.retain(|(holder, _), _| !which(*holder));
         for id in 0..self.runs.len() as u32 {
             let r = &mut self.runs[id as usize];
-            if !r.holdings.iter().any(|h| which(h.pod)) {
+            if !r.holdings.iter().any(|h| which(h.holder)) {
                 continue;
             }
-            for h in r.holdings.iter().filter(|h| which(h.pod)) {
+            for h in r.holdings.iter().filter(|h| which(h.holder)) {
                 for s in &h.spans {
                     for off in s.start..s.end {
                         r.holders_of[off as usize] -= 1;
                     }
                 }
             }
-            r.holdings.retain(|h| !which(h.pod));
+            r.holdings.retain(|h| !which(h.holder));
             self.touch(id);
             self.cut_dead_tail(heads, id);
         }
