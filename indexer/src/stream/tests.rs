@@ -430,6 +430,41 @@ fn a_batch_dropped_during_a_repair_is_part_of_it() {
     assert_eq!(h.stream.last_seq(), Some(3));
 }
 
+/// Dropped batches whose fetches all fail: their live copies will not
+/// come and the pod may stay quiet, so they are lost now, not when a later
+/// batch shows the gap (found by the model test: the machine said nothing
+/// was lost while it held none of them). A later batch still repairs what
+/// the pod's buffer holds.
+#[test]
+fn dropped_batches_whose_fetches_all_fail_are_lost_at_once() {
+    let mut h = Harness::new(true);
+    h.live(0, 10);
+    assert_eq!(
+        h.feed(Input::Dropped { seq: 1 }),
+        vec![gap(1, 2), fetch(0, 1)]
+    );
+    assert!(h.feed(Input::Dropped { seq: 2 }).is_empty());
+    let mut out = Vec::new();
+    for ticket in 1..=4 {
+        out = h.feed(Input::Replayed {
+            ticket,
+            result: Err("timeout".into()),
+        });
+    }
+    assert_eq!(
+        out,
+        vec![
+            Action::Note(Note::ReplayFailed),
+            replayed(0),
+            Action::Lost { missing: 2 }
+        ]
+    );
+    assert!(!h.stream.repairing());
+    assert_eq!(h.live(3, 13), vec![gap(1, 3), fetch(0, 5)]);
+    let out = h.reply(5, (0..4).map(|s| b(s, 10 + s)).collect());
+    assert_eq!(applied(&out), vec![1, 2, 3]);
+}
+
 /// Without a replay endpoint the next batch reports the gap, as before;
 /// a drop at or below what was applied asks for nothing.
 #[test]

@@ -261,6 +261,24 @@ fn check_settled(
     }
 }
 
+/// The history CI's seed found: noted drops whose fetches all failed left
+/// the machine holding none of them while saying nothing was lost.
+#[test]
+fn noted_drops_whose_fetches_fail_are_said_lost() {
+    use Op::*;
+    let ops = [
+        Publish(Fate::Noted),
+        Answer { fail: true },
+        Publish(Fate::Noted),
+        Answer { fail: true },
+        Answer { fail: true },
+        Publish(Fate::Noted),
+        Answer { fail: true },
+        Answer { fail: false },
+    ];
+    check_settled(true, 10_000, &ops, false, true, false);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
