@@ -156,7 +156,7 @@ impl RunIndex {
     /// Drops everything `pod` holds, on every tier (its cache was cleared).
     pub fn clear(&self, pod: u32) {
         let mut w = self.writer.lock();
-        w.clear(&self.heads, |h| h >> TIER_BITS == pod);
+        w.clear(&self.heads, pod);
         w.publish(&self.published);
     }
 

@@ -225,6 +225,17 @@ pub enum RunsQuery {
     Tokens(Vec<u32>),
 }
 
+impl Runs {
+    /// Drops everything `pod` holds, as its restart does.
+    pub fn clear(&self, pod: u32) {
+        self.ix.clear(pod);
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.ix.blocks()
+    }
+}
+
 impl Contender for Runs {
     type Batch = (u32, Vec<RunsEvent>);
     type Query = RunsQuery;

@@ -482,6 +482,10 @@ fn main() {
         profile_find();
         return;
     }
+    if args.iter().any(|a| a == "--profile-clear") {
+        profile_clear();
+        return;
+    }
     let plan = Plan {
         find_rounds: if quick { 2 } else { 5 },
         passes: 3,
@@ -633,6 +637,52 @@ fn contenders(pre_hashed: bool) -> Vec<Entry> {
 }
 
 /// The fleets `COMPARE_PODS` lets through.
+/// `--profile-clear`: `runs` filled with each fleet's trace (pre-hashed;
+/// `COMPARE_TRACE=full` for the full one), then every pod cleared in turn,
+/// as restarts clear them: the time per clear.
+fn profile_clear() {
+    let quick = env_filter("COMPARE_TRACE").as_deref() != Some("full");
+    for fleet in profiled_fleets() {
+        let trace = fleet.trace(quick, 1);
+        let runs = Runs::new(&trace, Input::PreHashed);
+        for batch in &trace.batches {
+            runs.apply(runs.prepare_batch(&trace.nodes, batch));
+        }
+        let blocks = runs.blocks();
+        let t = Instant::now();
+        for pod in 0..fleet.pods as u32 {
+            runs.clear(pod);
+        }
+        let us = t.elapsed().as_secs_f64() * 1e6 / fleet.pods as f64;
+        assert_eq!(runs.blocks(), 0, "every pod cleared");
+        println!(
+            "{} pods, {blocks} distinct blocks: {us:.1} us per pod cleared",
+            fleet.pods
+        );
+    }
+    // A large fleet whose pods share nothing: 4,096 pods, each holding 32
+    // chains of 16 blocks (2M blocks in 131K runs).
+    let (pods, chains, len) = (4_096u32, 32u64, 16u64);
+    let ix = indexer::runs::RunIndex::new();
+    for pod in 0..pods {
+        for chain in 0..chains {
+            let first = (u64::from(pod) * chains + chain) * len;
+            let hashes: Vec<u64> = (first..first + len)
+                .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+                .collect();
+            ix.store(pod, indexer::event::Tier::Gpu, None, &hashes);
+        }
+    }
+    let blocks = ix.blocks();
+    let t = Instant::now();
+    for pod in 0..pods {
+        ix.clear(pod);
+    }
+    let us = t.elapsed().as_secs_f64() * 1e6 / f64::from(pods);
+    assert_eq!(ix.blocks(), 0, "every pod cleared");
+    println!("{pods} pods sharing nothing, {blocks} blocks: {us:.1} us per pod cleared");
+}
+
 fn profiled_fleets() -> impl Iterator<Item = &'static Fleet> {
     let pods_only: Option<usize> = env_filter("COMPARE_PODS").and_then(|p| p.parse().ok());
     FLEETS

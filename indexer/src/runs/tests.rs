@@ -208,6 +208,10 @@ fn check_invariants(ix: &RunIndex) {
             }
         }
         assert_eq!(count, run.holders_of);
+        for h in &run.holdings {
+            let pod = h.holder >> TIER_BITS;
+            assert!(w.is_listed(pod, id as u32), "pod {pod} holds run {id}");
+        }
         for (off, h) in hashes.iter().enumerate() {
             let loc = Loc {
                 run: id as u32,

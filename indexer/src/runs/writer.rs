@@ -8,7 +8,7 @@ use std::sync::Arc;
 use hashbrown::hash_table::HashTable;
 use smallvec::SmallVec;
 
-use super::shared::{hash, Arena, Heads, HoldingView, Words, RUN_CAP};
+use super::shared::{hash, Arena, Heads, HoldingView, Words, RUN_CAP, TIER_BITS};
 
 /// A block's place: its run and its offset in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,10 +221,11 @@ impl Run {
             .hash(self.len as usize)
     }
 
-    /// The index of `pod`'s holding, added (empty) if it has none.
-    fn holding(&mut self, holder: u32) -> usize {
+    /// The index of `holder`'s holding, and whether it was added (empty)
+    /// because it had none.
+    fn holding(&mut self, holder: u32) -> (usize, bool) {
         match self.holdings.binary_search_by_key(&holder, |h| h.holder) {
-            Ok(i) => i,
+            Ok(i) => (i, false),
             Err(i) => {
                 self.holdings.insert(
                     i,
@@ -233,9 +234,14 @@ impl Run {
                         spans: SmallVec::new(),
                     },
                 );
-                i
+                (i, true)
             }
         }
+    }
+
+    /// Whether `pod` holds any of it, on any tier.
+    fn held_by(&self, pod: u32) -> bool {
+        self.holdings.iter().any(|h| h.holder >> TIER_BITS == pod)
     }
 }
 
@@ -256,7 +262,24 @@ pub(super) struct Writer {
     /// remove it twice, and the block stays until the last removal. Empty
     /// almost always, so a removal looks here only when it is not.
     repeats: HashMap<(u32, u64), u32>,
+    /// The runs each pod holds a part of, by pod: a clear reads those, not
+    /// every run.
+    held: HashMap<u32, HeldRuns>,
 }
+
+/// A pod's runs, kept lazily: a run is listed when the pod takes a first
+/// hold on it (on a tier), and a run it let go of stays listed until the
+/// list has doubled since it was last compacted. So a new holding costs
+/// one push, and the list stays within twice the runs held (plus a few).
+#[derive(Default)]
+struct HeldRuns {
+    runs: Vec<u32>,
+    /// The list's length after its last compaction.
+    compacted: usize,
+}
+
+/// Below this, a pod's list is not compacted.
+const HELD_SLACK: usize = 16;
 
 impl Writer {
     /// Notes that `run` changed.
@@ -286,6 +309,26 @@ impl Writer {
                 }),
             );
         }
+    }
+
+    /// Lists `run` among the runs `holder`'s pod holds.
+    fn note_held(&mut self, holder: u32, run: u32) {
+        let pod = holder >> TIER_BITS;
+        let list = self.held.entry(pod).or_default();
+        list.runs.push(run);
+        if list.runs.len() >= HELD_SLACK.max(2 * list.compacted) {
+            let runs = &self.runs;
+            list.runs.sort_unstable();
+            list.runs.dedup();
+            list.runs.retain(|&id| runs[id as usize].held_by(pod));
+            list.compacted = list.runs.len();
+        }
+    }
+
+    /// Whether `run` is in `pod`'s list (every run it holds must be).
+    #[cfg(test)]
+    pub fn is_listed(&self, pod: u32, run: u32) -> bool {
+        self.held.get(&pod).is_some_and(|l| l.runs.contains(&run))
     }
 
     /// Key `k` at `loc`, if `loc` is in its run.
@@ -413,13 +456,19 @@ impl Writer {
                     },
                 },
             };
-            let run = &mut self.runs[loc.run as usize];
             // Along a run, the pod's holding is the one the last block used.
             let i = match holding {
                 Some((r, i)) if r == loc.run => i,
-                _ => run.holding(pod),
+                _ => {
+                    let (i, added) = self.runs[loc.run as usize].holding(pod);
+                    if added {
+                        self.note_held(pod, loc.run);
+                    }
+                    i
+                }
             };
             holding = Some((loc.run, i));
+            let run = &mut self.runs[loc.run as usize];
             if run.holdings[i].insert(loc.off) {
                 run.holders_of[loc.off as usize] += 1;
                 self.touch(loc.run);
@@ -538,12 +587,21 @@ impl Writer {
         }
     }
 
-    /// Drops everything the holders `which` picks hold.
-    pub fn clear(&mut self, heads: &Heads, which: impl Fn(u32) -> bool) {
-        self.repeats.retain(|(holder, _), _| !which(*holder));
-        for id in 0..self.runs.len() as u32 {
+    /// Drops everything `pod` holds, on every tier.
+    pub fn clear(&mut self, heads: &Heads, pod: u32) {
+        let which = |holder: u32| holder >> TIER_BITS == pod;
+        if !self.repeats.is_empty() {
+            self.repeats.retain(|(holder, _), _| !which(*holder));
+        }
+        let Some(mut list) = self.held.remove(&pod) else {
+            return;
+        };
+        // Listed twice, or let go of (and maybe reused since): skipped.
+        list.runs.sort_unstable();
+        list.runs.dedup();
+        for id in list.runs {
             let r = &mut self.runs[id as usize];
-            if !r.holdings.iter().any(|h| which(h.holder)) {
+            if !r.held_by(pod) {
                 continue;
             }
             for h in r.holdings.iter().filter(|h| which(h.holder)) {
