@@ -153,6 +153,27 @@ impl RunIndex {
         unknown
     }
 
+    /// Drops up to `n` of `pod`'s (tier, block) entries to bound memory:
+    /// from the holdings it stored into least recently, each leaf first,
+    /// so its answers only shorten. Returns each entry dropped, as
+    /// (tier, key).
+    pub fn evict(&self, pod: u32, n: usize) -> Vec<(Tier, u64)> {
+        let mut dropped = Vec::new();
+        let mut w = self.writer.lock();
+        w.evict(&self.heads, pod, n, &mut dropped);
+        w.publish(&self.published);
+        drop(w);
+        dropped
+            .into_iter()
+            .map(|(holder, key)| (Tier::ALL[(holder & ((1 << TIER_BITS) - 1)) as usize], key))
+            .collect()
+    }
+
+    /// The (tier, block) entries `pod` has: what `evict` can drop.
+    pub fn entries(&self, pod: u32) -> u64 {
+        self.writer.lock().entries(pod)
+    }
+
     /// Drops everything `pod` holds, on every tier (its cache was cleared).
     pub fn clear(&self, pod: u32) {
         let mut w = self.writer.lock();

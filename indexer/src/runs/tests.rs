@@ -123,6 +123,29 @@ impl Model {
     fn clear(&mut self, pod: u32) {
         self.0.retain(|(p, _), _| *p != pod);
     }
+
+    /// The (tier, block) entries `pod` has.
+    fn entries(&self, pod: u32) -> u64 {
+        self.0
+            .iter()
+            .filter(|((p, _), _)| *p == pod)
+            .map(|(_, held)| held.0.len() as u64)
+            .sum()
+    }
+
+    /// `ix` evicts up to `n` of `pod`'s entries: as many as it has, each
+    /// one it had, every store of it gone (later removals of it are
+    /// unknown, as after a removal).
+    fn evict(&mut self, ix: &RunIndex, pod: u32, n: usize) -> Result<(), TestCaseError> {
+        let had = self.entries(pod);
+        let dropped = ix.evict(pod, n);
+        prop_assert_eq!(dropped.len() as u64, had.min(n as u64));
+        for (tier, key) in dropped {
+            let held = self.0.entry((pod, tier.index())).or_default();
+            prop_assert!(held.0.remove(&key).is_some(), "evicted what it held");
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -147,6 +170,10 @@ enum Op {
     Clear {
         pod: u32,
     },
+    Evict {
+        pod: u32,
+        n: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -156,6 +183,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0u32..4, 0..TIERS, any::<usize>(), 0usize..12, any::<bool>())
             .prop_map(|(pod, tier, node, from, leaf_first)| Op::Remove { pod, tier, node, from, leaf_first }),
         1 => (0u32..4).prop_map(|pod| Op::Clear { pod }),
+        1 => (0u32..4, 0usize..12).prop_map(|(pod, n)| Op::Evict { pod, n }),
     ]
 }
 
@@ -243,6 +271,9 @@ fn check_every_chain(
     check_invariants(ix);
     let held: HashSet<u64> = model.0.values().flat_map(|h| h.0.keys()).copied().collect();
     prop_assert!(ix.blocks() >= held.len());
+    for pod in 0..4 {
+        prop_assert_eq!(ix.entries(pod), model.entries(pod), "pod {}'s entries", pod);
+    }
     for mut q in chains {
         prop_assert_eq!(sorted(ix.prefix_matches(&q)), model.prefix_matches(&q));
         q.push(hash(q[q.len() - 1] ^ 7));
@@ -302,6 +333,7 @@ proptest! {
                     ix.clear(pod);
                     model.clear(pod);
                 }
+                Op::Evict { pod, n } => model.evict(&ix, pod, n)?,
             }
             check_every_chain(&ix, &model, (0..nodes).map(|n| forest.hashes(&forest.path(n))))?;
         }
@@ -398,6 +430,7 @@ proptest! {
                     ix.clear(pod);
                     model.clear(pod);
                 }
+                Op::Evict { pod, n } => model.evict(&ix, pod, n)?,
             }
             check_every_chain(&ix, &model, (0..nodes).map(|n| keys_of(&forest.path(n))))?;
         }
@@ -491,12 +524,13 @@ fn readers_see_untouched_pods_exactly_while_a_writer_churns() {
                 let p = &paths[(rng >> 8) as usize % paths.len()];
                 let cut = (rng >> 16) as usize % p.len();
                 let tier = Tier::ALL[(rng >> 32) as usize % TIERS];
-                match round % 5 {
+                match round % 6 {
                     0..=2 => ix.store(pod, tier, None, p),
                     3 => {
                         let tail: Vec<u64> = p[cut..].iter().rev().copied().collect();
                         ix.remove(pod, tier, &tail);
                     }
+                    4 => drop(ix.evict(pod, cut)),
                     _ => ix.clear(pod),
                 }
             }
@@ -522,4 +556,65 @@ fn readers_see_untouched_pods_exactly_while_a_writer_churns() {
         }
     });
     check_invariants(&ix);
+}
+
+/// Eviction takes the holding stored into least recently first, from its
+/// end; a store into a holding makes it the newest; a block stored twice
+/// goes at once (its repeat with it).
+#[test]
+fn eviction_takes_the_least_recently_stored_leaves_first() {
+    let parents: Vec<Option<usize>> = (0..40).map(|i| (i % 8 != 0).then(|| i - 1)).collect();
+    let forest = Forest::new(&parents);
+    // Five chains of 8 blocks (each longer than a run in tests).
+    let chain = |c: usize| forest.hashes(&forest.path(c * 8 + 7));
+    let ix = RunIndex::new();
+    for c in 0..4 {
+        ix.store(0, Tier::Gpu, None, &chain(c));
+    }
+    ix.store(0, Tier::Cpu, None, &chain(4));
+    // Chain 0 again: now the newest; its first block stored twice.
+    ix.store(0, Tier::Gpu, None, &chain(0)[..1]);
+    ix.store(1, Tier::Gpu, None, &chain(1));
+    assert_eq!(ix.entries(0), 40);
+    let dropped = ix.evict(0, 10);
+    let want: Vec<(Tier, u64)> = chain(1)
+        .iter()
+        .rev()
+        .chain(chain(2).iter().rev().take(2))
+        .map(|k| (Tier::Gpu, *k))
+        .collect();
+    assert_eq!(dropped, want);
+    assert_eq!(ix.entries(0), 30);
+    // Pod 1 still holds chain 1; pod 0 holds chain 2 but its last two.
+    let answer = |c: usize| blocks(ix.prefix_matches(&chain(c)));
+    assert_eq!(answer(1), vec![(1, 8)]);
+    assert_eq!(answer(2), vec![(0, 6)]);
+    // Then chain 2's rest, chain 3, chain 4 (Cpu), chain 0 last.
+    let dropped = ix.evict(0, 30);
+    assert_eq!(dropped.len(), 30);
+    assert_eq!(
+        dropped[6..14].iter().map(|d| d.0).collect::<Vec<_>>(),
+        [Tier::Gpu; 8]
+    );
+    assert!(dropped[14..22].iter().all(|d| d.0 == Tier::Cpu));
+    assert_eq!(dropped[29], (Tier::Gpu, chain(0)[0]));
+    assert_eq!(ix.entries(0), 0);
+    // The repeat went with the block: removing it again is unknown.
+    assert_eq!(ix.remove(0, Tier::Gpu, &chain(0)[..1]), 1);
+    assert_eq!(ix.blocks(), 8, "pod 1's chain");
+}
+
+/// The store clock wraps after 2^32 stores: stamps are renumbered in the
+/// same order first.
+#[test]
+fn the_store_clock_wraps_keeping_the_order() {
+    let forest = Forest::new(&[None, None, None]);
+    let ix = RunIndex::new();
+    ix.store(0, Tier::Gpu, None, &forest.hashes(&[0]));
+    ix.writer.lock().clock = u32::MAX - 1;
+    ix.store(0, Tier::Gpu, None, &forest.hashes(&[1]));
+    ix.store(0, Tier::Gpu, None, &forest.hashes(&[2]));
+    assert!(ix.writer.lock().clock < 8, "renumbered");
+    let order: Vec<u64> = ix.evict(0, 3).into_iter().map(|d| d.1).collect();
+    assert_eq!(order, forest.hashes(&[0, 1, 2]));
 }

@@ -65,6 +65,10 @@ pub(super) struct Span {
 pub(super) struct Holding {
     /// A pod and a tier (`pod << TIER_BITS | tier`, see `RunIndex`).
     pub holder: u32,
+    /// When the holder last stored into it (`Writer::clock`): eviction
+    /// takes the oldest holdings' blocks first. (It fills padding: a
+    /// holding is 32 bytes either way.)
+    pub stamp: u32,
     pub spans: SmallVec<[Span; 1]>,
 }
 
@@ -231,6 +235,7 @@ impl Run {
                     i,
                     Holding {
                         holder,
+                        stamp: 0,
                         spans: SmallVec::new(),
                     },
                 );
@@ -262,9 +267,11 @@ pub(super) struct Writer {
     /// remove it twice, and the block stays until the last removal. Empty
     /// almost always, so a removal looks here only when it is not.
     repeats: HashMap<(u32, u64), u32>,
-    /// The runs each pod holds a part of, by pod: a clear reads those, not
-    /// every run.
+    /// The runs each pod holds a part of, and how many blocks, by pod: a
+    /// clear or an eviction reads those runs, not every run.
     held: HashMap<u32, HeldRuns>,
+    /// Counts stores: the stamp of a holding stored into now.
+    pub clock: u32,
 }
 
 /// A pod's runs, kept lazily: a run is listed when the pod takes a first
@@ -276,6 +283,8 @@ struct HeldRuns {
     runs: Vec<u32>,
     /// The list's length after its last compaction.
     compacted: usize,
+    /// (Holder, block) entries the pod has, over its tiers.
+    entries: u64,
 }
 
 /// Below this, a pod's list is not compacted.
@@ -404,10 +413,30 @@ impl Writer {
         heads: &Heads,
         arena: &Arena,
         pod: u32,
-        mut at: Option<Loc>,
+        at: Option<Loc>,
         blocks: impl ExactSizeIterator<Item = (u64, u64)>,
     ) -> usize {
+        self.tick();
+        let mut added = 0;
+        let skipped = self.store_chain(heads, arena, pod, at, blocks, &mut added);
+        if added > 0 {
+            self.held.entry(pod >> TIER_BITS).or_default().entries += added;
+        }
+        skipped
+    }
+
+    /// `store`, counting the entries it adds in `added`.
+    fn store_chain(
+        &mut self,
+        heads: &Heads,
+        arena: &Arena,
+        pod: u32,
+        mut at: Option<Loc>,
+        blocks: impl ExactSizeIterator<Item = (u64, u64)>,
+        added: &mut u64,
+    ) -> usize {
         let total = blocks.len();
+        let clock = self.clock;
         // (run, index of the pod's holding in it).
         let mut holding: Option<(u32, usize)> = None;
         for (done, (e, k)) in blocks.enumerate() {
@@ -469,8 +498,10 @@ impl Writer {
             };
             holding = Some((loc.run, i));
             let run = &mut self.runs[loc.run as usize];
+            run.holdings[i].stamp = clock;
             if run.holdings[i].insert(loc.off) {
                 run.holders_of[loc.off as usize] += 1;
+                *added += 1;
                 self.touch(loc.run);
             } else {
                 *self.repeats.entry((pod, e)).or_default() += 1;
@@ -482,7 +513,7 @@ impl Writer {
 
     /// `pod` removed `hashes`; returns how many it did not hold.
     pub fn remove(&mut self, heads: &Heads, pod: u32, hashes: &[u64]) -> usize {
-        let mut unknown = 0;
+        let (mut unknown, mut released) = (0, 0);
         let mut last: Option<Loc> = None;
         // (run, index of the pod's holding in it), as in `store`.
         let mut holding: Option<(u32, usize)> = None;
@@ -510,11 +541,23 @@ impl Writer {
                     continue;
                 }
             }
-            if !self.release(heads, pod, loc, &mut holding) {
+            if self.release(heads, pod, loc, &mut holding) {
+                released += 1;
+            } else {
                 unknown += 1;
             }
         }
+        if released > 0 {
+            self.count_released(pod, released);
+        }
         unknown
+    }
+
+    /// `holder`'s pod let go of `n` entries.
+    fn count_released(&mut self, holder: u32, n: u64) {
+        if let Some(list) = self.held.get_mut(&(holder >> TIER_BITS)) {
+            list.entries -= n;
+        }
     }
 
     /// Drops `pod`'s hold on `loc`; false if it had none. `holding`: where
@@ -614,6 +657,100 @@ impl Writer {
             r.holdings.retain(|h| !which(h.holder));
             self.touch(id);
             self.cut_dead_tail(heads, id);
+        }
+    }
+
+    /// The (holder, block) entries `pod` has, over its tiers.
+    pub fn entries(&self, pod: u32) -> u64 {
+        self.held.get(&pod).map_or(0, |l| l.entries)
+    }
+
+    /// Advances the clock for a store. Once every 2^32 stores it wraps:
+    /// the stamps are renumbered first, in the same order, from 1.
+    fn tick(&mut self) {
+        if self.clock == u32::MAX {
+            let mut stamps: Vec<u32> = self
+                .runs
+                .iter()
+                .flat_map(|r| r.holdings.iter().map(|h| h.stamp))
+                .collect();
+            stamps.sort_unstable();
+            stamps.dedup();
+            for h in self.runs.iter_mut().flat_map(|r| r.holdings.iter_mut()) {
+                h.stamp = stamps.binary_search(&h.stamp).expect("collected") as u32 + 1;
+            }
+            self.clock = stamps.len() as u32;
+        }
+        self.clock += 1;
+    }
+
+    /// Drops up to `n` of `pod`'s entries, on any tier: the holdings it
+    /// stored into least recently first, each from its end (leaf first, as
+    /// vLLM evicts: what is left of the holding is still a prefix of what
+    /// it was, so answers only shorten). Pushes each (holder, key) dropped
+    /// onto `out`; returns how many.
+    pub fn evict(&mut self, heads: &Heads, pod: u32, n: usize, out: &mut Vec<(u32, u64)>) -> usize {
+        let Some(list) = self.held.get(&pod) else {
+            return 0;
+        };
+        let mut oldest: Vec<(u32, u32, u32)> = Vec::new();
+        let mut runs = list.runs.clone();
+        runs.sort_unstable();
+        runs.dedup();
+        for id in runs {
+            let r = &self.runs[id as usize];
+            for h in r.holdings.iter().filter(|h| h.holder >> TIER_BITS == pod) {
+                oldest.push((h.stamp, id, h.holder));
+            }
+        }
+        oldest.sort_unstable();
+        let mut dropped = 0;
+        for (_, run, holder) in oldest {
+            while dropped < n {
+                let r = &self.runs[run as usize];
+                let Ok(i) = r.holdings.binary_search_by_key(&holder, |h| h.holder) else {
+                    break;
+                };
+                let off = r.holdings[i]
+                    .spans
+                    .last()
+                    .expect("a holding has a span")
+                    .end
+                    - 1;
+                let key = r.hash(off).expect("held blocks are in the run");
+                if !self.repeats.is_empty() {
+                    let names = self.names_at(Loc { run, off });
+                    self.repeats
+                        .retain(|(h, name), _| *h != holder || !names.contains(name));
+                }
+                let mut at = Some((run, i));
+                let released = self.release(heads, holder, Loc { run, off }, &mut at);
+                debug_assert!(released);
+                out.push((holder, key));
+                dropped += 1;
+            }
+            if dropped == n {
+                break;
+            }
+        }
+        self.count_released(pod << TIER_BITS, dropped as u64);
+        dropped
+    }
+
+    /// Every engine hash that names the block at `loc`.
+    fn names_at(&self, loc: Loc) -> SmallVec<[u64; 2]> {
+        let r = &self.runs[loc.run as usize];
+        match r.names.as_deref() {
+            None => r.hash(loc.off).into_iter().collect(),
+            Some(names) => std::iter::once(names.engines[loc.off as usize])
+                .chain(
+                    names
+                        .aliases
+                        .iter()
+                        .filter(|(off, _)| *off == loc.off)
+                        .map(|(_, e)| *e),
+                )
+                .collect(),
         }
     }
 }
