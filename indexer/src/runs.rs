@@ -46,8 +46,11 @@
 //! BENCHMARKS.md ("twelfth session") has its numbers against the peers and
 //! what the service needs before it can use it.
 
+mod dump;
 mod shared;
 mod writer;
+
+pub use dump::{Dump, DumpError, HoldingRecord, RepeatRecord, RunRecord};
 
 use parking_lot::Mutex;
 
@@ -151,6 +154,27 @@ impl RunIndex {
         let unknown = w.remove(&self.heads, holder(pod, tier), hashes);
         w.publish(&self.published);
         unknown
+    }
+
+    /// Everything the index holds, as data (see `dump`). It is copied under
+    /// the writer's lock: stores wait meanwhile, and the copy is about the
+    /// size of the index.
+    pub fn dump(&self) -> Dump {
+        self.writer.lock().dump()
+    }
+
+    /// An index holding what `dump` does, with token keys or not (a dump
+    /// of the other kind is refused). A dump that breaks any rule the
+    /// index keeps (a block named twice, spans out of order, a dead last
+    /// block...) is refused as a whole.
+    pub fn from_dump(dump: Dump, token_keys: bool) -> Result<RunIndex, DumpError> {
+        let ix = if token_keys {
+            RunIndex::with_token_keys()
+        } else {
+            RunIndex::new()
+        };
+        ix.writer.lock().restore(&ix.heads, &ix.published, dump)?;
+        Ok(ix)
     }
 
     /// Drops up to `n` of `pod`'s (tier, block) entries to bound memory:

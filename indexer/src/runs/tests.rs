@@ -62,7 +62,7 @@ fn blocks(v: Vec<RunMatch>) -> Vec<(u32, u32)> {
 
 /// What one pod holds on one tier: how many stores of each block are not
 /// removed yet.
-#[derive(Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 struct Held(HashMap<u64, u32>);
 
 impl Held {
@@ -91,7 +91,7 @@ impl Held {
 
 /// The model: what each pod holds on each tier, with repeated stores
 /// counted.
-#[derive(Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 struct Model(HashMap<(u32, usize), Held>);
 
 impl Model {
@@ -306,39 +306,62 @@ proptest! {
         ops in prop::collection::vec(op(), 1..60),
     ) {
         let forest = Forest::new(&parents);
-        let nodes = forest.hash.len();
         let ix = RunIndex::new();
         let mut model = Model::default();
-        for op in ops {
-            match op {
-                Op::Store { pod, tier, node, from } => {
-                    let path = forest.path(node % nodes);
-                    let from = from.min(path.len() - 1);
-                    let parent = from.checked_sub(1).map(|i| forest.hash[path[i]]);
-                    let hashes = forest.hashes(&path[from..]);
-                    ix.store(pod, Tier::ALL[tier], parent, &hashes);
-                    model.0.entry((pod, tier)).or_default().extend(&hashes);
-                }
-                Op::Remove { pod, tier, node, from, leaf_first } => {
-                    let path = forest.path(node % nodes);
-                    let mut hashes = forest.hashes(&path[from.min(path.len() - 1)..]);
-                    if leaf_first {
-                        hashes.reverse();
-                    }
-                    let held = model.0.entry((pod, tier)).or_default();
-                    let unknown = hashes.iter().filter(|h| !held.take(h)).count();
-                    prop_assert_eq!(ix.remove(pod, Tier::ALL[tier], &hashes), unknown);
-                }
-                Op::Clear { pod } => {
-                    ix.clear(pod);
-                    model.clear(pod);
-                }
-                Op::Evict { pod, n } => model.evict(&ix, pod, n)?,
-            }
-            check_every_chain(&ix, &model, (0..nodes).map(|n| forest.hashes(&forest.path(n))))?;
+        for op in &ops {
+            apply_engine(&ix, &mut model, &forest, op)?;
+            check_every_chain(&ix, &model, (0..forest.hash.len()).map(|n| forest.hashes(&forest.path(n))))?;
         }
         check_cleared(&ix)?;
     }
+}
+
+/// Applies `op` to an index with engine keys and to the model, checking
+/// what the index returns.
+fn apply_engine(
+    ix: &RunIndex,
+    model: &mut Model,
+    forest: &Forest,
+    op: &Op,
+) -> Result<(), TestCaseError> {
+    let nodes = forest.hash.len();
+    match *op {
+        Op::Store {
+            pod,
+            tier,
+            node,
+            from,
+        } => {
+            let path = forest.path(node % nodes);
+            let from = from.min(path.len() - 1);
+            let parent = from.checked_sub(1).map(|i| forest.hash[path[i]]);
+            let hashes = forest.hashes(&path[from..]);
+            ix.store(pod, Tier::ALL[tier], parent, &hashes);
+            model.0.entry((pod, tier)).or_default().extend(&hashes);
+        }
+        Op::Remove {
+            pod,
+            tier,
+            node,
+            from,
+            leaf_first,
+        } => {
+            let path = forest.path(node % nodes);
+            let mut hashes = forest.hashes(&path[from.min(path.len() - 1)..]);
+            if leaf_first {
+                hashes.reverse();
+            }
+            let held = model.0.entry((pod, tier)).or_default();
+            let unknown = hashes.iter().filter(|h| !held.take(h)).count();
+            prop_assert_eq!(ix.remove(pod, Tier::ALL[tier], &hashes), unknown);
+        }
+        Op::Clear { pod } => {
+            ix.clear(pod);
+            model.clear(pod);
+        }
+        Op::Evict { pod, n } => model.evict(ix, pod, n)?,
+    }
+    Ok(())
 }
 
 /// Token keys: what pods 0 and 1 name a node by, and what pods 2 and 3 do
@@ -380,61 +403,166 @@ proptest! {
         ops in prop::collection::vec(op(), 1..50),
     ) {
         let forest = Forest::new(&parents);
-        let nodes = forest.hash.len();
         let ix = RunIndex::with_token_keys();
         let mut model = Model::default();
-        for op in ops {
-            match op {
-                Op::Store { pod, tier, node, from } => {
-                    let path = forest.path(node % nodes);
-                    let from = from.min(path.len() - 1);
-                    let parent = from.checked_sub(1).map(|i| engine_of(&forest, pod, path[i]));
-                    let part = &path[from..];
-                    let engines: Vec<u64> = part.iter().map(|n| engine_of(&forest, pod, *n)).collect();
-                    let keys = keys_of(&path);
-                    let skipped = ix.store_tokens(
-                        pod, Tier::ALL[tier], parent, &engines, &tokens_of(part), TOKENS_PER_BLOCK, ROOT_SEED,
-                    );
-                    // A parent some pod naming blocks as this one does
-                    // holds is known; one nobody holds may not be.
-                    let family = |p: u32| p < 2;
-                    let parent_held = from == 0 || model.0.iter().any(|((p, _), held)| {
-                        family(*p) == family(pod) && held.contains(&keys[from - 1])
-                    });
-                    if parent_held {
-                        prop_assert_eq!(skipped, 0);
-                    } else {
-                        prop_assert!(skipped == 0 || skipped == part.len());
-                    }
-                    if skipped == 0 {
-                        model.0.entry((pod, tier)).or_default().extend(&keys[from..]);
-                    }
-                }
-                Op::Remove { pod, tier, node, from, leaf_first } => {
-                    let path = forest.path(node % nodes);
-                    let mut part = path[from.min(path.len() - 1)..].to_vec();
-                    if leaf_first {
-                        part.reverse();
-                    }
-                    let keys = keys_of(&path);
-                    let held = model.0.entry((pod, tier)).or_default();
-                    let unknown = part
-                        .iter()
-                        .map(|n| path.iter().position(|p| p == n).expect("on the path"))
-                        .filter(|i| !held.take(&keys[*i]))
-                        .count();
-                    let engines: Vec<u64> = part.iter().map(|n| engine_of(&forest, pod, *n)).collect();
-                    prop_assert_eq!(ix.remove(pod, Tier::ALL[tier], &engines), unknown);
-                }
-                Op::Clear { pod } => {
-                    ix.clear(pod);
-                    model.clear(pod);
-                }
-                Op::Evict { pod, n } => model.evict(&ix, pod, n)?,
-            }
-            check_every_chain(&ix, &model, (0..nodes).map(|n| keys_of(&forest.path(n))))?;
+        for op in &ops {
+            apply_tokens(&ix, &mut model, &forest, op)?;
+            check_every_chain(&ix, &model, (0..forest.hash.len()).map(|n| keys_of(&forest.path(n))))?;
         }
         check_cleared(&ix)?;
+    }
+}
+
+/// Applies `op` to an index with token keys and to the model, checking
+/// what the index returns.
+fn apply_tokens(
+    ix: &RunIndex,
+    model: &mut Model,
+    forest: &Forest,
+    op: &Op,
+) -> Result<(), TestCaseError> {
+    let nodes = forest.hash.len();
+    match *op {
+        Op::Store {
+            pod,
+            tier,
+            node,
+            from,
+        } => {
+            let path = forest.path(node % nodes);
+            let from = from.min(path.len() - 1);
+            let parent = from.checked_sub(1).map(|i| engine_of(forest, pod, path[i]));
+            let part = &path[from..];
+            let engines: Vec<u64> = part.iter().map(|n| engine_of(forest, pod, *n)).collect();
+            let keys = keys_of(&path);
+            let skipped = ix.store_tokens(
+                pod,
+                Tier::ALL[tier],
+                parent,
+                &engines,
+                &tokens_of(part),
+                TOKENS_PER_BLOCK,
+                ROOT_SEED,
+            );
+            // A parent some pod naming blocks as this one does holds is
+            // known; one nobody holds may not be.
+            let family = |p: u32| p < 2;
+            let parent_held = from == 0
+                || model.0.iter().any(|((p, _), held)| {
+                    family(*p) == family(pod) && held.contains(&keys[from - 1])
+                });
+            if parent_held {
+                prop_assert_eq!(skipped, 0);
+            } else {
+                prop_assert!(skipped == 0 || skipped == part.len());
+            }
+            if skipped == 0 {
+                model
+                    .0
+                    .entry((pod, tier))
+                    .or_default()
+                    .extend(&keys[from..]);
+            }
+        }
+        Op::Remove {
+            pod,
+            tier,
+            node,
+            from,
+            leaf_first,
+        } => {
+            let path = forest.path(node % nodes);
+            let mut part = path[from.min(path.len() - 1)..].to_vec();
+            if leaf_first {
+                part.reverse();
+            }
+            let keys = keys_of(&path);
+            let held = model.0.entry((pod, tier)).or_default();
+            let unknown = part
+                .iter()
+                .map(|n| path.iter().position(|p| p == n).expect("on the path"))
+                .filter(|i| !held.take(&keys[*i]))
+                .count();
+            let engines: Vec<u64> = part.iter().map(|n| engine_of(forest, pod, *n)).collect();
+            prop_assert_eq!(ix.remove(pod, Tier::ALL[tier], &engines), unknown);
+        }
+        Op::Clear { pod } => {
+            ix.clear(pod);
+            model.clear(pod);
+        }
+        Op::Evict { pod, n } => model.evict(ix, pod, n)?,
+    }
+    Ok(())
+}
+
+/// `apply_engine` or `apply_tokens`.
+type Apply = fn(&RunIndex, &mut Model, &Forest, &Op) -> Result<(), TestCaseError>;
+
+/// A dump of any index restores to one that answers as it does, dumps the
+/// same, and goes on as it would (stores, removals, evictions alike).
+fn check_restored(
+    token_keys: bool,
+    parents: &[Option<usize>],
+    before: &[Op],
+    after: &[Op],
+) -> Result<(), TestCaseError> {
+    let forest = Forest::new(parents);
+    let (ix, apply): (RunIndex, Apply) = if token_keys {
+        (RunIndex::with_token_keys(), apply_tokens)
+    } else {
+        (RunIndex::new(), apply_engine)
+    };
+    let chains = || {
+        (0..forest.hash.len()).map(|n| {
+            let path = forest.path(n);
+            if token_keys {
+                keys_of(&path)
+            } else {
+                forest.hashes(&path)
+            }
+        })
+    };
+    let mut model = Model::default();
+    for op in before {
+        apply(&ix, &mut model, &forest, op)?;
+    }
+    let dump = ix.dump();
+    prop_assert!(
+        RunIndex::from_dump(dump.clone(), !token_keys).is_err(),
+        "the other key mode"
+    );
+    let restored = RunIndex::from_dump(dump.clone(), token_keys).expect("a dump restores");
+    prop_assert_eq!(restored.dump(), dump);
+    check_every_chain(&restored, &model, chains())?;
+    let mut twin = model.clone();
+    for op in after {
+        apply(&ix, &mut model, &forest, op)?;
+        apply(&restored, &mut twin, &forest, op)?;
+        prop_assert_eq!(&model, &twin, "after {:?}", op);
+        check_every_chain(&restored, &twin, chains())?;
+    }
+    check_cleared(&restored)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(150))]
+
+    #[test]
+    fn a_dump_restores_the_index_with_engine_keys(
+        parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..30),
+        before in prop::collection::vec(op(), 1..40),
+        after in prop::collection::vec(op(), 1..20),
+    ) {
+        check_restored(false, &parents, &before, &after)?;
+    }
+
+    #[test]
+    fn a_dump_restores_the_index_with_token_keys(
+        parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..30),
+        before in prop::collection::vec(op(), 1..40),
+        after in prop::collection::vec(op(), 1..20),
+    ) {
+        check_restored(true, &parents, &before, &after)?;
     }
 }
 
@@ -617,4 +745,79 @@ fn the_store_clock_wraps_keeping_the_order() {
     assert!(ix.writer.lock().clock < 8, "renumbered");
     let order: Vec<u64> = ix.evict(0, 3).into_iter().map(|d| d.1).collect();
     assert_eq!(order, forest.hashes(&[0, 1, 2]));
+}
+
+/// A dump comes from a file: one that breaks a rule the index keeps is
+/// refused as a whole, whichever rule.
+#[test]
+fn a_dump_that_breaks_a_rule_is_refused() {
+    let forest = Forest::new(
+        &(0..12)
+            .map(|i| (i != 6).then(|| i.max(1) - 1))
+            .collect::<Vec<_>>(),
+    );
+    let ix = RunIndex::new();
+    ix.store(0, Tier::Gpu, None, &forest.hashes(&forest.path(5)));
+    ix.store(1, Tier::Cpu, None, &forest.hashes(&forest.path(11)));
+    ix.store(1, Tier::Cpu, None, &forest.hashes(&forest.path(7)));
+    let dump = ix.dump();
+    assert_eq!(dump.runs.len(), 2);
+    assert_eq!(dump.repeats.len(), 2);
+    assert!(RunIndex::from_dump(dump.clone(), false).is_ok());
+    let refused = |what: &str, change: &dyn Fn(&mut Dump)| {
+        let mut bad = dump.clone();
+        change(&mut bad);
+        assert!(RunIndex::from_dump(bad, false).is_err(), "{what}");
+    };
+    refused("a key in two runs", &|d| {
+        d.runs[1].keys[3] = d.runs[0].keys[2]
+    });
+    refused("a run with no blocks", &|d| {
+        d.runs[1].keys.clear();
+        d.runs[1].holdings.clear();
+    });
+    refused("other names with engine keys", &|d| {
+        d.runs[0].aliases.push((0, 5))
+    });
+    refused("a span past the run", &|d| {
+        d.runs[0].holdings[0].spans[0].1 = 7
+    });
+    refused("an empty span", &|d| {
+        d.runs[0].holdings[0].spans[0] = (2, 2)
+    });
+    refused("spans that touch", &|d| {
+        d.runs[0].holdings[0].spans = vec![(0, 2), (2, 6)];
+    });
+    refused("holdings out of order", &|d| {
+        let h = d.runs[0].holdings[0].clone();
+        d.runs[0].holdings.push(h);
+    });
+    refused("a tier that is not one", &|d| {
+        d.runs[0].holdings[0].tier = TIERS as u8
+    });
+    refused("a dead last block", &|d| {
+        d.runs[0].holdings[0].spans[0].1 = 5
+    });
+    refused("a repeat of a block not held", &|d| d.repeats[0].pod = 0);
+    refused("a repeat of nothing", &|d| d.repeats[0].count = 0);
+    refused("a repeat of no block", &|d| d.repeats[0].name = 1);
+}
+
+/// A chain longer than a run is evicted leaf first across its runs too:
+/// one store stamps its deepest run oldest.
+#[test]
+fn a_chain_across_runs_is_evicted_leaf_first() {
+    let len = 3 * RUN_CAP as usize - 2;
+    let forest = Forest::new(&(0..len).map(|i| i.checked_sub(1)).collect::<Vec<_>>());
+    let chain = forest.hashes(&forest.path(len - 1));
+    let ix = RunIndex::new();
+    ix.store(0, Tier::Gpu, None, &chain);
+    let n = RUN_CAP as usize + 2;
+    let dropped: Vec<u64> = ix.evict(0, n).into_iter().map(|d| d.1).collect();
+    let leaves: Vec<u64> = chain.iter().rev().take(n).copied().collect();
+    assert_eq!(dropped, leaves);
+    assert_eq!(
+        blocks(ix.prefix_matches(&chain)),
+        vec![(0, (len - n) as u32)]
+    );
 }

@@ -9,6 +9,7 @@ use hashbrown::hash_table::HashTable;
 use smallvec::SmallVec;
 
 use super::shared::{hash, Arena, Heads, HoldingView, Words, RUN_CAP, TIER_BITS};
+use crate::index::KeyBuildHasher;
 
 /// A block's place: its run and its offset in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,8 +67,11 @@ pub(super) struct Holding {
     /// A pod and a tier (`pod << TIER_BITS | tier`, see `RunIndex`).
     pub holder: u32,
     /// When the holder last stored into it (`Writer::clock`): eviction
-    /// takes the oldest holdings' blocks first. (It fills padding: a
-    /// holding is 32 bytes either way.)
+    /// takes the oldest holdings' blocks first. A store stamps the
+    /// holdings along its chain deepest oldest, so its leaves go first, and
+    /// no two holdings of a pod share a stamp: what is evicted depends on
+    /// the order of stores alone, not on how runs are numbered. (It fills
+    /// padding: a holding is 32 bytes either way.)
     pub stamp: u32,
     pub spans: SmallVec<[Span; 1]>,
 }
@@ -162,13 +166,13 @@ pub(super) struct Run {
 
 /// What a run's blocks are named by, where names are not keys.
 #[derive(Default)]
-struct Names {
+pub(super) struct Names {
     /// Each block's engine hash, as the pod that stored it first named it
     /// (what its table entry is under).
-    engines: Vec<u64>,
+    pub engines: Vec<u64>,
     /// Other engine hashes pods named a block by (pods whose hash seed
     /// differs), by offset, each also in the table.
-    aliases: Vec<(u32, u64)>,
+    pub aliases: Vec<(u32, u64)>,
 }
 
 impl Run {
@@ -205,6 +209,10 @@ impl Run {
         };
         words.set_hash(len, h);
         self.len += 1;
+    }
+
+    pub fn names(&self) -> Option<&Names> {
+        self.names.as_deref()
     }
 
     #[cfg(test)]
@@ -269,8 +277,8 @@ pub(super) struct Writer {
     repeats: HashMap<(u32, u64), u32>,
     /// The runs each pod holds a part of, and how many blocks, by pod: a
     /// clear or an eviction reads those runs, not every run.
-    held: HashMap<u32, HeldRuns>,
-    /// Counts stores: the stamp of a holding stored into now.
+    held: HashMap<u32, HeldRuns, KeyBuildHasher>,
+    /// The newest stamp given (see `Holding::stamp`).
     pub clock: u32,
 }
 
@@ -364,7 +372,7 @@ impl Writer {
         self.runs[loc.run as usize].hash(loc.off)
     }
 
-    fn new_run(&mut self) -> u32 {
+    pub(super) fn new_run(&mut self) -> u32 {
         match self.free.pop() {
             Some(id) => id,
             None => {
@@ -377,7 +385,7 @@ impl Writer {
     /// Puts a new block (engine hash `e`, key `k`) at the end of `run`.
     /// A run's first block makes it findable: its published slot is
     /// allocated first (readers never allocate one, see `Arena::find`).
-    fn push(&mut self, heads: &Heads, arena: &Arena, run: u32, e: u64, k: u64) -> Loc {
+    pub(super) fn push(&mut self, heads: &Heads, arena: &Arena, run: u32, e: u64, k: u64) -> Loc {
         let r = &mut self.runs[run as usize];
         let loc = Loc { run, off: r.len() };
         r.push_hash(k);
@@ -395,7 +403,7 @@ impl Writer {
     }
 
     /// Makes the block at `loc` findable by `e` too, if it is not.
-    fn alias(&mut self, e: u64, loc: Loc) {
+    pub(super) fn alias(&mut self, e: u64, loc: Loc) {
         if self.table.find(e).is_none() {
             self.table.insert(e, loc);
             let run = &mut self.runs[loc.run as usize];
@@ -416,16 +424,33 @@ impl Writer {
         at: Option<Loc>,
         blocks: impl ExactSizeIterator<Item = (u64, u64)>,
     ) -> usize {
-        self.tick();
-        let mut added = 0;
-        let skipped = self.store_chain(heads, arena, pod, at, blocks, &mut added);
+        let total = blocks.len();
+        let mut touched = SmallVec::new();
+        let (skipped, repeated) = self.store_chain(heads, arena, pod, at, blocks, &mut touched);
+        let added = (total - skipped - repeated) as u64;
         if added > 0 {
             self.held.entry(pod >> TIER_BITS).or_default().entries += added;
         }
+        self.stamp(&touched);
         skipped
     }
 
-    /// `store`, counting the entries it adds in `added`.
+    /// Stamps the holdings a store went through, in chain order (run,
+    /// index of the holding): the deepest gets the oldest of the new stamps.
+    fn stamp(&mut self, touched: &[(u32, usize)]) {
+        let n = touched.len() as u32;
+        if self.clock > u32::MAX - n {
+            self.renumber();
+        }
+        for (k, &(run, i)) in touched.iter().enumerate() {
+            self.runs[run as usize].holdings[i].stamp = self.clock + n - k as u32;
+        }
+        self.clock += n;
+    }
+
+    /// `store`, listing the holdings it goes through in `touched` (run,
+    /// index of the holding). Returns the blocks not stored (see `store`)
+    /// and those the holder held already.
     fn store_chain(
         &mut self,
         heads: &Heads,
@@ -433,10 +458,10 @@ impl Writer {
         pod: u32,
         mut at: Option<Loc>,
         blocks: impl ExactSizeIterator<Item = (u64, u64)>,
-        added: &mut u64,
-    ) -> usize {
+        touched: &mut SmallVec<[(u32, usize); 4]>,
+    ) -> (usize, usize) {
+        let mut repeated = 0;
         let total = blocks.len();
-        let clock = self.clock;
         // (run, index of the pod's holding in it).
         let mut holding: Option<(u32, usize)> = None;
         for (done, (e, k)) in blocks.enumerate() {
@@ -451,7 +476,7 @@ impl Writer {
                             None => self.alias(e, n),
                             Some(named) if named == n => {}
                             // `e` names another block: the claims disagree.
-                            Some(_) => return total - done,
+                            Some(_) => return (total - done, repeated),
                         }
                     }
                     n
@@ -459,7 +484,7 @@ impl Writer {
                 _ => match self.table.find(e) {
                     // Engine keys: the table is by key, nothing to check.
                     Some(loc) if !self.token_keys || self.is_at(k, loc) => loc,
-                    Some(_) => return total - done,
+                    Some(_) => return (total - done, repeated),
                     // Under another engine hash, a block that is not where
                     // its parent's run goes on starts a run (see
                     // `shared::Heads`).
@@ -493,22 +518,22 @@ impl Writer {
                     if added {
                         self.note_held(pod, loc.run);
                     }
+                    touched.push((loc.run, i));
                     i
                 }
             };
             holding = Some((loc.run, i));
             let run = &mut self.runs[loc.run as usize];
-            run.holdings[i].stamp = clock;
             if run.holdings[i].insert(loc.off) {
                 run.holders_of[loc.off as usize] += 1;
-                *added += 1;
                 self.touch(loc.run);
             } else {
                 *self.repeats.entry((pod, e)).or_default() += 1;
+                repeated += 1;
             }
             at = Some(loc);
         }
-        0
+        (0, repeated)
     }
 
     /// `pod` removed `hashes`; returns how many it did not hold.
@@ -660,28 +685,62 @@ impl Writer {
         }
     }
 
+    /// Gives `holder` `spans` of `run` (it had none), stored at `stamp`:
+    /// `held` blocks, which `holders_of` must count (the caller's part).
+    pub(super) fn adopt(
+        &mut self,
+        run: u32,
+        holder: u32,
+        stamp: u32,
+        spans: SmallVec<[Span; 1]>,
+        held: u32,
+    ) {
+        let r = &mut self.runs[run as usize];
+        let (i, added) = r.holding(holder);
+        debug_assert!(added);
+        r.holdings[i].stamp = stamp;
+        r.holdings[i].spans = spans;
+        self.note_held(holder, run);
+        self.held.entry(holder >> TIER_BITS).or_default().entries += u64::from(held);
+        self.touch(run);
+    }
+
+    /// Repeated stores, by (holder, name).
+    pub(super) fn repeats(&self) -> impl Iterator<Item = ((u32, u64), u32)> + '_ {
+        self.repeats.iter().map(|(k, v)| (*k, *v))
+    }
+
+    /// Counts `count` repeated stores of `name` by `holder`; false if some
+    /// were counted already.
+    pub(super) fn add_repeats(&mut self, holder: u32, name: u64, count: u32) -> bool {
+        match self.repeats.entry((holder, name)) {
+            Entry::Occupied(_) => false,
+            Entry::Vacant(v) => {
+                v.insert(count);
+                true
+            }
+        }
+    }
+
     /// The (holder, block) entries `pod` has, over its tiers.
     pub fn entries(&self, pod: u32) -> u64 {
         self.held.get(&pod).map_or(0, |l| l.entries)
     }
 
-    /// Advances the clock for a store. Once every 2^32 stores it wraps:
-    /// the stamps are renumbered first, in the same order, from 1.
-    fn tick(&mut self) {
-        if self.clock == u32::MAX {
-            let mut stamps: Vec<u32> = self
-                .runs
-                .iter()
-                .flat_map(|r| r.holdings.iter().map(|h| h.stamp))
-                .collect();
-            stamps.sort_unstable();
-            stamps.dedup();
-            for h in self.runs.iter_mut().flat_map(|r| r.holdings.iter_mut()) {
-                h.stamp = stamps.binary_search(&h.stamp).expect("collected") as u32 + 1;
-            }
-            self.clock = stamps.len() as u32;
+    /// Before the clock would wrap (after 2^32 holdings stamped): the
+    /// stamps renumbered from 1, in the same order.
+    fn renumber(&mut self) {
+        let mut stamps: Vec<u32> = self
+            .runs
+            .iter()
+            .flat_map(|r| r.holdings.iter().map(|h| h.stamp))
+            .collect();
+        stamps.sort_unstable();
+        stamps.dedup();
+        for h in self.runs.iter_mut().flat_map(|r| r.holdings.iter_mut()) {
+            h.stamp = stamps.binary_search(&h.stamp).expect("collected") as u32 + 1;
         }
-        self.clock += 1;
+        self.clock = stamps.len() as u32;
     }
 
     /// Drops up to `n` of `pod`'s entries, on any tier: the holdings it

@@ -1,0 +1,242 @@
+//! A `RunIndex` as data: every run with its keys, names and holdings, for
+//! a snapshot on disk, and back.
+//!
+//! Why runs and not each pod's blocks: a run holds each distinct block's
+//! key once and each pod's part of it as spans, so a dump is about the
+//! size of the index (distinct blocks), not of its (pod, block) entries,
+//! which repeat a shared prefix's keys once per pod holding it. And it
+//! restores as it was: the same runs, the same store order (eviction
+//! continues where it stopped), the same names for every pod (with token
+//! keys a pod whose hash seed differs names a block by an alias; a
+//! per-pod list of blocks would have to say whose each alias is, which the
+//! index does not keep).
+//!
+//! A dump comes from a file: `RunIndex::restore` checks everything the
+//! index's own invariants need and refuses the whole dump otherwise.
+
+use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
+
+use super::shared::{Arena, Heads, MAX_RUN, TIER_BITS};
+use super::writer::{Loc, Span, Writer};
+use crate::event::TIERS;
+
+/// The whole index.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Dump {
+    /// Keys are computed from tokens (see `RunIndex::with_token_keys`).
+    pub token_keys: bool,
+    /// The store clock (holdings' stamps are below or at it).
+    pub clock: u32,
+    pub runs: Vec<RunRecord>,
+    /// Stores of a held block beyond the first, not removed yet.
+    pub repeats: Vec<RepeatRecord>,
+}
+
+/// One run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// Its blocks' keys, in chain order.
+    pub keys: Vec<u64>,
+    /// Token keys: each block's engine hash (parallel to `keys`); empty
+    /// with engine keys, where the key is the engine hash.
+    pub engines: Vec<u64>,
+    /// Token keys: other engine hashes naming a block, (offset, hash).
+    pub aliases: Vec<(u32, u64)>,
+    /// Sorted by (pod, tier).
+    pub holdings: Vec<HoldingRecord>,
+}
+
+/// What one pod holds of a run on one tier.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HoldingRecord {
+    pub pod: u32,
+    pub tier: u8,
+    /// When the pod last stored into it (the store clock).
+    pub stamp: u32,
+    /// Half-open offset ranges, sorted, apart.
+    pub spans: Vec<(u32, u32)>,
+}
+
+/// `count` stores of the block `name` names by `pod` on `tier`, beyond
+/// the first.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RepeatRecord {
+    pub pod: u32,
+    pub tier: u8,
+    pub name: u64,
+    pub count: u32,
+}
+
+/// Why a dump was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DumpError {
+    #[error("the dump was written with {0} keys, the index uses the other")]
+    KeyMode(&'static str),
+    #[error("run {run}: {why}")]
+    Run { run: usize, why: &'static str },
+    #[error("repeat {0}: it names no block its holder holds")]
+    Repeat(usize),
+}
+
+fn holder_of(pod: u32, tier: u8) -> Option<u32> {
+    (usize::from(tier) < TIERS && pod < u32::MAX >> TIER_BITS)
+        .then(|| pod << TIER_BITS | u32::from(tier))
+}
+
+impl Writer {
+    pub fn dump(&self) -> Dump {
+        let mut runs = Vec::new();
+        for (id, r) in self.runs.iter().enumerate() {
+            if r.is_empty() {
+                continue;
+            }
+            let keys: Vec<u64> = (0..r.len()).filter_map(|off| r.hash(off)).collect();
+            let (engines, aliases) = r.names().map_or((Vec::new(), Vec::new()), |n| {
+                (n.engines.clone(), n.aliases.clone())
+            });
+            let holdings = r
+                .holdings
+                .iter()
+                .map(|h| HoldingRecord {
+                    pod: h.holder >> TIER_BITS,
+                    tier: (h.holder & ((1 << TIER_BITS) - 1)) as u8,
+                    stamp: h.stamp,
+                    spans: h.spans.iter().map(|s| (s.start, s.end)).collect(),
+                })
+                .collect();
+            debug_assert!(!self.free.contains(&(id as u32)));
+            runs.push(RunRecord {
+                keys,
+                engines,
+                aliases,
+                holdings,
+            });
+        }
+        let mut repeats: Vec<RepeatRecord> = self
+            .repeats()
+            .map(|((holder, name), count)| RepeatRecord {
+                pod: holder >> TIER_BITS,
+                tier: (holder & ((1 << TIER_BITS) - 1)) as u8,
+                name,
+                count,
+            })
+            .collect();
+        // In a stable order: two dumps of the same index are equal.
+        repeats.sort_unstable_by_key(|r| (r.pod, r.tier, r.name));
+        Dump {
+            token_keys: self.token_keys,
+            clock: self.clock,
+            runs,
+            repeats,
+        }
+    }
+
+    /// Rebuilds an empty writer's runs from `dump`, checking it first as
+    /// it goes; on an error the writer must be dropped (it holds part).
+    pub fn restore(&mut self, heads: &Heads, arena: &Arena, dump: Dump) -> Result<(), DumpError> {
+        debug_assert!(self.runs.is_empty(), "restored into an empty index");
+        if dump.token_keys != self.token_keys {
+            return Err(DumpError::KeyMode(if dump.token_keys {
+                "token"
+            } else {
+                "engine"
+            }));
+        }
+        let mut clock = dump.clock;
+        for (i, record) in dump.runs.into_iter().enumerate() {
+            let why = |why| DumpError::Run { run: i, why };
+            let len = record.keys.len();
+            if len == 0 || len > MAX_RUN as usize {
+                return Err(why("no blocks, or more than a run holds"));
+            }
+            let engines = if self.token_keys {
+                if record.engines.len() != len {
+                    return Err(why("not an engine hash per block"));
+                }
+                &record.engines
+            } else {
+                if !record.engines.is_empty() || !record.aliases.is_empty() {
+                    return Err(why("engine keys have no other names"));
+                }
+                &record.keys
+            };
+            // Every name new, every key new where readers look it up.
+            let mut names = engines.clone();
+            names.extend(record.aliases.iter().map(|(_, e)| *e));
+            names.sort_unstable();
+            let distinct = names.windows(2).all(|w| w[0] != w[1]);
+            if !distinct
+                || names.iter().any(|e| self.table.find(*e).is_some())
+                || heads.find(record.keys[0]).is_some()
+            {
+                return Err(why("a block named twice"));
+            }
+            if record.aliases.iter().any(|(off, _)| *off as usize >= len) {
+                return Err(why("an alias past the run"));
+            }
+            let mut holders_of = vec![0u32; len];
+            let mut last = None;
+            for h in &record.holdings {
+                let holder = holder_of(h.pod, h.tier).ok_or_else(|| why("no such holder"))?;
+                if last.is_some_and(|l| l >= holder) || h.spans.is_empty() {
+                    return Err(why("holdings out of order, or empty"));
+                }
+                last = Some(holder);
+                let mut end = None;
+                for &(s, e) in &h.spans {
+                    if s >= e || e as usize > len || end.is_some_and(|end| end >= s) {
+                        return Err(why("spans out of order, touching or past the run"));
+                    }
+                    end = Some(e);
+                    for off in s..e {
+                        holders_of[off as usize] += 1;
+                    }
+                }
+                clock = clock.max(h.stamp);
+            }
+            if holders_of.last() == Some(&0) {
+                return Err(why("its last block is held by no one"));
+            }
+            let run = self.new_run();
+            for (off, (&k, &e)) in record.keys.iter().zip(engines).enumerate() {
+                let loc = self.push(heads, arena, run, e, k);
+                debug_assert_eq!(loc.off, off as u32);
+            }
+            for (off, e) in record.aliases {
+                self.alias(e, Loc { run, off });
+            }
+            for h in record.holdings {
+                let holder = holder_of(h.pod, h.tier).expect("checked");
+                let spans: SmallVec<[Span; 1]> = h
+                    .spans
+                    .iter()
+                    .map(|&(start, end)| Span { start, end })
+                    .collect();
+                let held: u32 = spans.iter().map(|s| s.end - s.start).sum();
+                self.adopt(run, holder, h.stamp, spans, held);
+            }
+            self.runs[run as usize].holders_of = holders_of;
+        }
+        self.clock = clock;
+        for (i, r) in dump.repeats.into_iter().enumerate() {
+            let holder = holder_of(r.pod, r.tier).ok_or(DumpError::Repeat(i))?;
+            let held = self.table.find(r.name).is_some_and(|loc| {
+                let run = &self.runs[loc.run as usize];
+                run.holdings
+                    .binary_search_by_key(&holder, |h| h.holder)
+                    .is_ok_and(|at| {
+                        run.holdings[at]
+                            .spans
+                            .iter()
+                            .any(|s| s.start <= loc.off && loc.off < s.end)
+                    })
+            });
+            if !held || r.count == 0 || !self.add_repeats(holder, r.name, r.count) {
+                return Err(DumpError::Repeat(i));
+            }
+        }
+        self.publish(arena);
+        Ok(())
+    }
+}
