@@ -55,7 +55,7 @@ pub use dump::{Dump, DumpError, HoldingRecord, RepeatRecord, RunRecord};
 use parking_lot::Mutex;
 
 use crate::event::{Tier, TIERS};
-use shared::{Arena, Heads, Held, PodSpans, View, TIER_BITS};
+use shared::{Arena, Counts, Heads, Held, PodSpans, View, TIER_BITS};
 use writer::Writer;
 
 thread_local! {
@@ -63,16 +63,42 @@ thread_local! {
 }
 
 /// Pods' blocks by chain runs; see the module doc for what it covers.
-#[derive(Default)]
 pub struct RunIndex {
     heads: Heads,
     published: Arena,
     writer: Mutex<Writer>,
+    /// Tier indices, best first (`RunMatch::best_tier`).
+    better: [usize; TIERS],
+}
+
+impl Default for RunIndex {
+    fn default() -> Self {
+        RunIndex {
+            heads: Heads::default(),
+            published: Arena::default(),
+            writer: Mutex::default(),
+            better: std::array::from_fn(|t| t),
+        }
+    }
 }
 
 impl RunIndex {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Ranks the tiers for `RunMatch::best_tier`: `better` names them all,
+    /// best first (by default, in `Tier::ALL`'s order).
+    pub fn with_best_tiers(mut self, better: [Tier; TIERS]) -> Self {
+        let order = better.map(Tier::index);
+        let mut seen = order;
+        seen.sort_unstable();
+        assert!(
+            seen.iter().enumerate().all(|(i, t)| i == *t),
+            "every tier once"
+        );
+        self.better = order;
+        self
     }
 
     /// Distinct blocks indexed (held, or dead but followed by a held one).
@@ -227,15 +253,20 @@ impl RunIndex {
         alive.clear();
         mixed.clear();
         // A pod's match ends here: `tiers` says where its blocks are.
-        let answer = |pod: u32, blocks: u32, tiers: Tiers, mixed: &[[u32; TIERS]]| RunMatch {
-            pod,
-            blocks,
-            per_tier: match tiers.get() {
-                None => [0; TIERS],
-                Some(Ok(t)) => std::array::from_fn(|i| if i == t { blocks } else { 0 }),
+        let answer = |pod: u32, blocks: u32, tiers: Tiers, mixed: &[Counts]| {
+            let counts = match tiers.get() {
+                None => Counts::default(),
+                Some(Ok(t)) => Counts::one(t, blocks),
                 Some(Err(at)) => mixed[at],
-            },
+            };
+            RunMatch {
+                pod,
+                blocks,
+                per_tier: counts.per_tier,
+                best_tier: counts.best,
+            }
         };
+        let better = &self.better;
         let mut i = 0usize;
         while i < keys.len() {
             // The run this key starts (see `shared::Heads`).
@@ -266,30 +297,25 @@ impl RunIndex {
                     out.reserve(run.pods_at_most());
                 }
                 let mut decide = |pod: u32, tiers: Tiers, spans: Option<&PodSpans<'_>>| {
-                    let (n, held) =
-                        spans.map_or((0, Held::Many([0; TIERS])), |s| s.matched(len as u32));
+                    let (n, held) = spans.map_or((0, Held::Many(Counts::default())), |s| {
+                        s.matched(len as u32, better)
+                    });
                     // Where the pod's blocks so far and these are.
                     let tiers = match (tiers.get(), held) {
                         (_, _) if n == 0 => tiers,
                         (None, Held::One(t)) => Tiers::one(t),
                         (Some(Ok(a)), Held::One(t)) if a == t => tiers,
                         (before, held) => {
-                            let mut per_tier = match before {
-                                None => [0; TIERS],
-                                Some(Ok(a)) => {
-                                    std::array::from_fn(|k| if k == a { i as u32 } else { 0 })
-                                }
+                            let mut counts = match before {
+                                None => Counts::default(),
+                                Some(Ok(a)) => Counts::one(a, i as u32),
                                 Some(Err(at)) => mixed[at],
                             };
                             match held {
-                                Held::One(t) => per_tier[t] = per_tier[t].saturating_add(n),
-                                Held::Many(h) => {
-                                    for (total, here) in per_tier.iter_mut().zip(h) {
-                                        *total = total.saturating_add(here);
-                                    }
-                                }
+                                Held::One(t) => counts.add(&Counts::one(t, n)),
+                                Held::Many(here) => counts.add(&here),
                             }
-                            mixed.push(per_tier);
+                            mixed.push(counts);
                             Tiers::mixed(mixed.len() - 1)
                         }
                     };
@@ -360,23 +386,26 @@ impl Tiers {
     }
 }
 
-/// A lookup's lists of pods still matching (and the per-tier counts of
-/// those whose blocks are on several tiers), kept for the thread's next
-/// lookup (a lookup of a prompt many pods share fills them).
+/// A lookup's lists of pods still matching (and the tier counts of those
+/// whose blocks are on several tiers), kept for the thread's next lookup
+/// (a lookup of a prompt many pods share fills them).
 #[derive(Default)]
 struct Scratch {
     alive: Vec<(u32, Tiers)>,
     next: Vec<(u32, Tiers)>,
-    mixed: Vec<[u32; TIERS]>,
+    mixed: Vec<Counts>,
 }
 
 /// What a pod holds of a prompt: its leading blocks held on any tier, and
-/// of those, how many on each tier.
+/// of those, how many on each tier and how many have each tier as the best
+/// one holding them (see `RunIndex::with_best_tiers`; a score weighs each
+/// block by its best tier).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct RunMatch {
     pub pod: u32,
     pub blocks: u32,
     pub per_tier: [u32; TIERS],
+    pub best_tier: [u32; TIERS],
 }
 
 /// A holder: one pod's blocks on one tier.

@@ -22,6 +22,7 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use arc_swap::ArcSwapOption;
+use smallvec::SmallVec;
 
 use super::writer::Span;
 use crate::event::TIERS;
@@ -432,7 +433,33 @@ pub(super) const RUN_CAP: u32 = 8;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Held {
     One(usize),
-    Many([u32; TIERS]),
+    Many(Counts),
+}
+
+/// Of some blocks, how many are held on each tier, and how many have each
+/// tier as the best one holding them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Counts {
+    pub per_tier: [u32; TIERS],
+    pub best: [u32; TIERS],
+}
+
+impl Counts {
+    /// `n` blocks, all on `tier`.
+    pub fn one(tier: usize, n: u32) -> Counts {
+        let on: [u32; TIERS] = std::array::from_fn(|t| if t == tier { n } else { 0 });
+        Counts {
+            per_tier: on,
+            best: on,
+        }
+    }
+
+    pub fn add(&mut self, other: &Counts) {
+        for t in 0..TIERS {
+            self.per_tier[t] = self.per_tier[t].saturating_add(other.per_tier[t]);
+            self.best[t] = self.best[t].saturating_add(other.best[t]);
+        }
+    }
 }
 
 /// One pod's spans of one run (each tagged with its tier), as one read
@@ -456,9 +483,10 @@ fn span(word: &AtomicU64) -> (usize, u32, u32) {
 
 impl PodSpans<'_> {
     /// Of the run's first `len` blocks, how many leading ones the pod
-    /// holds (on any tier), and on which tiers.
+    /// holds (on any tier), and on which tiers (`better`: tiers, best
+    /// first).
     #[inline]
-    pub fn matched(&self, len: u32) -> (u32, Held) {
+    pub fn matched(&self, len: u32, better: &[usize; TIERS]) -> (u32, Held) {
         // Most pods hold a run on one tier, in one span from its start.
         if self.tiers.count_ones() == 1 {
             let n = match self.spans.first().map(span) {
@@ -468,7 +496,40 @@ impl PodSpans<'_> {
             return (n, Held::One(self.tiers.trailing_zeros() as usize));
         }
         let n = self.covered().min(len);
-        (n, Held::Many(self.held_below(n)))
+        (
+            n,
+            Held::Many(Counts {
+                per_tier: self.held_below(n),
+                best: self.best_below(n, better),
+            }),
+        )
+    }
+
+    /// Of the run's first `n` blocks, how many have each tier as the best
+    /// (first in `better`) of those holding them. The spans' ends cut the
+    /// blocks into stretches that each tier holds whole or not at all.
+    fn best_below(&self, n: u32, better: &[usize; TIERS]) -> [u32; TIERS] {
+        let mut cuts: SmallVec<[u32; 8]> = SmallVec::new();
+        for (_, start, stop) in self.spans.iter().map(span) {
+            cuts.push(start.min(n));
+            cuts.push(stop.min(n));
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut best = [0u32; TIERS];
+        for w in cuts.windows(2) {
+            let (from, to) = (w[0], w[1]);
+            let on = |t: usize| {
+                self.spans
+                    .iter()
+                    .map(span)
+                    .any(|(tier, start, stop)| tier == t && start <= from && to <= stop)
+            };
+            if let Some(&t) = better.iter().find(|t| on(**t)) {
+                best[t] = best[t].saturating_add(to - from);
+            }
+        }
+        best
     }
 
     /// How many of the run's first blocks the pod holds, on any tier.

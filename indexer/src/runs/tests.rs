@@ -95,7 +95,8 @@ impl Held {
 struct Model(HashMap<(u32, usize), Held>);
 
 impl Model {
-    fn prefix_matches(&self, keys: &[u64]) -> Vec<RunMatch> {
+    /// `better`: tier indices, best first.
+    fn prefix_matches(&self, keys: &[u64], better: &[usize; TIERS]) -> Vec<RunMatch> {
         let pods: HashSet<u32> = self.0.keys().map(|(pod, _)| *pod).collect();
         let mut out: Vec<RunMatch> = pods
             .into_iter()
@@ -106,11 +107,15 @@ impl Model {
                     .iter()
                     .take_while(|k| (0..TIERS).any(|t| on(t, k)))
                     .count();
+                let best = |k: &u64| better.iter().copied().find(|t| on(*t, k));
                 RunMatch {
                     pod,
                     blocks: n as u32,
                     per_tier: std::array::from_fn(|t| {
                         keys[..n].iter().filter(|k| on(t, k)).count() as u32
+                    }),
+                    best_tier: std::array::from_fn(|t| {
+                        keys[..n].iter().filter(|k| best(k) == Some(t)).count() as u32
                     }),
                 }
             })
@@ -275,9 +280,15 @@ fn check_every_chain(
         prop_assert_eq!(ix.entries(pod), model.entries(pod), "pod {}'s entries", pod);
     }
     for mut q in chains {
-        prop_assert_eq!(sorted(ix.prefix_matches(&q)), model.prefix_matches(&q));
+        prop_assert_eq!(
+            sorted(ix.prefix_matches(&q)),
+            model.prefix_matches(&q, &ix.better)
+        );
         q.push(hash(q[q.len() - 1] ^ 7));
-        prop_assert_eq!(sorted(ix.prefix_matches(&q)), model.prefix_matches(&q));
+        prop_assert_eq!(
+            sorted(ix.prefix_matches(&q)),
+            model.prefix_matches(&q, &ix.better)
+        );
     }
     Ok(())
 }
@@ -304,9 +315,10 @@ proptest! {
     fn answers_as_counted_stores_do(
         parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..40),
         ops in prop::collection::vec(op(), 1..60),
+        better in prop::sample::select(vec![[0, 1, 2], [2, 1, 0], [1, 2, 0]]),
     ) {
         let forest = Forest::new(&parents);
-        let ix = RunIndex::new();
+        let ix = RunIndex::new().with_best_tiers(better.map(|t| Tier::ALL[t]));
         let mut model = Model::default();
         for op in &ops {
             apply_engine(&ix, &mut model, &forest, op)?;
