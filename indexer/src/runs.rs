@@ -172,6 +172,39 @@ impl RunIndex {
         skipped
     }
 
+    /// `pod` stored on `tier` the blocks `blocks` names, (engine hash,
+    /// key) each, keyed by the caller (token keys whose blocks carry more
+    /// than tokens: an adapter, images), a chain under the block `parent`
+    /// names. Returns how many blocks were not stored: all of them if the
+    /// parent is unknown (the caller keyed them from a parent key the
+    /// index does not have, and a block already in a run under another
+    /// engine hash could not be found by its key: only runs' first blocks
+    /// are), or from a block whose engine hash names another block on.
+    pub fn store_keyed(
+        &self,
+        pod: u32,
+        tier: Tier,
+        parent: Option<u64>,
+        blocks: &[(u64, u64)],
+    ) -> usize {
+        let mut w = self.writer.lock();
+        debug_assert!(w.token_keys, "store");
+        let at = match parent.map(|p| w.table.find(p)) {
+            None => None,
+            Some(Some(at)) => Some(at),
+            Some(None) => return blocks.len(),
+        };
+        let skipped = w.store(
+            &self.heads,
+            &self.published,
+            holder(pod, tier),
+            at,
+            blocks.iter().copied(),
+        );
+        w.publish(&self.published);
+        skipped
+    }
+
     /// `pod` removed from `tier` the blocks its engine hashes `hashes`
     /// name; unknown ones (or ones it does not hold there) are counted in
     /// the result, not applied.
