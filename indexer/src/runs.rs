@@ -47,6 +47,7 @@
 //! what the service needs before it can use it.
 
 mod dump;
+mod pods;
 mod shared;
 mod writer;
 

@@ -234,6 +234,11 @@ impl Runs {
     pub fn blocks(&self) -> usize {
         self.ix.blocks()
     }
+
+    /// Evicts up to `n` of `pod`'s entries; returns how many.
+    pub fn evict(&self, pod: u32, n: usize) -> usize {
+        self.ix.evict(pod, n).len()
+    }
 }
 
 impl Contender for Runs {

@@ -638,49 +638,89 @@ fn contenders(pre_hashed: bool) -> Vec<Entry> {
 
 /// The fleets `COMPARE_PODS` lets through.
 /// `--profile-clear`: `runs` filled with each fleet's trace (pre-hashed;
-/// `COMPARE_TRACE=full` for the full one), then every pod cleared in turn,
-/// as restarts clear them: the time per clear.
+/// `COMPARE_TRACE=full` for the full one), and with a large fleet whose
+/// pods share nothing; then every pod's entries evicted, 1,024 at a time
+/// (pods in turn, as a capacity bound evicts), or every pod cleared in
+/// turn (as restarts clear them): the time per entry evicted, per clear.
 fn profile_clear() {
     let quick = env_filter("COMPARE_TRACE").as_deref() != Some("full");
     for fleet in profiled_fleets() {
         let trace = fleet.trace(quick, 1);
-        let runs = Runs::new(&trace, Input::PreHashed);
-        for batch in &trace.batches {
-            runs.apply(runs.prepare_batch(&trace.nodes, batch));
-        }
-        let blocks = runs.blocks();
-        let t = Instant::now();
-        for pod in 0..fleet.pods as u32 {
-            runs.clear(pod);
-        }
-        let us = t.elapsed().as_secs_f64() * 1e6 / fleet.pods as f64;
+        let filled = || {
+            let runs = Runs::new(&trace, Input::PreHashed);
+            for batch in &trace.batches {
+                runs.apply(runs.prepare_batch(&trace.nodes, batch));
+            }
+            runs
+        };
+        let label = format!("{} pods, {} distinct blocks", fleet.pods, filled().blocks());
+        let runs = filled();
+        evict_all(&label, fleet.pods as u32, |pod, n| runs.evict(pod, n));
+        let runs = filled();
+        clear_all(&label, fleet.pods as u32, |pod| runs.clear(pod));
         assert_eq!(runs.blocks(), 0, "every pod cleared");
-        println!(
-            "{} pods, {blocks} distinct blocks: {us:.1} us per pod cleared",
-            fleet.pods
-        );
     }
     // A large fleet whose pods share nothing: 4,096 pods, each holding 32
     // chains of 16 blocks (2M blocks in 131K runs).
     let (pods, chains, len) = (4_096u32, 32u64, 16u64);
-    let ix = indexer::runs::RunIndex::new();
-    for pod in 0..pods {
-        for chain in 0..chains {
-            let first = (u64::from(pod) * chains + chain) * len;
-            let hashes: Vec<u64> = (first..first + len)
-                .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-                .collect();
-            ix.store(pod, indexer::event::Tier::Gpu, None, &hashes);
+    let filled = || {
+        let ix = indexer::runs::RunIndex::new();
+        for pod in 0..pods {
+            for chain in 0..chains {
+                let first = (u64::from(pod) * chains + chain) * len;
+                let hashes: Vec<u64> = (first..first + len)
+                    .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+                    .collect();
+                ix.store(pod, indexer::event::Tier::Gpu, None, &hashes);
+            }
         }
+        ix
+    };
+    let label = format!(
+        "{pods} pods sharing nothing, {} blocks",
+        pods as u64 * chains * len
+    );
+    let ix = filled();
+    evict_all(&label, pods, |pod, n| ix.evict(pod, n).len());
+    let ix = filled();
+    clear_all(&label, pods, |pod| ix.clear(pod));
+    assert_eq!(ix.blocks(), 0, "every pod cleared");
+    // One pod holding many short chains (65,536 of 4 blocks): what an
+    // eviction that sorted the pod's holdings paid for on every call.
+    let ix = indexer::runs::RunIndex::new();
+    for chain in 0..65_536u64 {
+        let hashes: Vec<u64> = (4 * chain..4 * chain + 4)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+            .collect();
+        ix.store(0, indexer::event::Tier::Gpu, None, &hashes);
     }
-    let blocks = ix.blocks();
+    evict_all("1 pod, 65,536 chains of 4 blocks", 1, |pod, n| {
+        ix.evict(pod, n).len()
+    });
+}
+
+/// Evicts every pod's entries, 1,024 at a time, pods in turn.
+fn evict_all(label: &str, pods: u32, evict: impl Fn(u32, usize) -> usize) {
+    let t = Instant::now();
+    let mut evicted = 0;
+    loop {
+        let round: usize = (0..pods).map(|pod| evict(pod, 1_024)).sum();
+        if round == 0 {
+            break;
+        }
+        evicted += round;
+    }
+    let ns = t.elapsed().as_secs_f64() * 1e9 / evicted as f64;
+    println!("{label}: {ns:.0} ns per entry evicted ({evicted} entries)");
+}
+
+fn clear_all(label: &str, pods: u32, clear: impl Fn(u32)) {
     let t = Instant::now();
     for pod in 0..pods {
-        ix.clear(pod);
+        clear(pod);
     }
     let us = t.elapsed().as_secs_f64() * 1e6 / f64::from(pods);
-    assert_eq!(ix.blocks(), 0, "every pod cleared");
-    println!("{pods} pods sharing nothing, {blocks} blocks: {us:.1} us per pod cleared");
+    println!("{label}: {us:.1} us per pod cleared");
 }
 
 fn profiled_fleets() -> impl Iterator<Item = &'static Fleet> {

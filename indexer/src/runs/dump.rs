@@ -77,6 +77,8 @@ pub enum DumpError {
     Run { run: usize, why: &'static str },
     #[error("repeat {0}: it names no block its holder holds")]
     Repeat(usize),
+    #[error("two holdings with the same store stamp")]
+    Stamps,
 }
 
 fn holder_of(pod: u32, tier: u8) -> Option<u32> {
@@ -143,7 +145,18 @@ impl Writer {
                 "engine"
             }));
         }
-        let mut clock = dump.clock;
+        // Every store stamps the holdings it goes through afresh, so no two
+        // holdings share a stamp (eviction's order relies on it).
+        let mut stamps: Vec<u32> = dump
+            .runs
+            .iter()
+            .flat_map(|r| r.holdings.iter().map(|h| h.stamp))
+            .collect();
+        stamps.sort_unstable();
+        if stamps.windows(2).any(|w| w[0] == w[1]) {
+            return Err(DumpError::Stamps);
+        }
+        let clock = dump.clock.max(stamps.last().copied().unwrap_or(0));
         for (i, record) in dump.runs.into_iter().enumerate() {
             let why = |why| DumpError::Run { run: i, why };
             let len = record.keys.len();
@@ -193,7 +206,6 @@ impl Writer {
                         holders_of[off as usize] += 1;
                     }
                 }
-                clock = clock.max(h.stamp);
             }
             if holders_of.last() == Some(&0) {
                 return Err(why("its last block is held by no one"));
@@ -219,6 +231,7 @@ impl Writer {
             self.runs[run as usize].holders_of = holders_of;
         }
         self.clock = clock;
+        self.sort_queues();
         for (i, r) in dump.repeats.into_iter().enumerate() {
             let holder = holder_of(r.pod, r.tier).ok_or(DumpError::Repeat(i))?;
             let held = self.table.find(r.name).is_some_and(|loc| {

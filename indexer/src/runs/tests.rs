@@ -242,8 +242,11 @@ fn check_invariants(ix: &RunIndex) {
         }
         assert_eq!(count, run.holders_of);
         for h in &run.holdings {
-            let pod = h.holder >> TIER_BITS;
-            assert!(w.is_listed(pod, id as u32), "pod {pod} holds run {id}");
+            assert!(
+                w.is_queued(h.holder, id as u32, h.stamp),
+                "holder {} of run {id} queued",
+                h.holder
+            );
         }
         for (off, h) in hashes.iter().enumerate() {
             let loc = Loc {
@@ -823,6 +826,9 @@ fn a_dump_that_breaks_a_rule_is_refused() {
     refused("a repeat of a block not held", &|d| d.repeats[0].pod = 0);
     refused("a repeat of nothing", &|d| d.repeats[0].count = 0);
     refused("a repeat of no block", &|d| d.repeats[0].name = 1);
+    refused("two holdings stamped alike", &|d| {
+        d.runs[1].holdings[0].stamp = d.runs[0].holdings[0].stamp;
+    });
 }
 
 /// A chain longer than a run is evicted leaf first across its runs too:

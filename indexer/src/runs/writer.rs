@@ -8,8 +8,8 @@ use std::sync::Arc;
 use hashbrown::hash_table::HashTable;
 use smallvec::SmallVec;
 
+use super::pods::{PodRuns, Pods, Touch};
 use super::shared::{hash, Arena, Heads, HoldingView, Words, RUN_CAP, TIER_BITS};
-use crate::index::KeyBuildHasher;
 
 /// A block's place: its run and its offset in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -275,28 +275,19 @@ pub(super) struct Writer {
     /// remove it twice, and the block stays until the last removal. Empty
     /// almost always, so a removal looks here only when it is not.
     repeats: HashMap<(u32, u64), u32>,
-    /// The runs each pod holds a part of, and how many blocks, by pod: a
-    /// clear or an eviction reads those runs, not every run.
-    held: HashMap<u32, HeldRuns, KeyBuildHasher>,
+    /// Each pod's holdings in store order, and its entries (see `pods`).
+    pods: Pods,
     /// The newest stamp given (see `Holding::stamp`).
     pub clock: u32,
 }
 
-/// A pod's runs, kept lazily: a run is listed when the pod takes a first
-/// hold on it (on a tier), and a run it let go of stays listed until the
-/// list has doubled since it was last compacted. So a new holding costs
-/// one push, and the list stays within twice the runs held (plus a few).
-#[derive(Default)]
-struct HeldRuns {
-    runs: Vec<u32>,
-    /// The list's length after its last compaction.
-    compacted: usize,
-    /// (Holder, block) entries the pod has, over its tiers.
-    entries: u64,
+/// Whether `t` is its holding's latest store (see `pods`).
+fn is_live(runs: &[Run], t: &Touch) -> bool {
+    let r = &runs[t.run as usize];
+    r.holdings
+        .binary_search_by_key(&t.holder, |h| h.holder)
+        .is_ok_and(|i| r.holdings[i].stamp == t.stamp)
 }
-
-/// Below this, a pod's list is not compacted.
-const HELD_SLACK: usize = 16;
 
 impl Writer {
     /// Notes that `run` changed.
@@ -328,24 +319,14 @@ impl Writer {
         }
     }
 
-    /// Lists `run` among the runs `holder`'s pod holds.
-    fn note_held(&mut self, holder: u32, run: u32) {
-        let pod = holder >> TIER_BITS;
-        let list = self.held.entry(pod).or_default();
-        list.runs.push(run);
-        if list.runs.len() >= HELD_SLACK.max(2 * list.compacted) {
-            let runs = &self.runs;
-            list.runs.sort_unstable();
-            list.runs.dedup();
-            list.runs.retain(|&id| runs[id as usize].held_by(pod));
-            list.compacted = list.runs.len();
-        }
-    }
-
-    /// Whether `run` is in `pod`'s list (every run it holds must be).
+    /// Whether `holder`'s holding of `run`, stamped `stamp`, is queued for
+    /// its pod (every holding must be).
     #[cfg(test)]
-    pub fn is_listed(&self, pod: u32, run: u32) -> bool {
-        self.held.get(&pod).is_some_and(|l| l.runs.contains(&run))
+    pub fn is_queued(&self, holder: u32, run: u32, stamp: u32) -> bool {
+        let touch = Touch { stamp, run, holder };
+        self.pods
+            .get(&(holder >> TIER_BITS))
+            .is_some_and(|p| p.contains(&touch))
     }
 
     /// Key `k` at `loc`, if `loc` is in its run.
@@ -427,23 +408,28 @@ impl Writer {
         let total = blocks.len();
         let mut touched = SmallVec::new();
         let (skipped, repeated) = self.store_chain(heads, arena, pod, at, blocks, &mut touched);
-        let added = (total - skipped - repeated) as u64;
-        if added > 0 {
-            self.held.entry(pod >> TIER_BITS).or_default().entries += added;
+        if !touched.is_empty() {
+            let added = (total - skipped - repeated) as u64;
+            self.stamp(pod, &touched, added);
         }
-        self.stamp(&touched);
         skipped
     }
 
-    /// Stamps the holdings a store went through, in chain order (run,
-    /// index of the holding): the deepest gets the oldest of the new stamps.
-    fn stamp(&mut self, touched: &[(u32, usize)]) {
+    /// Stamps the holdings `holder`'s store went through, in chain order
+    /// (run, index of the holding): the deepest gets the oldest of the new
+    /// stamps. Queues them for its pod, which gained `added` entries.
+    fn stamp(&mut self, holder: u32, touched: &[(u32, usize)], added: u64) {
         let n = touched.len() as u32;
         if self.clock > u32::MAX - n {
             self.renumber();
         }
-        for (k, &(run, i)) in touched.iter().enumerate() {
-            self.runs[run as usize].holdings[i].stamp = self.clock + n - k as u32;
+        let pod = self.pods.entry(holder >> TIER_BITS).or_default();
+        pod.entries += added;
+        let runs = &mut self.runs;
+        for (k, &(run, i)) in touched.iter().enumerate().rev() {
+            let stamp = self.clock + n - k as u32;
+            runs[run as usize].holdings[i].stamp = stamp;
+            pod.push(Touch { stamp, run, holder }, |t| is_live(runs, t));
         }
         self.clock += n;
     }
@@ -514,10 +500,7 @@ impl Writer {
             let i = match holding {
                 Some((r, i)) if r == loc.run => i,
                 _ => {
-                    let (i, added) = self.runs[loc.run as usize].holding(pod);
-                    if added {
-                        self.note_held(pod, loc.run);
-                    }
+                    let (i, _) = self.runs[loc.run as usize].holding(pod);
                     touched.push((loc.run, i));
                     i
                 }
@@ -580,8 +563,8 @@ impl Writer {
 
     /// `holder`'s pod let go of `n` entries.
     fn count_released(&mut self, holder: u32, n: u64) {
-        if let Some(list) = self.held.get_mut(&(holder >> TIER_BITS)) {
-            list.entries -= n;
+        if let Some(pod) = self.pods.get_mut(&(holder >> TIER_BITS)) {
+            pod.entries -= n;
         }
     }
 
@@ -661,13 +644,11 @@ impl Writer {
         if !self.repeats.is_empty() {
             self.repeats.retain(|(holder, _), _| !which(*holder));
         }
-        let Some(mut list) = self.held.remove(&pod) else {
+        let Some(queued) = self.pods.remove(&pod) else {
             return;
         };
-        // Listed twice, or let go of (and maybe reused since): skipped.
-        list.runs.sort_unstable();
-        list.runs.dedup();
-        for id in list.runs {
+        // Let go of (and maybe reused since): skipped.
+        for id in queued.runs() {
             let r = &mut self.runs[id as usize];
             if !r.held_by(pod) {
                 continue;
@@ -700,9 +681,19 @@ impl Writer {
         debug_assert!(added);
         r.holdings[i].stamp = stamp;
         r.holdings[i].spans = spans;
-        self.note_held(holder, run);
-        self.held.entry(holder >> TIER_BITS).or_default().entries += u64::from(held);
+        let pod = self.pods.entry(holder >> TIER_BITS).or_default();
+        pod.entries += u64::from(held);
+        // Out of stamp order: `sort_queues` puts it in place, and nothing
+        // is stale yet.
+        pod.push_unordered(Touch { stamp, run, holder });
         self.touch(run);
+    }
+
+    /// After `adopt`s: each pod's queue in stamp order.
+    pub(super) fn sort_queues(&mut self) {
+        for pod in self.pods.values_mut() {
+            pod.sort();
+        }
     }
 
     /// Repeated stores, by (holder, name).
@@ -724,7 +715,7 @@ impl Writer {
 
     /// The (holder, block) entries `pod` has, over its tiers.
     pub fn entries(&self, pod: u32) -> u64 {
-        self.held.get(&pod).map_or(0, |l| l.entries)
+        self.pods.get(&pod).map_or(0, |p| p.entries)
     }
 
     /// Before the clock would wrap (after 2^32 holdings stamped): the
@@ -737,8 +728,15 @@ impl Writer {
             .collect();
         stamps.sort_unstable();
         stamps.dedup();
+        let new = |stamp: u32| stamps.binary_search(&stamp).expect("collected") as u32 + 1;
+        // Stale entries' stamps are no holding's: dropped first.
+        let runs = &self.runs;
+        for pod in self.pods.values_mut() {
+            pod.retain(|t| is_live(runs, t));
+            pod.restamp(new);
+        }
         for h in self.runs.iter_mut().flat_map(|r| r.holdings.iter_mut()) {
-            h.stamp = stamps.binary_search(&h.stamp).expect("collected") as u32 + 1;
+            h.stamp = new(h.stamp);
         }
         self.clock = stamps.len() as u32;
     }
@@ -749,22 +747,18 @@ impl Writer {
     /// it was, so answers only shorten). Pushes each (holder, key) dropped
     /// onto `out`; returns how many.
     pub fn evict(&mut self, heads: &Heads, pod: u32, n: usize, out: &mut Vec<(u32, u64)>) -> usize {
-        let Some(list) = self.held.get(&pod) else {
-            return 0;
-        };
-        let mut oldest: Vec<(u32, u32, u32)> = Vec::new();
-        let mut runs = list.runs.clone();
-        runs.sort_unstable();
-        runs.dedup();
-        for id in runs {
-            let r = &self.runs[id as usize];
-            for h in r.holdings.iter().filter(|h| h.holder >> TIER_BITS == pod) {
-                oldest.push((h.stamp, id, h.holder));
-            }
-        }
-        oldest.sort_unstable();
         let mut dropped = 0;
-        for (_, run, holder) in oldest {
+        while dropped < n {
+            let Some(t) = self.pods.get(&pod).and_then(PodRuns::oldest) else {
+                break;
+            };
+            if !is_live(&self.runs, &t) {
+                self.pods.get_mut(&pod).expect("found").pop_oldest();
+                continue;
+            }
+            // From its end, until it is gone (its entry is stale then) or
+            // enough went.
+            let (run, holder) = (t.run, t.holder);
             while dropped < n {
                 let r = &self.runs[run as usize];
                 let Ok(i) = r.holdings.binary_search_by_key(&holder, |h| h.holder) else {
@@ -787,9 +781,6 @@ impl Writer {
                 debug_assert!(released);
                 out.push((holder, key));
                 dropped += 1;
-            }
-            if dropped == n {
-                break;
             }
         }
         self.count_released(pod << TIER_BITS, dropped as u64);

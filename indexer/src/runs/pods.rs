@@ -1,0 +1,103 @@
+//! Each pod's holdings in the order it stored into them: what eviction
+//! takes first, what a clear reads (not every run), and how many entries
+//! the pod has (what a capacity policy compares).
+//!
+//! A store stamps each holding it goes through (`Holding::stamp`, from one
+//! clock, so stamps only grow) and appends it here: the queue is in stamp
+//! order without sorting, and its front is the least recently stored
+//! holding. A holding stored into again is appended again; the older entry
+//! is stale (its stamp is not the holding's any more) and is skipped when
+//! reached, and stale entries are dropped once the queue has doubled since
+//! it was last compacted. So a store costs one push per run it goes
+//! through, an eviction pops what it evicts (a sort of the pod's holdings
+//! per eviction was what this replaced), and the queue stays within twice
+//! the pod's holdings (plus a few).
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::index::KeyBuildHasher;
+
+/// A store into `holder`'s holding of `run`, stamped `stamp`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Touch {
+    pub stamp: u32,
+    pub run: u32,
+    pub holder: u32,
+}
+
+/// One pod's queue and count.
+#[derive(Default)]
+pub(super) struct PodRuns {
+    queue: VecDeque<Touch>,
+    /// The queue's length after its last compaction.
+    compacted: usize,
+    /// (Holder, block) entries the pod has, over its tiers.
+    pub entries: u64,
+}
+
+/// By pod.
+pub(super) type Pods = HashMap<u32, PodRuns, KeyBuildHasher>;
+
+/// Below this, a queue is not compacted.
+const SLACK: usize = 16;
+
+impl PodRuns {
+    /// Appends `touch`, stamped after every entry queued. `live`: whether
+    /// an entry is still its holding's stamp.
+    pub fn push(&mut self, touch: Touch, live: impl Fn(&Touch) -> bool) {
+        debug_assert!(self.queue.back().is_none_or(|b| b.stamp < touch.stamp));
+        self.queue.push_back(touch);
+        if self.queue.len() >= SLACK.max(2 * self.compacted) {
+            self.retain(live);
+        }
+    }
+
+    /// Appends `touch` whatever its stamp (`sort` must follow).
+    pub fn push_unordered(&mut self, touch: Touch) {
+        self.queue.push_back(touch);
+        self.compacted = self.queue.len();
+    }
+
+    /// Keeps the entries `live` picks.
+    pub fn retain(&mut self, live: impl Fn(&Touch) -> bool) {
+        self.queue.retain(|t| live(t));
+        self.compacted = self.queue.len();
+    }
+
+    /// The least recently stored entry (maybe stale).
+    pub fn oldest(&self) -> Option<Touch> {
+        self.queue.front().copied()
+    }
+
+    pub fn pop_oldest(&mut self) {
+        self.queue.pop_front();
+    }
+
+    /// Every run the pod holds a part of (and some it held), once each.
+    pub fn runs(&self) -> Vec<u32> {
+        let mut runs: Vec<u32> = self.queue.iter().map(|t| t.run).collect();
+        runs.sort_unstable();
+        runs.dedup();
+        runs
+    }
+
+    /// Entries added out of order (a restore): sorted by stamp.
+    pub fn sort(&mut self) {
+        self.queue
+            .make_contiguous()
+            .sort_unstable_by_key(|t| t.stamp);
+    }
+
+    /// Gives every entry the stamp `new` maps its stamp to (the order
+    /// kept).
+    pub fn restamp(&mut self, new: impl Fn(u32) -> u32) {
+        for t in &mut self.queue {
+            t.stamp = new(t.stamp);
+        }
+    }
+
+    #[cfg(test)]
+    pub fn contains(&self, touch: &Touch) -> bool {
+        self.queue.contains(touch)
+    }
+}
