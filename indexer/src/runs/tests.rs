@@ -320,63 +320,26 @@ proptest! {
         ops in prop::collection::vec(op(), 1..60),
         better in prop::sample::select(vec![[0, 1, 2], [2, 1, 0], [1, 2, 0]]),
     ) {
-        let forest = Forest::new(&parents);
         let ix = RunIndex::new().with_best_tiers(better.map(|t| Tier::ALL[t]));
-        let mut model = Model::default();
-        for op in &ops {
-            apply_engine(&ix, &mut model, &forest, op)?;
-            check_every_chain(&ix, &model, (0..forest.hash.len()).map(|n| forest.hashes(&forest.path(n))))?;
-        }
-        check_cleared(&ix)?;
+        check_history(&ix, Keying::Engine, &parents, &ops)?;
     }
 }
 
-/// Applies `op` to an index with engine keys and to the model, checking
-/// what the index returns.
-fn apply_engine(
+/// Applies `ops` one by one, checking every chain after each, then clears
+/// every pod.
+fn check_history(
     ix: &RunIndex,
-    model: &mut Model,
-    forest: &Forest,
-    op: &Op,
+    keying: Keying,
+    parents: &[Option<usize>],
+    ops: &[Op],
 ) -> Result<(), TestCaseError> {
-    let nodes = forest.hash.len();
-    match *op {
-        Op::Store {
-            pod,
-            tier,
-            node,
-            from,
-        } => {
-            let path = forest.path(node % nodes);
-            let from = from.min(path.len() - 1);
-            let parent = from.checked_sub(1).map(|i| forest.hash[path[i]]);
-            let hashes = forest.hashes(&path[from..]);
-            ix.store(pod, Tier::ALL[tier], parent, &hashes);
-            model.0.entry((pod, tier)).or_default().extend(&hashes);
-        }
-        Op::Remove {
-            pod,
-            tier,
-            node,
-            from,
-            leaf_first,
-        } => {
-            let path = forest.path(node % nodes);
-            let mut hashes = forest.hashes(&path[from.min(path.len() - 1)..]);
-            if leaf_first {
-                hashes.reverse();
-            }
-            let held = model.0.entry((pod, tier)).or_default();
-            let unknown = hashes.iter().filter(|h| !held.take(h)).count();
-            prop_assert_eq!(ix.remove(pod, Tier::ALL[tier], &hashes), unknown);
-        }
-        Op::Clear { pod } => {
-            ix.clear(pod);
-            model.clear(pod);
-        }
-        Op::Evict { pod, n } => model.evict(ix, pod, n)?,
+    let forest = Forest::new(parents);
+    let mut model = Model::default();
+    for op in ops {
+        apply(ix, &mut model, &forest, keying, op)?;
+        check_every_chain(ix, &model, keying.chains(&forest))?;
     }
-    Ok(())
+    check_cleared(ix)
 }
 
 /// Token keys: what pods 0 and 1 name a node by, and what pods 2 and 3 do
@@ -417,26 +380,62 @@ proptest! {
         parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..30),
         ops in prop::collection::vec(op(), 1..50),
     ) {
-        let forest = Forest::new(&parents);
-        let ix = RunIndex::with_token_keys();
-        let mut model = Model::default();
-        for op in &ops {
-            apply_tokens(&ix, &mut model, &forest, op)?;
-            check_every_chain(&ix, &model, (0..forest.hash.len()).map(|n| keys_of(&forest.path(n))))?;
-        }
-        check_cleared(&ix)?;
+        check_history(&RunIndex::with_token_keys(), Keying::Tokens, &parents, &ops)?;
     }
 }
 
-/// Applies `op` to an index with token keys and to the model, checking
-/// what the index returns.
-fn apply_tokens(
+/// What a test's pods name blocks by, and what the index keys them by.
+#[derive(Clone, Copy, PartialEq)]
+enum Keying {
+    /// Engine hashes, the keys too.
+    Engine,
+    /// Keys from tokens; half the pods name blocks by other engine hashes.
+    Tokens,
+}
+
+impl Keying {
+    fn index(self) -> RunIndex {
+        match self {
+            Keying::Engine => RunIndex::new(),
+            Keying::Tokens => RunIndex::with_token_keys(),
+        }
+    }
+
+    /// What `pod` names `node` by.
+    fn name(self, forest: &Forest, pod: u32, node: usize) -> u64 {
+        match self {
+            Keying::Engine => forest.hash[node],
+            Keying::Tokens => engine_of(forest, pod, node),
+        }
+    }
+
+    /// The keys of a chain from its root.
+    fn keys(self, forest: &Forest, path: &[usize]) -> Vec<u64> {
+        match self {
+            Keying::Engine => forest.hashes(path),
+            Keying::Tokens => keys_of(path),
+        }
+    }
+
+    /// Every chain from its root.
+    fn chains(self, forest: &Forest) -> impl Iterator<Item = Vec<u64>> + '_ {
+        (0..forest.hash.len()).map(move |n| self.keys(forest, &forest.path(n)))
+    }
+}
+
+/// Applies `op` to the index and to the model, checking what the index
+/// returns.
+fn apply(
     ix: &RunIndex,
     model: &mut Model,
     forest: &Forest,
+    keying: Keying,
     op: &Op,
 ) -> Result<(), TestCaseError> {
     let nodes = forest.hash.len();
+    let names = |pod: u32, part: &[usize]| -> Vec<u64> {
+        part.iter().map(|n| keying.name(forest, pod, *n)).collect()
+    };
     match *op {
         Op::Store {
             pod,
@@ -446,32 +445,40 @@ fn apply_tokens(
         } => {
             let path = forest.path(node % nodes);
             let from = from.min(path.len() - 1);
-            let parent = from.checked_sub(1).map(|i| engine_of(forest, pod, path[i]));
+            let parent = from
+                .checked_sub(1)
+                .map(|i| keying.name(forest, pod, path[i]));
             let part = &path[from..];
-            let engines: Vec<u64> = part.iter().map(|n| engine_of(forest, pod, *n)).collect();
-            let keys = keys_of(&path);
-            // A third of the stores keyed by the caller.
-            let skipped = if (node + from) % 3 == 0 {
-                let blocks: Vec<(u64, u64)> = engines
-                    .iter()
-                    .copied()
-                    .zip(keys[from..].iter().copied())
-                    .collect();
-                ix.store_keyed(pod, Tier::ALL[tier], parent, &blocks)
-            } else {
-                ix.store_tokens(
+            let engines = names(pod, part);
+            let keys = keying.keys(forest, &path);
+            let tier_of = Tier::ALL[tier];
+            let skipped = match keying {
+                Keying::Engine => {
+                    ix.store(pod, tier_of, parent, &engines);
+                    0
+                }
+                // A third of the stores keyed by the caller.
+                Keying::Tokens if (node + from) % 3 == 0 => {
+                    let blocks: Vec<(u64, u64)> = engines
+                        .iter()
+                        .copied()
+                        .zip(keys[from..].iter().copied())
+                        .collect();
+                    ix.store_keyed(pod, tier_of, parent, &blocks)
+                }
+                Keying::Tokens => ix.store_tokens(
                     pod,
-                    Tier::ALL[tier],
+                    tier_of,
                     parent,
                     &engines,
                     &tokens_of(part),
                     TOKENS_PER_BLOCK,
                     ROOT_SEED,
-                )
+                ),
             };
             // A parent some pod naming blocks as this one does holds is
             // known; one nobody holds may not be.
-            let family = |p: u32| p < 2;
+            let family = |p: u32| keying == Keying::Engine || p < 2;
             let parent_held = from == 0
                 || model.0.iter().any(|((p, _), held)| {
                     family(*p) == family(pod) && held.contains(&keys[from - 1])
@@ -501,15 +508,14 @@ fn apply_tokens(
             if leaf_first {
                 part.reverse();
             }
-            let keys = keys_of(&path);
+            let keys = keying.keys(forest, &path);
             let held = model.0.entry((pod, tier)).or_default();
             let unknown = part
                 .iter()
                 .map(|n| path.iter().position(|p| p == n).expect("on the path"))
                 .filter(|i| !held.take(&keys[*i]))
                 .count();
-            let engines: Vec<u64> = part.iter().map(|n| engine_of(forest, pod, *n)).collect();
-            prop_assert_eq!(ix.remove(pod, Tier::ALL[tier], &engines), unknown);
+            prop_assert_eq!(ix.remove(pod, Tier::ALL[tier], &names(pod, &part)), unknown);
         }
         Op::Clear { pod } => {
             ix.clear(pod);
@@ -520,36 +526,20 @@ fn apply_tokens(
     Ok(())
 }
 
-/// `apply_engine` or `apply_tokens`.
-type Apply = fn(&RunIndex, &mut Model, &Forest, &Op) -> Result<(), TestCaseError>;
-
 /// A dump of any index restores to one that answers as it does, dumps the
 /// same, and goes on as it would (stores, removals, evictions alike).
 fn check_restored(
-    token_keys: bool,
+    keying: Keying,
     parents: &[Option<usize>],
     before: &[Op],
     after: &[Op],
 ) -> Result<(), TestCaseError> {
     let forest = Forest::new(parents);
-    let (ix, apply): (RunIndex, Apply) = if token_keys {
-        (RunIndex::with_token_keys(), apply_tokens)
-    } else {
-        (RunIndex::new(), apply_engine)
-    };
-    let chains = || {
-        (0..forest.hash.len()).map(|n| {
-            let path = forest.path(n);
-            if token_keys {
-                keys_of(&path)
-            } else {
-                forest.hashes(&path)
-            }
-        })
-    };
+    let ix = keying.index();
+    let token_keys = keying == Keying::Tokens;
     let mut model = Model::default();
     for op in before {
-        apply(&ix, &mut model, &forest, op)?;
+        apply(&ix, &mut model, &forest, keying, op)?;
     }
     let dump = ix.dump();
     prop_assert!(
@@ -558,13 +548,13 @@ fn check_restored(
     );
     let restored = RunIndex::from_dump(dump.clone(), token_keys).expect("a dump restores");
     prop_assert_eq!(restored.dump(), dump);
-    check_every_chain(&restored, &model, chains())?;
+    check_every_chain(&restored, &model, keying.chains(&forest))?;
     let mut twin = model.clone();
     for op in after {
-        apply(&ix, &mut model, &forest, op)?;
-        apply(&restored, &mut twin, &forest, op)?;
+        apply(&ix, &mut model, &forest, keying, op)?;
+        apply(&restored, &mut twin, &forest, keying, op)?;
         prop_assert_eq!(&model, &twin, "after {:?}", op);
-        check_every_chain(&restored, &twin, chains())?;
+        check_every_chain(&restored, &twin, keying.chains(&forest))?;
     }
     check_cleared(&restored)
 }
@@ -578,7 +568,7 @@ proptest! {
         before in prop::collection::vec(op(), 1..40),
         after in prop::collection::vec(op(), 1..20),
     ) {
-        check_restored(false, &parents, &before, &after)?;
+        check_restored(Keying::Engine, &parents, &before, &after)?;
     }
 
     #[test]
@@ -587,7 +577,7 @@ proptest! {
         before in prop::collection::vec(op(), 1..40),
         after in prop::collection::vec(op(), 1..20),
     ) {
-        check_restored(true, &parents, &before, &after)?;
+        check_restored(Keying::Tokens, &parents, &before, &after)?;
     }
 }
 

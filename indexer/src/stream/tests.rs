@@ -46,6 +46,14 @@ impl Harness {
         self.feed(Input::Live(b(seq, fp)))
     }
 
+    /// Fetch `ticket` timed out.
+    fn fail(&mut self, ticket: u32) -> Out {
+        self.feed(Input::Replayed {
+            ticket,
+            result: Err("timeout".into()),
+        })
+    }
+
     fn reply(&mut self, ticket: u32, items: Vec<Numbered<u64>>) -> Out {
         self.feed(Input::Replayed {
             ticket,
@@ -163,10 +171,7 @@ fn failed_fetches_are_retried_with_backoff_then_the_range_is_lost() {
     h.live(3, 13);
     let mut ticket = 1;
     for (attempt, delay_ms) in [(2, 200), (3, 400), (4, 800)] {
-        let out = h.feed(Input::Replayed {
-            ticket,
-            result: Err("timeout".into()),
-        });
+        let out = h.fail(ticket);
         ticket += 1;
         assert_eq!(
             out,
@@ -180,12 +185,8 @@ fn failed_fetches_are_retried_with_backoff_then_the_range_is_lost() {
             ]
         );
     }
-    let out = h.feed(Input::Replayed {
-        ticket,
-        result: Err("timeout".into()),
-    });
     assert_eq!(
-        out,
+        h.fail(ticket),
         vec![
             Action::Note(Note::ReplayFailed),
             replayed(0),
@@ -444,15 +445,11 @@ fn dropped_batches_whose_fetches_all_fail_are_lost_at_once() {
         vec![gap(1, 2), fetch(0, 1)]
     );
     assert!(h.feed(Input::Dropped { seq: 2 }).is_empty());
-    let mut out = Vec::new();
-    for ticket in 1..=4 {
-        out = h.feed(Input::Replayed {
-            ticket,
-            result: Err("timeout".into()),
-        });
+    for ticket in 1..4 {
+        h.fail(ticket);
     }
     assert_eq!(
-        out,
+        h.fail(4),
         vec![
             Action::Note(Note::ReplayFailed),
             replayed(0),
