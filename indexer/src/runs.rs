@@ -40,11 +40,17 @@
 //! hash twice and remove it twice): the block stays until the last
 //! removal.
 //!
-//! What it does not do yet (the index keeps doing it until this layout
-//! carries it): eviction by age, snapshots, extra keys, the best tier's
-//! weights.
-//! BENCHMARKS.md ("twelfth session") has its numbers against the peers and
-//! what the service needs before it can use it.
+//! Bounded by eviction: the least recently stored holdings lose their
+//! blocks first, leaf first (`evict`, with per-pod entry counts for a
+//! capacity policy to compare; `pods`). Saved and restored as data, run by
+//! run (`dump`). Answers count each block's best tier, what a score
+//! weighs (`with_best_tiers`). Keys the caller computed (adapters, images)
+//! are taken as given (`store_keyed`).
+//!
+//! The service does not use it yet: its pods' own state (streams, stats,
+//! block sizes), its snapshot file and Score are built on `index` and
+//! `pod`. BENCHMARKS.md ("twelfth session", "thirteenth session") has its
+//! numbers against the peers and what is left before the service can.
 
 mod dump;
 mod pods;

@@ -423,7 +423,7 @@ impl Writer {
         if self.clock > u32::MAX - n {
             self.renumber();
         }
-        let pod = self.pods.entry(holder >> TIER_BITS).or_default();
+        let pod = self.pods.entry(holder >> TIER_BITS);
         pod.entries += added;
         let runs = &mut self.runs;
         for (k, &(run, i)) in touched.iter().enumerate().rev() {
@@ -681,7 +681,7 @@ impl Writer {
         debug_assert!(added);
         r.holdings[i].stamp = stamp;
         r.holdings[i].spans = spans;
-        let pod = self.pods.entry(holder >> TIER_BITS).or_default();
+        let pod = self.pods.entry(holder >> TIER_BITS);
         pod.entries += u64::from(held);
         // Out of stamp order: `sort_queues` puts it in place, and nothing
         // is stale yet.
