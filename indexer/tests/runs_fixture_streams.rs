@@ -1,0 +1,186 @@
+//! The run layout (`indexer::runs`) on every recorded vLLM stream: fed the
+//! same events the service's index applies, keyed as the service keys them,
+//! it answers every probe with the blocks vLLM says each pod had cached,
+//! and as the service's index does. Then it is evicted down, dumped and
+//! restored, and still answers as it did.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use base64::Engine;
+use indexer::event::{EventBatch, KvEvent};
+use indexer::runs::RunIndex;
+use indexer::topic::parse_topic;
+use indexer::wire::decode_batch;
+use indexer::{Indexer, IndexerConfig, ScoreQuery};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm-events")
+}
+
+/// The service's index and the run layout, fed one stream, and each pod's
+/// name by its id.
+fn replay(stream: &str) -> (Indexer, RunIndex, HashMap<u32, String>) {
+    let ix = Indexer::new(IndexerConfig::default());
+    let runs = RunIndex::with_token_keys();
+    let mut names = HashMap::new();
+    let text = std::fs::read_to_string(fixtures().join(format!("{stream}.frames.jsonl"))).unwrap();
+    for line in text.lines() {
+        let frame: Value = serde_json::from_str(line).unwrap();
+        let topic = parse_topic(frame["topic"].as_str().unwrap().as_bytes()).unwrap();
+        let payload = base64::engine::general_purpose::STANDARD
+            .decode(frame["payload_b64"].as_str().unwrap())
+            .unwrap();
+        let batch = decode_batch(&payload).unwrap();
+        let pod = ix.pod(topic.model, topic.pod, batch.data_parallel_rank);
+        names.insert(pod.id.0, pod.name.clone());
+        let seq = frame["seq"].as_u64().unwrap();
+        // One event at a time: a block the batch removes again after
+        // storing it still has its key when its store is fed.
+        for event in &batch.events {
+            let one = EventBatch {
+                events: vec![event.clone()],
+                ts: batch.ts,
+                data_parallel_rank: batch.data_parallel_rank,
+                skipped: batch.skipped,
+            };
+            ix.apply(&pod, seq, &one);
+            match event {
+                KvEvent::Stored(s) => {
+                    let keys = ix.keys_of(&pod, &s.block_hashes);
+                    let blocks: Vec<(u64, u64)> = s
+                        .block_hashes
+                        .iter()
+                        .zip(&keys)
+                        .map(|(h, k)| (h.0, k.expect("the service keyed it").0))
+                        .collect();
+                    let skipped = runs.store_keyed(
+                        pod.id.0,
+                        s.tier(),
+                        s.parent_block_hash.map(|p| p.0),
+                        &blocks,
+                    );
+                    assert_eq!(skipped, 0, "{stream}: a store the service took");
+                }
+                KvEvent::Removed(r) => {
+                    let hashes: Vec<u64> = r.block_hashes.iter().map(|h| h.0).collect();
+                    runs.remove(pod.id.0, r.tier(), &hashes);
+                }
+                KvEvent::AllCleared => runs.clear(pod.id.0),
+            }
+        }
+    }
+    (ix, runs, names)
+}
+
+/// (what, the run layout's, the service's, vLLM's) for every probe and pod.
+fn answers(
+    ix: &Indexer,
+    runs: &RunIndex,
+    names: &HashMap<u32, String>,
+    expected: &Value,
+) -> Vec<(String, u32, u32, u32)> {
+    let model = expected["meta"]["model"].as_str().unwrap();
+    let mut out = Vec::new();
+    for probe in expected["probes"].as_array().unwrap() {
+        let tokens: Vec<u32> = probe["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let (lora, salt) = (probe["lora_name"].as_str(), probe["cache_salt"].as_str());
+        let scored = ix.score(&ScoreQuery {
+            model,
+            tokens: &tokens,
+            lora_name: lora,
+            cache_salt: salt,
+            pods: &[],
+        });
+        let service: HashMap<&str, u32> = scored
+            .pods
+            .iter()
+            .map(|p| (p.pod.as_str(), p.matched.matched_blocks))
+            .collect();
+        let keys: Vec<u64> = ix
+            .request_keys(model, lora, salt, &tokens, ix.model_block_size(model))
+            .into_iter()
+            .map(|k| k.0)
+            .collect();
+        let ours: HashMap<&str, u32> = runs
+            .prefix_matches(&keys)
+            .into_iter()
+            .map(|m| (names[&m.pod].as_str(), m.blocks))
+            .collect();
+        for (pod, want) in probe["expected_cached_blocks"].as_object().unwrap() {
+            let get = |m: &HashMap<&str, u32>| m.get(pod.as_str()).copied().unwrap_or(0);
+            out.push((
+                format!("probe {} pod {pod}", probe["id"]),
+                get(&ours),
+                get(&service),
+                want.as_u64().unwrap() as u32,
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn runs_answer_every_recorded_stream_as_vllm_and_the_service_do() {
+    for stream in [
+        "qwen3-sha256-int",
+        "qwen3-sha256-int.array-v0.23",
+        "qwen3-sha256-int.array-v0.11",
+        "qwen3-sha256cbor-bytes",
+        "qwen3-sha256cbor-bytes.array-v0.23",
+        "qwen3-sha256cbor-bytes.array-v0.11",
+        "qwen3-lora-salt",
+    ] {
+        let base = stream.split('.').next().unwrap();
+        let expected: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixtures().join(format!("{base}.expected.json"))).unwrap(),
+        )
+        .unwrap();
+        let (ix, runs, names) = replay(stream);
+        let got = answers(&ix, &runs, &names, &expected);
+        assert!(got.len() >= expected["probes"].as_array().unwrap().len());
+        let mut cached = 0;
+        for (what, ours, service, vllm) in &got {
+            assert_eq!(
+                (ours, service),
+                (vllm, vllm),
+                "{stream}: {what} (runs, service)"
+            );
+            cached += vllm;
+        }
+        assert!(cached > 0, "{stream}: the probes find cached blocks");
+
+        // Dumped and restored: the same answers.
+        let restored = RunIndex::from_dump(runs.dump(), true).expect("its own dump");
+        for ((what, ours, ..), again) in got.iter().zip(answers(&ix, &restored, &names, &expected))
+        {
+            assert_eq!(*ours, again.1, "{stream}: {what} after a restore");
+        }
+
+        // Evicted down to half its entries, pods in turn: answers only
+        // shorten, and each pod keeps a prefix of what it had.
+        let pods: Vec<u32> = names.keys().copied().collect();
+        let total: u64 = pods.iter().map(|p| runs.entries(*p)).sum();
+        let mut left = total;
+        while left > total / 2 {
+            for &pod in &pods {
+                left -= runs.evict(pod, 64).len() as u64;
+            }
+        }
+        for ((what, before, ..), after) in got.iter().zip(answers(&ix, &runs, &names, &expected)) {
+            assert!(after.1 <= *before, "{stream}: {what} grew under eviction");
+        }
+        println!(
+            "{stream}: {} probe/pod pairs, {cached} cached blocks, runs = service = vLLM; \
+             {} distinct blocks, {total} entries",
+            got.len(),
+            restored.blocks(),
+        );
+    }
+}
