@@ -774,10 +774,12 @@ impl<B> Stream<B> {
         // Batches up to `owed` were received and not kept: their live
         // copies will not come again. A reply that ended before them (it
         // was asked for before they were published) is asked again. When
-        // the pod could not be reached they are lost: said now, as the pod
-        // may stay quiet; its next batch still shows the gap and repairs
-        // what its buffer holds. (Replies that keep ending before them, or
-        // hold nothing from `from` on, are a restarted run's: the dropped
+        // the pod could not be reached they are lost, as a gap's batches
+        // are when its fetches fail: said now (the pod may stay quiet, and
+        // no later batch would show them), and passed, so that the pod's
+        // next batch applies in order instead of fetching and counting
+        // them again. (Replies that keep ending before them, or hold
+        // nothing from `from` on, are a restarted run's: the dropped
         // batches were the old run's, and the next batch tells.)
         let Some(owed) = repair.owed.filter(|s| self.upto.is_none_or(|u| u < *s)) else {
             return;
@@ -785,8 +787,9 @@ impl<B> Stream<B> {
         if failed {
             let first_missing = self.expected().unwrap_or(repair.from);
             out.push(Action::Lost {
-                missing: owed - first_missing + 1,
+                missing: (owed - first_missing).saturating_add(1),
             });
+            self.upto = Some(owed);
             return;
         }
         if last_round {
