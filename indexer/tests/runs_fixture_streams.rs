@@ -169,10 +169,18 @@ fn runs_answer_every_recorded_stream_as_vllm_and_the_service_do() {
         let total: u64 = pods.iter().map(|p| runs.entries(*p)).sum();
         let mut left = total;
         while left > total / 2 {
-            for &pod in &pods {
-                left -= runs.evict(pod, 64).len() as u64;
-            }
+            let round: u64 = pods
+                .iter()
+                .map(|&pod| runs.evict(pod, 64).len() as u64)
+                .sum();
+            assert!(
+                round > 0,
+                "{stream}: entries left ({left}) that nothing evicts"
+            );
+            left -= round;
         }
+        let counted: u64 = pods.iter().map(|p| runs.entries(*p)).sum();
+        assert_eq!(counted, left, "{stream}: entries counted as evicted");
         for ((what, before, ..), after) in got.iter().zip(answers(&ix, &runs, &names, &expected)) {
             assert!(after.1 <= *before, "{stream}: {what} grew under eviction");
         }

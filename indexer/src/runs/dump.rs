@@ -45,6 +45,10 @@ pub struct RunRecord {
     pub aliases: Vec<(u32, u64)>,
     /// Sorted by (pod, tier).
     pub holdings: Vec<HoldingRecord>,
+    /// The block its first block was stored under: (index of its run in
+    /// `Dump::runs`, offset), if the index had it.
+    #[serde(default)]
+    pub parent: Option<(u32, u32)>,
 }
 
 /// What one pod holds of a run on one tier.
@@ -88,11 +92,24 @@ fn holder_of(pod: u32, tier: u8) -> Option<u32> {
 
 impl Writer {
     pub fn dump(&self) -> Dump {
-        let mut runs = Vec::new();
+        // Where each live run lands in the dump.
+        let mut at = vec![u32::MAX; self.runs.len()];
+        let mut live = 0;
         for (id, r) in self.runs.iter().enumerate() {
+            if !r.is_empty() {
+                at[id] = live;
+                live += 1;
+            }
+        }
+        let mut runs = Vec::new();
+        for r in &self.runs {
             if r.is_empty() {
                 continue;
             }
+            let parent = r.parent.and_then(|p| {
+                let live = self.runs[p.run as usize].len() > p.off;
+                live.then(|| (at[p.run as usize], p.off))
+            });
             let keys: Vec<u64> = (0..r.len()).filter_map(|off| r.hash(off)).collect();
             let (engines, aliases) = r.names().map_or((Vec::new(), Vec::new()), |n| {
                 (n.engines.clone(), n.aliases.clone())
@@ -107,12 +124,12 @@ impl Writer {
                     spans: h.spans.iter().map(|s| (s.start, s.end)).collect(),
                 })
                 .collect();
-            debug_assert!(!self.free.contains(&(id as u32)));
             runs.push(RunRecord {
                 keys,
                 engines,
                 aliases,
                 holdings,
+                parent,
             });
         }
         let mut repeats: Vec<RepeatRecord> = self
@@ -157,6 +174,9 @@ impl Writer {
             return Err(DumpError::Stamps);
         }
         let clock = dump.clock.max(stamps.last().copied().unwrap_or(0));
+        let lens: Vec<usize> = dump.runs.iter().map(|r| r.keys.len()).collect();
+        let mut ids = Vec::with_capacity(dump.runs.len());
+        let mut parents = Vec::with_capacity(dump.runs.len());
         for (i, record) in dump.runs.into_iter().enumerate() {
             let why = |why| DumpError::Run { run: i, why };
             let len = record.keys.len();
@@ -188,7 +208,15 @@ impl Writer {
             if record.aliases.iter().any(|(off, _)| *off as usize >= len) {
                 return Err(why("an alias past the run"));
             }
-            let mut holders_of = vec![0u32; len];
+            let parent_in_dump = record.parent.is_none_or(|(run, off)| {
+                lens.get(run as usize).is_some_and(|l| (off as usize) < *l)
+            });
+            if !parent_in_dump {
+                return Err(why("a parent that is no block of the dump"));
+            }
+            // Holders counted by their spans' edges, then summed: a span
+            // costs two steps however long it is.
+            let mut edges = vec![0i64; len + 1];
             let mut last = None;
             for h in &record.holdings {
                 let holder = holder_of(h.pod, h.tier).ok_or_else(|| why("no such holder"))?;
@@ -202,15 +230,34 @@ impl Writer {
                         return Err(why("spans out of order, touching or past the run"));
                     }
                     end = Some(e);
-                    for off in s..e {
-                        holders_of[off as usize] += 1;
-                    }
+                    edges[s as usize] += 1;
+                    edges[e as usize] -= 1;
                 }
+            }
+            // A pod's spans in a run, over its tiers, are counted in 24 bits
+            // where readers read them (`shared`).
+            let mut per_pod: Vec<(u32, usize)> = Vec::new();
+            for h in &record.holdings {
+                match per_pod.last_mut() {
+                    Some((pod, n)) if *pod == h.pod => *n += h.spans.len(),
+                    _ => per_pod.push((h.pod, h.spans.len())),
+                }
+            }
+            if per_pod.iter().any(|(_, n)| *n >= MAX_RUN as usize) {
+                return Err(why("a pod with more spans than a run can say"));
+            }
+            let mut holders_of = Vec::with_capacity(len);
+            let mut held = 0i64;
+            for edge in &edges[..len] {
+                held += edge;
+                holders_of.push(held as u32);
             }
             if holders_of.last() == Some(&0) {
                 return Err(why("its last block is held by no one"));
             }
             let run = self.new_run();
+            ids.push(run);
+            parents.push(record.parent);
             for (off, (&k, &e)) in record.keys.iter().zip(engines).enumerate() {
                 let loc = self.push(heads, arena, run, e, k);
                 debug_assert_eq!(loc.off, off as u32);
@@ -230,6 +277,12 @@ impl Writer {
             }
             self.runs[run as usize].holders_of = holders_of;
         }
+        for (&run, parent) in ids.iter().zip(parents) {
+            self.runs[run as usize].parent = parent.map(|(i, off)| Loc {
+                run: ids[i as usize],
+                off,
+            });
+        }
         self.clock = clock;
         self.sort_queues();
         for (i, r) in dump.repeats.into_iter().enumerate() {
@@ -245,7 +298,10 @@ impl Writer {
                             .any(|s| s.start <= loc.off && loc.off < s.end)
                     })
             });
-            if !held || r.count == 0 || !self.add_repeats(holder, r.name, r.count) {
+            // Repeats are stores not yet removed: a count near 2^32 is not
+            // one an engine made.
+            let plausible = r.count > 0 && r.count < 1 << 24;
+            if !held || !plausible || !self.add_repeats(holder, r.name, r.count) {
                 return Err(DumpError::Repeat(i));
             }
         }

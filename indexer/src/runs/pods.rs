@@ -11,7 +11,8 @@
 //! it was last compacted. So a store costs one push per run it goes
 //! through, an eviction pops what it evicts (a sort of the pod's holdings
 //! per eviction was what this replaced), and the queue stays within twice
-//! the pod's holdings (plus a few).
+//! the holdings it had at its last compaction (plus a few): after mass
+//! removals, within twice the pod's peak until it next grows.
 
 use std::collections::{HashMap, VecDeque};
 

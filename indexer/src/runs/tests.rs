@@ -815,6 +815,9 @@ fn a_dump_that_breaks_a_rule_is_refused() {
     });
     refused("a repeat of a block not held", &|d| d.repeats[0].pod = 0);
     refused("a repeat of nothing", &|d| d.repeats[0].count = 0);
+    refused("a repeat no engine made", &|d| {
+        d.repeats[0].count = u32::MAX
+    });
     refused("a repeat of no block", &|d| d.repeats[0].name = 1);
     refused("two holdings stamped alike", &|d| {
         d.runs[1].holdings[0].stamp = d.runs[0].holdings[0].stamp;
@@ -838,4 +841,72 @@ fn a_chain_across_runs_is_evicted_leaf_first() {
         blocks(ix.prefix_matches(&chain)),
         vec![(0, (len - n) as u32)]
     );
+}
+
+/// Keys other than engine hashes go only into an index made for them.
+#[test]
+fn an_engine_key_index_refuses_other_keys() {
+    let ix = RunIndex::new();
+    assert_eq!(ix.store_keyed(0, Tier::Gpu, None, &[(1, 100)]), 1);
+    assert_eq!(
+        ix.store_tokens(0, Tier::Gpu, None, &[1], &[7; 4], 4, ROOT_SEED),
+        1
+    );
+    assert_eq!(ix.blocks(), 0);
+    ix.store(0, Tier::Gpu, None, &[1]);
+    assert_eq!(ix.blocks(), 1);
+}
+
+/// A store under a prefix uses the prefix again: the pod's holding of it
+/// is restamped newer than the branch, so eviction takes the branch (and
+/// older leaves) before the prefix, not the prefix's end first.
+#[test]
+fn a_prefix_stored_under_again_outlives_its_branches() {
+    // s1 s2 s3 u1 u2 in one run; v1 v2 branch off after s3.
+    let parents = [None, Some(0), Some(1), Some(2), Some(3), Some(2), Some(5)];
+    let forest = Forest::new(&parents);
+    let h = |nodes: &[usize]| forest.hashes(nodes);
+    let ix = RunIndex::new();
+    ix.store(0, Tier::Gpu, None, &h(&[0, 1, 2, 3, 4]));
+    ix.store(0, Tier::Gpu, Some(forest.hash[2]), &h(&[5, 6]));
+    let evicted = |n| ix.evict(0, n).into_iter().map(|d| d.1).collect::<Vec<_>>();
+    assert_eq!(evicted(3), h(&[6, 5, 4]), "the older branch, then a leaf");
+    assert_eq!(evicted(2), h(&[3, 2]));
+    assert_eq!(blocks(ix.prefix_matches(&h(&[0, 1, 2, 3]))), vec![(0, 2)]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// A pod that stores whole chains from their roots (as vLLM does) and
+    /// is evicted at any point keeps every block it holds reachable: all
+    /// of its entries are leading blocks of some chain.
+    #[test]
+    fn eviction_never_strands_a_pods_blocks(
+        parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..40),
+        ops in prop::collection::vec((any::<usize>(), 0usize..6), 1..60),
+    ) {
+        let forest = Forest::new(&parents);
+        let nodes = forest.hash.len();
+        let ix = RunIndex::new();
+        for (node, evict) in ops {
+            let path = forest.path(node % nodes);
+            // Stored under its parent, as a pod's next turn is: the part it
+            // did not have yet.
+            let held = blocks(ix.prefix_matches(&forest.hashes(&path)))
+                .first()
+                .map_or(0, |m| m.1 as usize);
+            let parent = held.checked_sub(1).map(|i| forest.hash[path[i]]);
+            ix.store(0, Tier::Gpu, parent, &forest.hashes(&path[held..]));
+            ix.evict(0, evict);
+            let reachable = (0..nodes)
+                .filter(|&n| {
+                    let path = forest.path(n);
+                    blocks(ix.prefix_matches(&forest.hashes(&path))).first().map(|m| m.1)
+                        == Some(path.len() as u32)
+                })
+                .count();
+            prop_assert_eq!(ix.entries(0), reachable as u64);
+        }
+    }
 }

@@ -162,6 +162,11 @@ pub(super) struct Run {
     names: Option<Box<Names>>,
     /// In `Writer::changed`.
     listed: bool,
+    /// The block its first block was stored under, if the index had it:
+    /// a store restamps the pod's holdings up this path (see `stamp`). It
+    /// may outlive that block (the place then holds another, or none),
+    /// which only the eviction order could notice.
+    pub parent: Option<Loc>,
 }
 
 /// What a run's blocks are named by, where names are not keys.
@@ -280,6 +285,11 @@ pub(super) struct Writer {
     /// The newest stamp given (see `Holding::stamp`).
     pub clock: u32,
 }
+
+/// Runs above a store whose holdings it restamps, at most: a chain that
+/// branched more often keeps its older stamps further up (a prefix there
+/// may then be evicted before a branch under it; answers only shorten).
+const MAX_CLIMB: usize = 256;
 
 /// Whether `t` is its holding's latest store (see `pods`).
 fn is_live(runs: &[Run], t: &Touch) -> bool {
@@ -416,9 +426,35 @@ impl Writer {
     }
 
     /// Stamps the holdings `holder`'s store went through, in chain order
-    /// (run, index of the holding): the deepest gets the oldest of the new
-    /// stamps. Queues them for its pod, which gained `added` entries.
+    /// (run, index of the holding), and the holder's holdings of the runs
+    /// above them (the store's prefix was used again): the deepest gets
+    /// the oldest of the new stamps. So a pod's holding is always newer
+    /// than its holdings below it, and eviction, oldest first, never takes
+    /// a block before the blocks the pod holds under it. Queues them for
+    /// its pod, which gained `added` entries.
     fn stamp(&mut self, holder: u32, touched: &[(u32, usize)], added: u64) {
+        let mut above: SmallVec<[(u32, usize); 8]> = SmallVec::new();
+        let mut up = touched
+            .first()
+            .and_then(|&(run, _)| self.runs[run as usize].parent);
+        while let Some(p) = up.filter(|_| above.len() < MAX_CLIMB) {
+            let r = &self.runs[p.run as usize];
+            let Ok(i) = r.holdings.binary_search_by_key(&holder, |h| h.holder) else {
+                break;
+            };
+            if !r.holdings[i]
+                .spans
+                .iter()
+                .any(|s| s.start <= p.off && p.off < s.end)
+            {
+                break;
+            }
+            above.push((p.run, i));
+            up = r.parent;
+        }
+        let chain: SmallVec<[(u32, usize); 8]> =
+            above.iter().rev().chain(touched).copied().collect();
+        let touched = &chain[..];
         let n = touched.len() as u32;
         if self.clock > u32::MAX - n {
             self.renumber();
@@ -490,6 +526,7 @@ impl Writer {
                             }
                             _ => {
                                 let run = self.new_run();
+                                self.runs[run as usize].parent = at;
                                 self.push(heads, arena, run, e, k)
                             }
                         },
@@ -511,7 +548,9 @@ impl Writer {
                 run.holders_of[loc.off as usize] += 1;
                 self.touch(loc.run);
             } else {
-                *self.repeats.entry((pod, e)).or_default() += 1;
+                // Saturating: a count near 2^32 (a dump's) must not wrap.
+                let count = self.repeats.entry((pod, e)).or_default();
+                *count = count.saturating_add(1);
                 repeated += 1;
             }
             at = Some(loc);
@@ -634,6 +673,7 @@ impl Writer {
             r.holdings = Vec::new();
             r.holders_of = Vec::new();
             r.names = None;
+            r.parent = None;
             self.free.push(run);
         }
     }
@@ -772,9 +812,9 @@ impl Writer {
                     - 1;
                 let key = r.hash(off).expect("held blocks are in the run");
                 if !self.repeats.is_empty() {
-                    let names = self.names_at(Loc { run, off });
-                    self.repeats
-                        .retain(|(h, name), _| *h != holder || !names.contains(name));
+                    for name in self.names_at(Loc { run, off }) {
+                        self.repeats.remove(&(holder, name));
+                    }
                 }
                 let mut at = Some((run, i));
                 let released = self.release(heads, holder, Loc { run, off }, &mut at);
