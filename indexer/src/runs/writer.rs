@@ -66,12 +66,13 @@ pub(super) struct Span {
 pub(super) struct Holding {
     /// A pod and a tier (`pod << TIER_BITS | tier`, see `RunIndex`).
     pub holder: u32,
-    /// When the holder last stored into it (`Writer::clock`): eviction
-    /// takes the oldest holdings' blocks first. A store stamps the
-    /// holdings along its chain deepest oldest, so its leaves go first, and
-    /// no two holdings of a pod share a stamp: what is evicted depends on
-    /// the order of stores alone, not on how runs are numbered. (It fills
-    /// padding: a holding is 32 bytes either way.)
+    /// When the holder last stored into it or under it (`Writer::clock`):
+    /// eviction takes the oldest holdings' blocks first. A store stamps
+    /// the holdings along its chain and above it, deepest oldest, so
+    /// leaves go first (see `Writer::stamp`), and no two holdings share a
+    /// stamp: what is evicted depends on the order of stores alone, not on
+    /// how runs are numbered. (It fills padding: a holding is 32 bytes
+    /// either way.)
     pub stamp: u32,
     pub spans: SmallVec<[Span; 1]>,
 }
