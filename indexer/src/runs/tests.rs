@@ -263,6 +263,10 @@ fn check_invariants(ix: &RunIndex) {
                 assert_eq!(ix.heads.find(*h), Some(id as u32), "a run's head");
             }
         }
+        assert!(
+            run.aliases().windows(2).all(|w| w[0].0 <= w[1].0),
+            "aliases by offset"
+        );
         blocks += hashes.len() + run.aliases().len();
     }
     assert_eq!(w.table.len(), blocks);

@@ -177,7 +177,7 @@ pub(super) struct Names {
     /// (what its table entry is under).
     pub engines: Vec<u64>,
     /// Other engine hashes pods named a block by (pods whose hash seed
-    /// differs), by offset, each also in the table.
+    /// differs), sorted by offset, each also in the table.
     pub aliases: Vec<(u32, u64)>,
 }
 
@@ -398,8 +398,14 @@ impl Writer {
     pub(super) fn alias(&mut self, e: u64, loc: Loc) {
         if self.table.find(e).is_none() {
             self.table.insert(e, loc);
-            let run = &mut self.runs[loc.run as usize];
-            run.names.get_or_insert_default().aliases.push((loc.off, e));
+            let aliases = &mut self.runs[loc.run as usize]
+                .names
+                .get_or_insert_default()
+                .aliases;
+            // By offset (a pod walking a run adds them in order: at the
+            // end), so a cut tail's are the last ones.
+            let at = aliases.partition_point(|(off, _)| *off <= loc.off);
+            aliases.insert(at, (loc.off, e));
         }
     }
 
@@ -654,13 +660,12 @@ impl Writer {
                 None => table.remove(k),
                 Some(names) => {
                     table.remove(names.engines.pop().expect("parallel to holders_of"));
-                    names.aliases.retain(|(off, alias)| {
-                        let keep = *off < len;
-                        if !keep {
-                            table.remove(*alias);
-                        }
-                        keep
-                    });
+                    while let Some(&(_, alias)) =
+                        names.aliases.last().filter(|(off, _)| *off >= len)
+                    {
+                        names.aliases.pop();
+                        table.remove(alias);
+                    }
                 }
             }
             if r.is_empty() {
