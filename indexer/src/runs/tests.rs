@@ -352,13 +352,18 @@ fn check_history(
     check_cleared(ix)
 }
 
-/// Token keys: what pods 0 and 1 name a node by, and what pods 2 and 3 do
-/// (engines whose hash seed differs name the same blocks otherwise).
+/// Token keys: which hash seed a pod's engine has. Pods 0 and 1 share
+/// one; pods 2 and 3 each have their own (engines whose seed differs name
+/// the same blocks otherwise), so a block can have two aliases.
+fn family(pod: u32) -> u64 {
+    u64::from(pod.max(1) - 1)
+}
+
+/// What `pod` names a node by.
 fn engine_of(forest: &Forest, pod: u32, node: usize) -> u64 {
-    if pod < 2 {
-        forest.hash[node]
-    } else {
-        hash(forest.hash[node] ^ 0x5eed)
+    match family(pod) {
+        0 => forest.hash[node],
+        f => hash(forest.hash[node] ^ 0x5eed ^ f),
     }
 }
 
@@ -381,10 +386,9 @@ fn keys_of(path: &[usize]) -> Vec<u64> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
-    /// Keys from tokens, removals by engine hash, half the pods naming
-    /// blocks by other engine hashes than the rest: every chain matches as
-    /// the model of counted stores does, and the index keeps only what is
-    /// held.
+    /// Keys from tokens, removals by engine hash, pods of three hash seeds
+    /// naming the same blocks three ways: every chain matches as the model
+    /// of counted stores does, and the index keeps only what is held.
     #[test]
     fn token_keys_answer_as_counted_stores_do(
         parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..30),
@@ -399,7 +403,7 @@ proptest! {
 enum Keying {
     /// Engine hashes, the keys too.
     Engine,
-    /// Keys from tokens; half the pods name blocks by other engine hashes.
+    /// Keys from tokens; pods of three hash seeds (see `family`).
     Tokens,
 }
 
@@ -488,7 +492,7 @@ fn apply(
             };
             // A parent some pod naming blocks as this one does holds is
             // known; one nobody holds may not be.
-            let family = |p: u32| keying == Keying::Engine || p < 2;
+            let family = |p: u32| (keying == Keying::Tokens).then(|| family(p));
             let parent_held = from == 0
                 || model.0.iter().any(|((p, _), held)| {
                     family(*p) == family(pod) && held.contains(&keys[from - 1])
