@@ -23,7 +23,7 @@ fn fixtures() -> PathBuf {
 /// name by its id.
 fn replay(stream: &str) -> (Indexer, RunIndex, HashMap<u32, String>) {
     let ix = Indexer::new(IndexerConfig::default());
-    let runs = RunIndex::with_token_keys();
+    let runs = RunIndex::with_token_keys().bounded();
     let mut names = HashMap::new();
     let text = std::fs::read_to_string(fixtures().join(format!("{stream}.frames.jsonl"))).unwrap();
     for line in text.lines() {
@@ -157,7 +157,9 @@ fn runs_answer_every_recorded_stream_as_vllm_and_the_service_do() {
         assert!(cached > 0, "{stream}: the probes find cached blocks");
 
         // Dumped and restored: the same answers.
-        let restored = RunIndex::from_dump(runs.dump(), true).expect("its own dump");
+        let restored = RunIndex::from_dump(runs.dump(), true)
+            .expect("its own dump")
+            .bounded();
         for ((what, ours, ..), again) in got.iter().zip(answers(&ix, &restored, &names, &expected))
         {
             assert_eq!(*ours, again.1, "{stream}: {what} after a restore");

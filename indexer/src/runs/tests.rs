@@ -324,8 +324,10 @@ proptest! {
         ops in prop::collection::vec(op(), 1..60),
         better in prop::sample::select(vec![[0, 1, 2], [2, 1, 0], [1, 2, 0]]),
         near_wrap in any::<bool>(),
+        bounded in any::<bool>(),
     ) {
         let ix = RunIndex::new().with_best_tiers(better.map(|t| Tier::ALL[t]));
+        let ix = if bounded { ix.bounded() } else { ix };
         if near_wrap {
             // The store clock wraps within the history: stamps renumbered
             // among stale queue entries and reused runs.
@@ -544,12 +546,14 @@ fn apply(
 /// same, and goes on as it would (stores, removals, evictions alike).
 fn check_restored(
     keying: Keying,
+    bounded: bool,
     parents: &[Option<usize>],
     before: &[Op],
     after: &[Op],
 ) -> Result<(), TestCaseError> {
     let forest = Forest::new(parents);
-    let ix = keying.index();
+    let bound = |ix: RunIndex| if bounded { ix.bounded() } else { ix };
+    let ix = bound(keying.index());
     let token_keys = keying == Keying::Tokens;
     let mut model = Model::default();
     for op in before {
@@ -560,7 +564,7 @@ fn check_restored(
         RunIndex::from_dump(dump.clone(), !token_keys).is_err(),
         "the other key mode"
     );
-    let restored = RunIndex::from_dump(dump.clone(), token_keys).expect("a dump restores");
+    let restored = bound(RunIndex::from_dump(dump.clone(), token_keys).expect("a dump restores"));
     prop_assert_eq!(restored.dump(), dump);
     check_every_chain(&restored, &model, keying.chains(&forest))?;
     let mut twin = model.clone();
@@ -581,8 +585,9 @@ proptest! {
         parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..30),
         before in prop::collection::vec(op(), 1..40),
         after in prop::collection::vec(op(), 1..20),
+        bounded in any::<bool>(),
     ) {
-        check_restored(Keying::Engine, &parents, &before, &after)?;
+        check_restored(Keying::Engine, bounded, &parents, &before, &after)?;
     }
 
     #[test]
@@ -590,8 +595,9 @@ proptest! {
         parents in prop::collection::vec(prop::option::weighted(0.9, any::<usize>()), 1..30),
         before in prop::collection::vec(op(), 1..40),
         after in prop::collection::vec(op(), 1..20),
+        bounded in any::<bool>(),
     ) {
-        check_restored(Keying::Tokens, &parents, &before, &after)?;
+        check_restored(Keying::Tokens, bounded, &parents, &before, &after)?;
     }
 }
 
@@ -880,7 +886,7 @@ fn a_prefix_stored_under_again_outlives_its_branches() {
     let parents = [None, Some(0), Some(1), Some(2), Some(3), Some(2), Some(5)];
     let forest = Forest::new(&parents);
     let h = |nodes: &[usize]| forest.hashes(nodes);
-    let ix = RunIndex::new();
+    let ix = RunIndex::new().bounded();
     ix.store(0, Tier::Gpu, None, &h(&[0, 1, 2, 3, 4]));
     ix.store(0, Tier::Gpu, Some(forest.hash[2]), &h(&[5, 6]));
     let evicted = |n| ix.evict(0, n).into_iter().map(|d| d.1).collect::<Vec<_>>();
@@ -902,7 +908,7 @@ proptest! {
     ) {
         let forest = Forest::new(&parents);
         let nodes = forest.hash.len();
-        let ix = RunIndex::new();
+        let ix = RunIndex::new().bounded();
         for (node, evict) in ops {
             let path = forest.path(node % nodes);
             // Stored under its parent, as a pod's next turn is: the part it

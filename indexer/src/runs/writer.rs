@@ -269,6 +269,9 @@ impl Run {
 pub(super) struct Writer {
     /// Token keys: a block's key is not its engine hash (see `Names`).
     pub token_keys: bool,
+    /// Evicted by a capacity (`RunIndex::bounded`): a store restamps the
+    /// holdings up its prefix too, which only eviction reads.
+    pub bounded: bool,
     /// Engine hash -> block.
     pub table: Table,
     pub runs: Vec<Run>,
@@ -443,6 +446,7 @@ impl Writer {
         let mut above: SmallVec<[(u32, usize); 8]> = SmallVec::new();
         let mut up = touched
             .first()
+            .filter(|_| self.bounded)
             .and_then(|&(run, _)| self.runs[run as usize].parent);
         while let Some(p) = up.filter(|_| above.len() < MAX_CLIMB) {
             let r = &self.runs[p.run as usize];
