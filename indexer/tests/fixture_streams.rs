@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use base64::Engine;
 use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+use indexer::event::EventBatch;
 use indexer::scheme::KeySchemes;
 use indexer::topic::parse_topic;
 use indexer::wire::decode_batch;
@@ -28,25 +29,52 @@ fn engine_config(algo: HashAlgo, seed: &str, closed: bool) -> IndexerConfig {
     }
 }
 
+/// One recorded message: its topic's model and pod, its seq, its batch.
+pub struct Frame {
+    pub model: String,
+    pub pod: String,
+    pub seq: u64,
+    pub batch: EventBatch,
+}
+
+/// A stream's messages, decoded.
+pub fn frames(stream: &str) -> Vec<Frame> {
+    let text = std::fs::read_to_string(fixtures().join(format!("{stream}.frames.jsonl"))).unwrap();
+    text.lines()
+        .map(|line| {
+            let frame: Value = serde_json::from_str(line).unwrap();
+            let topic = parse_topic(frame["topic"].as_str().unwrap().as_bytes()).unwrap();
+            let payload = base64::engine::general_purpose::STANDARD
+                .decode(frame["payload_b64"].as_str().unwrap())
+                .unwrap();
+            Frame {
+                model: topic.model.to_owned(),
+                pod: topic.pod.to_owned(),
+                seq: frame["seq"].as_u64().unwrap(),
+                batch: decode_batch(&payload).unwrap(),
+            }
+        })
+        .collect()
+}
+
 /// Applies a stream, minus its first `skip` messages (an indexer that
 /// started late).
 fn replay_with(stream: &str, config: IndexerConfig, skip: usize) -> Indexer {
     let ix = Indexer::new(config);
-    let text = std::fs::read_to_string(fixtures().join(format!("{stream}.frames.jsonl"))).unwrap();
-    for line in text.lines().skip(skip) {
-        let frame: Value = serde_json::from_str(line).unwrap();
-        let topic = parse_topic(frame["topic"].as_str().unwrap().as_bytes()).unwrap();
-        let payload = base64::engine::general_purpose::STANDARD
-            .decode(frame["payload_b64"].as_str().unwrap())
-            .unwrap();
-        let batch = decode_batch(&payload).unwrap();
+    for Frame {
+        model,
+        pod,
+        seq,
+        batch,
+    } in frames(stream).into_iter().skip(skip)
+    {
         assert_eq!(
             batch.skipped,
             Default::default(),
             "{stream}: skipped events"
         );
-        let pod = ix.pod(topic.model, topic.pod, batch.data_parallel_rank);
-        let stats = ix.apply(&pod, frame["seq"].as_u64().unwrap(), &batch);
+        let pod = ix.pod(&model, &pod, batch.data_parallel_rank);
+        let stats = ix.apply(&pod, seq, &batch);
         if skip == 0 {
             assert_eq!(stats.parent_unknown_blocks, 0, "{stream}");
         }
@@ -64,17 +92,22 @@ fn expected(stream: &str) -> Value {
     .unwrap()
 }
 
+/// A probe's prompt.
+fn probe_tokens(probe: &Value) -> Vec<u32> {
+    probe["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
 /// (got, want) for every probe and pod.
 fn answers(ix: &Indexer, expected: &Value) -> Vec<(String, u64, u64)> {
     let model = expected["meta"]["model"].as_str().unwrap();
     let mut out = Vec::new();
     for probe in expected["probes"].as_array().unwrap() {
-        let tokens: Vec<u32> = probe["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
+        let tokens = probe_tokens(probe);
         let scored = ix.score(&ScoreQuery {
             model,
             tokens: &tokens,
@@ -177,16 +210,9 @@ fn engine_mode_full_replays_match_vllm_exactly() {
 #[test]
 fn engine_mode_self_check_flags_a_wrong_seed() {
     let ix = Indexer::new(engine_config(HashAlgo::Sha256, "not-the-pods-seed", true));
-    let text = std::fs::read_to_string(fixtures().join("qwen3-sha256-int.frames.jsonl")).unwrap();
-    for line in text.lines().take(50) {
-        let frame: Value = serde_json::from_str(line).unwrap();
-        let topic = parse_topic(frame["topic"].as_str().unwrap().as_bytes()).unwrap();
-        let payload = base64::engine::general_purpose::STANDARD
-            .decode(frame["payload_b64"].as_str().unwrap())
-            .unwrap();
-        let batch = decode_batch(&payload).unwrap();
-        let pod = ix.pod(topic.model, topic.pod, batch.data_parallel_rank);
-        ix.apply(&pod, frame["seq"].as_u64().unwrap(), &batch);
+    for f in frames("qwen3-sha256-int").into_iter().take(50) {
+        let pod = ix.pod(&f.model, &f.pod, f.batch.data_parallel_rank);
+        ix.apply(&pod, f.seq, &f.batch);
     }
     let mismatches: u64 = ix
         .list_pods(None)
@@ -291,3 +317,7 @@ fn engine_mode_late_start_never_overclaims_and_closure_recovers_more() {
         }
     }
 }
+
+/// The run layout on the same streams.
+#[path = "fixture_streams/runs.rs"]
+mod runs;

@@ -5,19 +5,13 @@
 //! restored, and still answers as it did.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
-use base64::Engine;
 use indexer::event::{EventBatch, KvEvent};
 use indexer::runs::RunIndex;
-use indexer::topic::parse_topic;
-use indexer::wire::decode_batch;
 use indexer::{Indexer, IndexerConfig, ScoreQuery};
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm-events")
-}
+use super::{expected, frames, probe_tokens, Frame};
 
 /// The service's index and the run layout, fed one stream, and each pod's
 /// name by its id.
@@ -25,17 +19,15 @@ fn replay(stream: &str) -> (Indexer, RunIndex, HashMap<u32, String>) {
     let ix = Indexer::new(IndexerConfig::default());
     let runs = RunIndex::with_token_keys().bounded();
     let mut names = HashMap::new();
-    let text = std::fs::read_to_string(fixtures().join(format!("{stream}.frames.jsonl"))).unwrap();
-    for line in text.lines() {
-        let frame: Value = serde_json::from_str(line).unwrap();
-        let topic = parse_topic(frame["topic"].as_str().unwrap().as_bytes()).unwrap();
-        let payload = base64::engine::general_purpose::STANDARD
-            .decode(frame["payload_b64"].as_str().unwrap())
-            .unwrap();
-        let batch = decode_batch(&payload).unwrap();
-        let pod = ix.pod(topic.model, topic.pod, batch.data_parallel_rank);
+    for Frame {
+        model,
+        pod,
+        seq,
+        batch,
+    } in frames(stream)
+    {
+        let pod = ix.pod(&model, &pod, batch.data_parallel_rank);
         names.insert(pod.id.0, pod.name.clone());
-        let seq = frame["seq"].as_u64().unwrap();
         // One event at a time: a block the batch removes again after
         // storing it still has its key when its store is fed.
         for event in &batch.events {
@@ -84,12 +76,7 @@ fn answers(
     let model = expected["meta"]["model"].as_str().unwrap();
     let mut out = Vec::new();
     for probe in expected["probes"].as_array().unwrap() {
-        let tokens: Vec<u32> = probe["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
+        let tokens = probe_tokens(probe);
         let (lora, salt) = (probe["lora_name"].as_str(), probe["cache_salt"].as_str());
         let scored = ix.score(&ScoreQuery {
             model,
@@ -137,11 +124,7 @@ fn runs_answer_every_recorded_stream_as_vllm_and_the_service_do() {
         "qwen3-sha256cbor-bytes.array-v0.11",
         "qwen3-lora-salt",
     ] {
-        let base = stream.split('.').next().unwrap();
-        let expected: Value = serde_json::from_str(
-            &std::fs::read_to_string(fixtures().join(format!("{base}.expected.json"))).unwrap(),
-        )
-        .unwrap();
+        let expected = expected(stream);
         let (ix, runs, names) = replay(stream);
         let got = answers(&ix, &runs, &names, &expected);
         assert!(got.len() >= expected["probes"].as_array().unwrap().len());
