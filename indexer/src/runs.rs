@@ -62,7 +62,7 @@ pub use dump::{Dump, DumpError, HoldingRecord, RepeatRecord, RunRecord};
 use parking_lot::Mutex;
 
 use crate::event::{Tier, TIERS};
-use shared::{Arena, Counts, Heads, Held, PodSpans, View, TIER_BITS};
+use shared::{tier_of, Arena, Counts, Heads, Held, PodSpans, View, TIER_BITS};
 use writer::Writer;
 
 thread_local! {
@@ -264,8 +264,8 @@ impl RunIndex {
 
     /// Drops up to `n` of `pod`'s (tier, block) entries to bound memory:
     /// from the holdings it stored into least recently, each leaf first,
-    /// so its answers only shorten (see `bounded`). Returns each entry dropped, as
-    /// (tier, key).
+    /// so its answers only shorten (see `bounded`). Returns each entry
+    /// dropped, as (tier, key).
     pub fn evict(&self, pod: u32, n: usize) -> Vec<(Tier, u64)> {
         let mut dropped = Vec::new();
         let mut w = self.writer.lock();
@@ -274,7 +274,7 @@ impl RunIndex {
         drop(w);
         dropped
             .into_iter()
-            .map(|(holder, key)| (Tier::ALL[(holder & ((1 << TIER_BITS) - 1)) as usize], key))
+            .map(|(holder, key)| (Tier::ALL[usize::from(tier_of(holder))], key))
             .collect()
     }
 

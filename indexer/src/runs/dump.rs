@@ -15,9 +15,8 @@
 //! index's own invariants need and refuses the whole dump otherwise.
 
 use serde::{Deserialize, Serialize};
-use smallvec::SmallVec;
 
-use super::shared::{Arena, Heads, MAX_RUN, TIER_BITS};
+use super::shared::{tier_of, Arena, Heads, MAX_RUN, TIER_BITS};
 use super::writer::{Loc, Span, Writer};
 use crate::event::TIERS;
 
@@ -119,7 +118,7 @@ impl Writer {
                 .iter()
                 .map(|h| HoldingRecord {
                     pod: h.holder >> TIER_BITS,
-                    tier: (h.holder & ((1 << TIER_BITS) - 1)) as u8,
+                    tier: tier_of(h.holder),
                     stamp: h.stamp,
                     spans: h.spans.iter().map(|s| (s.start, s.end)).collect(),
                 })
@@ -136,7 +135,7 @@ impl Writer {
             .repeats()
             .map(|((holder, name), count)| RepeatRecord {
                 pod: holder >> TIER_BITS,
-                tier: (holder & ((1 << TIER_BITS) - 1)) as u8,
+                tier: tier_of(holder),
                 name,
                 count,
             })
@@ -267,13 +266,12 @@ impl Writer {
             }
             for h in record.holdings {
                 let holder = holder_of(h.pod, h.tier).expect("checked");
-                let spans: SmallVec<[Span; 1]> = h
+                let spans = h
                     .spans
                     .iter()
                     .map(|&(start, end)| Span { start, end })
                     .collect();
-                let held: u32 = spans.iter().map(|s| s.end - s.start).sum();
-                self.adopt(run, holder, h.stamp, spans, held);
+                self.adopt(run, holder, h.stamp, spans);
             }
             self.runs[run as usize].holders_of = holders_of;
         }
@@ -288,15 +286,9 @@ impl Writer {
         for (i, r) in dump.repeats.into_iter().enumerate() {
             let holder = holder_of(r.pod, r.tier).ok_or(DumpError::Repeat(i))?;
             let held = self.table.find(r.name).is_some_and(|loc| {
-                let run = &self.runs[loc.run as usize];
-                run.holdings
-                    .binary_search_by_key(&holder, |h| h.holder)
-                    .is_ok_and(|at| {
-                        run.holdings[at]
-                            .spans
-                            .iter()
-                            .any(|s| s.start <= loc.off && loc.off < s.end)
-                    })
+                self.runs[loc.run as usize]
+                    .holding_at(holder, loc.off)
+                    .is_some()
             });
             // Repeats are stores not yet removed: a count near 2^32 is not
             // one an engine made.

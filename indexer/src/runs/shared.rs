@@ -309,7 +309,7 @@ impl Published {
             at += 1;
             let (mut tiers, mut spans) = (0u64, 0u64);
             while let Some(h) = holdings.next_if(|h| h.holder >> TIER_BITS == pod) {
-                let tier = u64::from(h.holder & TIER_MASK);
+                let tier = u64::from(tier_of(h.holder));
                 tiers |= 1 << tier;
                 for span in h.spans {
                     debug_assert!(span.start < MAX_RUN);
@@ -415,6 +415,11 @@ impl View<'_> {
 /// Bits of a holder id that are its tier (`pod << TIER_BITS | tier`).
 pub(super) const TIER_BITS: u32 = 2;
 const TIER_MASK: u32 = (1 << TIER_BITS) - 1;
+
+/// A holder id's tier (its index in `Tier::ALL`).
+pub(super) fn tier_of(holder: u32) -> u8 {
+    (holder & TIER_MASK) as u8
+}
 
 /// Runs are at most this long (a block past it starts a run), so that a
 /// published span's start leaves room for its tier and a pod's spans in a

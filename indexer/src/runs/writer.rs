@@ -239,11 +239,10 @@ impl Run {
             .hash(self.len as usize)
     }
 
-    /// The index of `holder`'s holding, and whether it was added (empty)
-    /// because it had none.
-    fn holding(&mut self, holder: u32) -> (usize, bool) {
+    /// The index of `holder`'s holding, added (empty) if it has none.
+    fn holding(&mut self, holder: u32) -> usize {
         match self.holdings.binary_search_by_key(&holder, |h| h.holder) {
-            Ok(i) => (i, false),
+            Ok(i) => i,
             Err(i) => {
                 self.holdings.insert(
                     i,
@@ -253,9 +252,26 @@ impl Run {
                         spans: SmallVec::new(),
                     },
                 );
-                (i, true)
+                i
             }
         }
+    }
+
+    /// The index of `holder`'s holding, if it has one.
+    fn holding_of(&self, holder: u32) -> Option<usize> {
+        self.holdings
+            .binary_search_by_key(&holder, |h| h.holder)
+            .ok()
+    }
+
+    /// The index of `holder`'s holding, if it holds the block at `off`.
+    pub fn holding_at(&self, holder: u32, off: u32) -> Option<usize> {
+        self.holding_of(holder).filter(|&i| {
+            self.holdings[i]
+                .spans
+                .iter()
+                .any(|s| s.start <= off && off < s.end)
+        })
     }
 
     /// Whether `pod` holds any of it, on any tier.
@@ -298,9 +314,8 @@ const MAX_CLIMB: usize = 256;
 /// Whether `t` is its holding's latest store (see `pods`).
 fn is_live(runs: &[Run], t: &Touch) -> bool {
     let r = &runs[t.run as usize];
-    r.holdings
-        .binary_search_by_key(&t.holder, |h| h.holder)
-        .is_ok_and(|i| r.holdings[i].stamp == t.stamp)
+    r.holding_of(t.holder)
+        .is_some_and(|i| r.holdings[i].stamp == t.stamp)
 }
 
 impl Writer {
@@ -450,16 +465,9 @@ impl Writer {
             .and_then(|&(run, _)| self.runs[run as usize].parent);
         while let Some(p) = up.filter(|_| above.len() < MAX_CLIMB) {
             let r = &self.runs[p.run as usize];
-            let Ok(i) = r.holdings.binary_search_by_key(&holder, |h| h.holder) else {
+            let Some(i) = r.holding_at(holder, p.off) else {
                 break;
             };
-            if !r.holdings[i]
-                .spans
-                .iter()
-                .any(|s| s.start <= p.off && p.off < s.end)
-            {
-                break;
-            }
             above.push((p.run, i));
             up = r.parent;
         }
@@ -548,7 +556,7 @@ impl Writer {
             let i = match holding {
                 Some((r, i)) if r == loc.run => i,
                 _ => {
-                    let (i, _) = self.runs[loc.run as usize].holding(pod);
+                    let i = self.runs[loc.run as usize].holding(pod);
                     touched.push((loc.run, i));
                     i
                 }
@@ -630,9 +638,9 @@ impl Writer {
         let run = &mut self.runs[loc.run as usize];
         let i = match *holding {
             Some((r, i)) if r == loc.run => i,
-            _ => match run.holdings.binary_search_by_key(&pod, |h| h.holder) {
-                Ok(i) => i,
-                Err(_) => return false,
+            _ => match run.holding_of(pod) {
+                Some(i) => i,
+                None => return false,
             },
         };
         *holding = Some((loc.run, i));
@@ -716,19 +724,13 @@ impl Writer {
         }
     }
 
-    /// Gives `holder` `spans` of `run` (it had none), stored at `stamp`:
-    /// `held` blocks, which `holders_of` must count (the caller's part).
-    pub(super) fn adopt(
-        &mut self,
-        run: u32,
-        holder: u32,
-        stamp: u32,
-        spans: SmallVec<[Span; 1]>,
-        held: u32,
-    ) {
+    /// Gives `holder` `spans` of `run` (it had none), stored at `stamp`;
+    /// `holders_of` must count them (the caller's part).
+    pub(super) fn adopt(&mut self, run: u32, holder: u32, stamp: u32, spans: SmallVec<[Span; 1]>) {
         let r = &mut self.runs[run as usize];
-        let (i, added) = r.holding(holder);
-        debug_assert!(added);
+        debug_assert!(r.holding_of(holder).is_none());
+        let held: u32 = spans.iter().map(|s| s.end - s.start).sum();
+        let i = r.holding(holder);
         r.holdings[i].stamp = stamp;
         r.holdings[i].spans = spans;
         let pod = self.pods.entry(holder >> TIER_BITS);
@@ -811,7 +813,7 @@ impl Writer {
             let (run, holder) = (t.run, t.holder);
             while dropped < n {
                 let r = &self.runs[run as usize];
-                let Ok(i) = r.holdings.binary_search_by_key(&holder, |h| h.holder) else {
+                let Some(i) = r.holding_of(holder) else {
                     break;
                 };
                 let off = r.holdings[i]
