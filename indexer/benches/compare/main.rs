@@ -653,8 +653,8 @@ fn profile_clear() {
             }
             runs
         };
-        let label = format!("{} pods, {} distinct blocks", fleet.pods, filled().blocks());
         let runs = filled();
+        let label = format!("{} pods, {} distinct blocks", fleet.pods, runs.blocks());
         evict_all(&label, fleet.pods as u32, |pod, n| runs.evict(pod, n));
         let runs = filled();
         clear_all(&label, fleet.pods as u32, |pod| runs.clear(pod));
@@ -668,10 +668,7 @@ fn profile_clear() {
         for pod in 0..pods {
             for chain in 0..chains {
                 let first = (u64::from(pod) * chains + chain) * len;
-                let hashes: Vec<u64> = (first..first + len)
-                    .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-                    .collect();
-                ix.store(pod, indexer::event::Tier::Gpu, None, &hashes);
+                ix.store(pod, indexer::event::Tier::Gpu, None, &chain_of(first, len));
             }
         }
         ix
@@ -689,14 +686,18 @@ fn profile_clear() {
     // eviction that sorted the pod's holdings paid for on every call.
     let ix = indexer::runs::RunIndex::new();
     for chain in 0..65_536u64 {
-        let hashes: Vec<u64> = (4 * chain..4 * chain + 4)
-            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-            .collect();
-        ix.store(0, indexer::event::Tier::Gpu, None, &hashes);
+        ix.store(0, indexer::event::Tier::Gpu, None, &chain_of(4 * chain, 4));
     }
     evict_all("1 pod, 65,536 chains of 4 blocks", 1, |pod, n| {
         ix.evict(pod, n).len()
     });
+}
+
+/// `len` distinct hashes, the `first`-th on (no two calls' ranges meet).
+fn chain_of(first: u64, len: u64) -> Vec<u64> {
+    (first..first + len)
+        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        .collect()
 }
 
 /// Evicts every pod's entries, 1,024 at a time, pods in turn.
