@@ -14,6 +14,7 @@ mod indexer;
 pub mod keys;
 pub mod offload;
 pub mod pod;
+pub mod pod_feed;
 pub mod repeats;
 pub mod routing;
 pub mod runs;

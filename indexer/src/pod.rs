@@ -11,19 +11,18 @@
 //!   skipped; nothing else is touched.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashSet, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 
 use crate::block_map::{BlockMap, Column, Entry};
 use crate::closure::Closure;
+use rules::{StorePlan, StoreRules};
 
-use crate::event::{
-    is_full_attention_kind, BlockRemoved, BlockStored, EngineHash, ExtraKey, Tier, TIERS,
-};
+use crate::event::{BlockRemoved, BlockStored, EngineHash, Tier, TIERS};
 use crate::index::{BlockIndex, Change, PodId};
-use crate::keys::{chain, fold_extras, BlockKey, KeyScope};
+use crate::keys::BlockKey;
 use crate::repeats::Repeats;
-use crate::scheme::{EngineKeys, KeyMode};
+use crate::scheme::KeyMode;
 use crate::snapshot::SnapshotBlock;
 
 /// One held engine hash: 8 bytes, so a pod's map entry (hash and block)
@@ -156,6 +155,9 @@ pub struct ApplyStats {
     pub engine_hash_checks: u64,
     /// ...and found different: our algorithm or seed differs from the pod's.
     pub engine_hash_mismatches: u64,
+    /// Run layout only (`pod_feed`): token-keyed blocks not stored because
+    /// another pod gave their engine hash to a different block.
+    pub hash_conflicts: u64,
 }
 
 impl ApplyStats {
@@ -170,6 +172,7 @@ impl ApplyStats {
         self.malformed_stores += o.malformed_stores;
         self.engine_hash_checks += o.engine_hash_checks;
         self.engine_hash_mismatches += o.engine_hash_mismatches;
+        self.hash_conflicts += o.hash_conflicts;
     }
 }
 
@@ -184,17 +187,10 @@ pub struct PodState {
     /// Each held block's store stamp, by slot: bounded pods only (only
     /// eviction reads them).
     stamps: Column<Stamp>,
-    /// `group_idx` values a store declared to be sliding-window, mamba...:
-    /// removals for them (which carry no kind) are ignored too.
-    non_full_groups: HashSet<u32>,
-    block_size: Option<u32>,
-    /// Offloaded block size in tokens, as token-less stores give it (older
-    /// vLLM; newer ones send 0): see `offload`.
-    offload_block_size: Option<u32>,
+    /// What its events taught about it (groups, block sizes, the
+    /// self-check): vLLM's rules, shared with `pod_feed`.
+    rules: StoreRules,
     held_per_tier: [u64; TIERS],
-    /// Engine mode: stores eligible for the hash self-check seen so far.
-    checkable_stores: u64,
-    check_buf: Vec<u8>,
     /// Stores of a hash on a tier it already holds, beyond the first.
     extra: Repeats<EngineHash>,
     /// Store clock, and (slot in `by_hash`, stamp) in store order for
@@ -237,9 +233,6 @@ pub struct PodState {
 /// 59% load, 0.65 at 68%, 1.7 at 76%), each a read of the entry's hash.
 const GROW_AT: (usize, usize) = (7, 10);
 
-/// Every pod's first stores are checked, then one in `self_check_every`.
-const ALWAYS_CHECKED_STORES: u64 = 8;
-
 impl PodState {
     pub fn new(id: PodId, model: impl Into<String>) -> Self {
         PodState {
@@ -248,12 +241,8 @@ impl PodState {
             by_hash: BlockMap::default(),
             keys: None,
             stamps: Column::default(),
-            non_full_groups: HashSet::new(),
-            block_size: None,
-            offload_block_size: None,
+            rules: StoreRules::default(),
             held_per_tier: [0; TIERS],
-            checkable_stores: 0,
-            check_buf: Vec::new(),
             extra: Repeats::default(),
             clock: 0,
             order: VecDeque::new(),
@@ -311,11 +300,11 @@ impl PodState {
 
     /// Block size learned from this pod's stores.
     pub fn block_size(&self) -> Option<u32> {
-        self.block_size
+        self.rules.block_size
     }
 
     pub fn offload_block_size(&self) -> Option<u32> {
-        self.offload_block_size
+        self.rules.offload_block_size
     }
 
     /// Our key of a block the pod holds, by its engine hash.
@@ -347,120 +336,72 @@ impl PodState {
     }
 
     fn store_event(&mut self, ev: &BlockStored, mode: &KeyMode, stats: &mut ApplyStats) {
-        if self.skip_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref()) {
-            stats.non_full_attention_events += 1;
+        let plan = self.rules.plan(ev, mode, stats);
+        if matches!(plan, StorePlan::Skip) {
             return;
         }
         let tier = ev.tier();
         let n = ev.block_hashes.len();
-        if n == 0 {
-            return;
-        }
         // Up front: a long document's changes otherwise grow the buffer,
         // copying it, a dozen times.
         self.pending.reserve(n);
         self.by_hash.touch(&ev.block_hashes);
-        let named_lora = named_lora(ev);
-        // Engine keys unless this adapter's hashes cannot be reproduced.
-        let engine = mode
-            .engine()
-            .filter(|e| e.lora_keyable(named_lora.as_deref()));
-        if ev.token_ids.is_empty() {
-            // Offload to another tier: token mode needs the blocks known by
-            // hash already; engine mode keys them by hash alone.
-            //
-            // With a named parent the event is a chain, as a GPU store is.
-            // Without one (vLLM's offloading connectors name none) it lists
-            // what one step stored: possibly blocks of several chains, and
-            // from their middles. A block new to the pod then has a parent
-            // nobody named: an orphan, so the pod is walked block by block
-            // rather than binary-searched as if the block began a chain.
-            if let Some(size) = ev.block_size.filter(|s| *s > 0) {
-                self.offload_block_size = Some(size);
-            }
-            let chained = ev.parent_block_hash.is_some();
-            let mut parent = ev.parent_block_hash;
-            for hash in &ev.block_hashes {
-                let linked_to = parent.replace(*hash);
-                let held = self.by_hash.contains_key(hash);
-                if engine.is_none() && !held {
-                    stats.unkeyable_blocks += 1;
-                    continue;
+        match plan {
+            StorePlan::Skip => {}
+            StorePlan::TierOnly { engine } => {
+                // Offload to another tier: token mode needs the blocks known
+                // by hash already; engine mode keys them by hash alone.
+                //
+                // With a named parent the event is a chain, as a GPU store
+                // is. Without one (vLLM's offloading connectors name none)
+                // it lists what one step stored: possibly blocks of several
+                // chains, and from their middles. A block new to the pod
+                // then has a parent nobody named: an orphan, so the pod is
+                // walked block by block rather than binary-searched as if
+                // the block began a chain.
+                let chained = ev.parent_block_hash.is_some();
+                let mut parent = ev.parent_block_hash;
+                for hash in &ev.block_hashes {
+                    let linked_to = parent.replace(*hash);
+                    let held = self.by_hash.contains_key(hash);
+                    if !engine && !held {
+                        stats.unkeyable_blocks += 1;
+                        continue;
+                    }
+                    // Usually a new tier for a held block: linked only if new.
+                    let link = match linked_to {
+                        _ if held => None,
+                        Some(p) if chained => Some(self.link_to(p)),
+                        _ => Some(self.detached_link(UNKNOWN_PARENT)),
+                    };
+                    self.store_block(*hash, BlockKey(hash.0), link, tier, false);
+                    stats.stored_blocks += 1;
                 }
-                // Usually a new tier for a held block: linked only if new.
-                let link = match linked_to {
-                    _ if held => None,
-                    Some(p) if chained => Some(self.link_to(p)),
-                    _ => Some(self.detached_link(UNKNOWN_PARENT)),
+            }
+            StorePlan::Engine => {
+                let mut link = ev.parent_block_hash.map(|p| self.link_to(p));
+                for (i, hash) in ev.block_hashes.iter().enumerate() {
+                    link = self.store_block(*hash, BlockKey(hash.0), link, tier, i + 1 < n);
+                    stats.stored_blocks += 1;
+                }
+            }
+            StorePlan::Tokens(keying) => {
+                let prev = match ev.parent_block_hash {
+                    None => keying.root_seed(&self.model),
+                    Some(parent) => match self.key_of(parent) {
+                        Some(key) => key.0,
+                        None => {
+                            stats.parent_unknown_blocks += n as u64;
+                            return;
+                        }
+                    },
                 };
-                self.store_block(*hash, BlockKey(hash.0), link, tier, false);
-                stats.stored_blocks += 1;
-            }
-            return;
-        }
-        let block_size = match ev.block_size {
-            Some(bs) if bs > 0 && ev.token_ids.len() == n * bs as usize => bs as usize,
-            None if ev.token_ids.len() % n == 0 => ev.token_ids.len() / n,
-            _ => {
-                stats.malformed_stores += 1;
-                return;
-            }
-        };
-        self.block_size = Some(block_size as u32);
-
-        if let Some(engine) = engine {
-            self.self_check(ev, block_size, engine, stats);
-            let mut link = ev.parent_block_hash.map(|p| self.link_to(p));
-            for (i, hash) in ev.block_hashes.iter().enumerate() {
-                link = self.store_block(*hash, BlockKey(hash.0), link, tier, i + 1 < n);
-                stats.stored_blocks += 1;
-            }
-            return;
-        }
-
-        // An adapter known only by id (old wire forms) gets a marker that can
-        // never equal a requested name: such blocks never match a prompt.
-        let lora = named_lora.or_else(|| ev.lora_id.map(|id| format!("\0lora-id:{id}")));
-        let extras_of = |i: usize| -> Vec<ExtraKey> {
-            let block = ev
-                .extra_keys
-                .as_ref()
-                .and_then(|v| v.get(i))
-                .and_then(|e| e.as_deref())
-                .unwrap_or(&[]);
-            non_lora_extras(block, lora.as_deref(), ev.lora_id)
-        };
-
-        let mut prev = match ev.parent_block_hash {
-            None => KeyScope {
-                model: &self.model,
-                lora_name: lora.as_deref(),
-                first_block_extras: &extras_of(0),
-            }
-            .root_seed(),
-            Some(parent) => match self.key_of(parent) {
-                Some(key) => key.0,
-                None => {
-                    stats.parent_unknown_blocks += n as u64;
-                    return;
+                let mut link = ev.parent_block_hash.map(|p| self.link_to(p));
+                for (i, (hash, key)) in keying.keys(prev).enumerate() {
+                    link = self.store_block(hash, key, link, tier, i + 1 < n);
+                    stats.stored_blocks += 1;
                 }
-            },
-        };
-        let mut link = ev.parent_block_hash.map(|p| self.link_to(p));
-        for (i, (hash, tokens)) in ev
-            .block_hashes
-            .iter()
-            .zip(ev.token_ids.chunks_exact(block_size))
-            .enumerate()
-        {
-            let mut key = chain(prev, tokens);
-            // Block 0 of a prompt had its extras folded into the root seed.
-            if i > 0 || ev.parent_block_hash.is_some() {
-                key = fold_extras(key, &extras_of(i));
             }
-            prev = key.0;
-            link = self.store_block(*hash, key, link, tier, i + 1 < n);
-            stats.stored_blocks += 1;
         }
     }
 
@@ -470,10 +411,7 @@ impl PodState {
     }
 
     fn remove_event(&mut self, ev: &BlockRemoved, stats: &mut ApplyStats) {
-        if ev
-            .group_idx
-            .is_some_and(|g| self.non_full_groups.contains(&g))
-        {
+        if self.rules.skips_removal(ev.group_idx) {
             stats.non_full_attention_events += 1;
             return;
         }
@@ -524,7 +462,7 @@ impl PodState {
                     .then(|| self.by_hash.any_at(b.parent).0 .0)
             })
             .collect();
-        let mut non_full_groups: Vec<u32> = self.non_full_groups.iter().copied().collect();
+        let mut non_full_groups: Vec<u32> = self.rules.non_full_groups.iter().copied().collect();
         non_full_groups.sort_unstable();
         PodExport {
             blocks,
@@ -551,9 +489,9 @@ impl PodState {
         if !self.by_hash.is_empty() {
             self.clear(index, &mut ApplyStats::default());
         }
-        self.block_size = block_size;
-        self.offload_block_size = offload_block_size;
-        self.non_full_groups = non_full_groups.iter().copied().collect();
+        self.rules.block_size = block_size;
+        self.rules.offload_block_size = offload_block_size;
+        self.rules.non_full_groups = non_full_groups.iter().copied().collect();
         // Children may come before their parents: closed only once linked.
         self.closure.open();
         let known_parents = parents.len() == blocks.len();
@@ -694,50 +632,6 @@ impl PodState {
         self.orphans = 0;
         self.flush(index);
         stats.clears += 1;
-    }
-
-    /// Recomputes (sampled) a prompt-start store's hashes from its tokens:
-    /// a mismatch means our algorithm or seed is not the pod's.
-    fn self_check(
-        &mut self,
-        ev: &BlockStored,
-        block_size: usize,
-        engine: &EngineKeys,
-        stats: &mut ApplyStats,
-    ) {
-        // Only stores whose hash inputs we know fully: a chain start (the
-        // wire carries parents truncated to 64 bits), no adapter, and extra
-        // keys present and empty (old wire forms omit them, salt included).
-        let plain = ev.parent_block_hash.is_none()
-            && ev.lora_name.is_none()
-            && ev.lora_id.is_none()
-            && ev
-                .extra_keys
-                .as_ref()
-                .is_some_and(|v| v.iter().all(|e| e.as_ref().is_none_or(|e| e.is_empty())));
-        if !plain || engine.self_check_every == 0 {
-            return;
-        }
-        self.checkable_stores += 1;
-        if self.checkable_stores > ALWAYS_CHECKED_STORES
-            && self.checkable_stores % u64::from(engine.self_check_every) != 0
-        {
-            return;
-        }
-        stats.engine_hash_checks += 1;
-        let hasher = &engine.hasher;
-        let mut parent = hasher.none_hash();
-        for (hash, tokens) in ev
-            .block_hashes
-            .iter()
-            .zip(ev.token_ids.chunks_exact(block_size))
-        {
-            parent = hasher.block_digest(&mut self.check_buf, &parent, tokens, &[]);
-            if parent.wire() != *hash {
-                stats.engine_hash_mismatches += 1;
-                return;
-            }
-        }
     }
 
     /// Applies the pending index changes (one event's: all acquires or all
@@ -984,18 +878,6 @@ impl PodState {
             _ => None,
         }
     }
-
-    fn skip_group(&mut self, group: Option<u32>, kind: Option<&str>) -> bool {
-        match (group, kind) {
-            (Some(g), Some(k)) if !is_full_attention_kind(k) => {
-                self.non_full_groups.insert(g);
-                true
-            }
-            (None, Some(k)) => !is_full_attention_kind(k),
-            (Some(g), None) => self.non_full_groups.contains(&g),
-            _ => false,
-        }
-    }
 }
 
 /// A new block's link to its parent, made before the block's own lookup:
@@ -1014,56 +896,7 @@ fn key_in(keys: &Option<Column<u64>>, slot: u32, hash: EngineHash) -> BlockKey {
     }
 }
 
-/// The LoRA adapter a store names: `lora_name`, else a tagged
-/// `("lora", name, ...)` extra key.
-fn named_lora(ev: &BlockStored) -> Option<String> {
-    if let Some(name) = &ev.lora_name {
-        return Some(name.clone());
-    }
-    let first = ev
-        .extra_keys
-        .as_ref()
-        .and_then(|v| v.first())
-        .and_then(|e| e.as_deref())
-        .unwrap_or(&[]);
-    for extra in first {
-        if let ExtraKey::List(items) = extra {
-            if let [ExtraKey::Str(tag), ExtraKey::Str(name), ..] = items.as_slice() {
-                if tag == "lora" {
-                    return Some(name.clone());
-                }
-            }
-        }
-    }
-    None
-}
-
-/// A block's extra keys minus the LoRA markers (the LoRA is in the root seed),
-/// with tagged cache salts `("cache_salt", s)` reduced to the bare salt, the
-/// form a request's salt takes.
-fn non_lora_extras(extras: &[ExtraKey], lora: Option<&str>, lora_id: Option<i64>) -> Vec<ExtraKey> {
-    extras
-        .iter()
-        .filter(|e| match e {
-            ExtraKey::Str(s) => Some(s.as_str()) != lora,
-            ExtraKey::Int(i) => Some(*i) != lora_id,
-            ExtraKey::List(items) => {
-                !matches!(items.first(), Some(ExtraKey::Str(t)) if t == "lora")
-            }
-            _ => true,
-        })
-        .map(|e| match e {
-            ExtraKey::List(items) => match items.as_slice() {
-                [ExtraKey::Str(tag), salt @ ExtraKey::Str(_)] if tag == "cache_salt" => {
-                    salt.clone()
-                }
-                _ => e.clone(),
-            },
-            _ => e.clone(),
-        })
-        .collect()
-}
-
 mod order;
+pub(crate) mod rules;
 #[cfg(test)]
 mod tests;

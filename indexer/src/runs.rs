@@ -280,7 +280,20 @@ impl RunIndex {
 
     /// The (tier, block) entries `pod` has: what `evict` can drop.
     pub fn entries(&self, pod: u32) -> u64 {
+        self.writer.lock().entries(pod).iter().sum()
+    }
+
+    /// The blocks `pod` has on each tier (`Tier::index` order).
+    pub fn held_per_tier(&self, pod: u32) -> [u64; TIERS] {
         self.writer.lock().entries(pod)
+    }
+
+    /// The key of the block engine hash `e` names, if `pod` holds it on
+    /// some tier: what a store under it, or a tier-only store of it, is
+    /// keyed from. Only the pod's own blocks: another pod's claim to a
+    /// hash never keys this pod's stores (see `pod_feed`).
+    pub fn key_held_by(&self, pod: u32, e: u64) -> Option<u64> {
+        self.writer.lock().key_held_by(pod, e)
     }
 
     /// Drops everything `pod` holds, on every tier (its cache was cleared).

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use super::*;
+use crate::event::ExtraKey;
 use crate::keys::{prompt_keys, request_root_seed};
 use crate::scheme::KeySchemes;
 

@@ -16,6 +16,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use crate::event::TIERS;
 use crate::index::KeyBuildHasher;
 
 /// A store into `holder`'s holding of `run`, stamped `stamp`.
@@ -32,8 +33,8 @@ pub(super) struct PodRuns {
     queue: VecDeque<Touch>,
     /// The queue's length after its last compaction.
     compacted: usize,
-    /// (Holder, block) entries the pod has, over its tiers.
-    pub entries: u64,
+    /// (Holder, block) entries the pod has, per tier.
+    pub entries: [u64; TIERS],
 }
 
 /// Every pod's, by pod. A store or removal finds its pod here once per

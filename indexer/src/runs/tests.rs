@@ -283,8 +283,25 @@ fn check_every_chain(
     check_invariants(ix);
     let held: HashSet<u64> = model.0.values().flat_map(|h| h.0.keys()).copied().collect();
     prop_assert!(ix.blocks() >= held.len());
+    let engine_keys = !ix.writer.lock().token_keys;
     for pod in 0..4 {
         prop_assert_eq!(ix.entries(pod), model.entries(pod), "pod {}'s entries", pod);
+        let per_tier: [u64; TIERS] =
+            std::array::from_fn(|t| model.0.get(&(pod, t)).map_or(0, |h| h.0.len() as u64));
+        prop_assert_eq!(ix.held_per_tier(pod), per_tier, "pod {}'s tiers", pod);
+        if engine_keys {
+            for &k in &held {
+                let its =
+                    (0..TIERS).any(|t| model.0.get(&(pod, t)).is_some_and(|h| h.contains(&k)));
+                prop_assert_eq!(
+                    ix.key_held_by(pod, k),
+                    its.then_some(k),
+                    "pod {} holds {}",
+                    pod,
+                    k
+                );
+            }
+        }
     }
     for mut q in chains {
         prop_assert_eq!(

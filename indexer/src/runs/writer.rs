@@ -8,8 +8,10 @@ use std::sync::Arc;
 use hashbrown::hash_table::HashTable;
 use smallvec::SmallVec;
 
+use crate::event::TIERS;
+
 use super::pods::{PodRuns, Pods, Touch};
-use super::shared::{hash, Arena, Heads, HoldingView, Words, RUN_CAP, TIER_BITS};
+use super::shared::{hash, tier_of, Arena, Heads, HoldingView, Words, RUN_CAP, TIER_BITS};
 
 /// A block's place: its run and its offset in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -479,7 +481,7 @@ impl Writer {
             self.renumber();
         }
         let pod = self.pods.entry(holder >> TIER_BITS);
-        pod.entries += added;
+        pod.entries[usize::from(tier_of(holder))] += added;
         let runs = &mut self.runs;
         for (k, &(run, i)) in touched.iter().enumerate().rev() {
             let stamp = self.clock + n - k as u32;
@@ -619,10 +621,10 @@ impl Writer {
         unknown
     }
 
-    /// `holder`'s pod let go of `n` entries.
+    /// `holder`'s pod let go of `n` entries on `holder`'s tier.
     fn count_released(&mut self, holder: u32, n: u64) {
         if let Some(pod) = self.pods.get_mut(&(holder >> TIER_BITS)) {
-            pod.entries -= n;
+            pod.entries[usize::from(tier_of(holder))] -= n;
         }
     }
 
@@ -734,7 +736,7 @@ impl Writer {
         r.holdings[i].stamp = stamp;
         r.holdings[i].spans = spans;
         let pod = self.pods.entry(holder >> TIER_BITS);
-        pod.entries += u64::from(held);
+        pod.entries[usize::from(tier_of(holder))] += u64::from(held);
         // Out of stamp order: `sort_queues` puts it in place, and nothing
         // is stale yet.
         pod.push_unordered(Touch { stamp, run, holder });
@@ -765,9 +767,26 @@ impl Writer {
         }
     }
 
-    /// The (holder, block) entries `pod` has, over its tiers.
-    pub fn entries(&self, pod: u32) -> u64 {
-        self.pods.get(&pod).map_or(0, |p| p.entries)
+    /// The (holder, block) entries `pod` has, per tier.
+    pub fn entries(&self, pod: u32) -> [u64; TIERS] {
+        self.pods.get(&pod).map_or([0; TIERS], |p| p.entries)
+    }
+
+    /// The key of the block `e` names, if `pod` holds it on some tier.
+    pub fn key_held_by(&self, pod: u32, e: u64) -> Option<u64> {
+        let loc = self.table.find(e)?;
+        let r = &self.runs[loc.run as usize];
+        let first = r.holdings.partition_point(|h| h.holder >> TIER_BITS < pod);
+        r.holdings[first..]
+            .iter()
+            .take_while(|h| h.holder >> TIER_BITS == pod)
+            .any(|h| {
+                h.spans
+                    .iter()
+                    .any(|s| s.start <= loc.off && loc.off < s.end)
+            })
+            .then(|| r.hash(loc.off))
+            .flatten()
     }
 
     /// Before the clock would wrap (after 2^32 holdings stamped): the
@@ -833,9 +852,9 @@ impl Writer {
                 debug_assert!(released);
                 out.push((holder, key));
                 dropped += 1;
+                self.count_released(holder, 1);
             }
         }
-        self.count_released(pod << TIER_BITS, dropped as u64);
         dropped
     }
 

@@ -1,23 +1,27 @@
 //! The run layout (`indexer::runs`) on every recorded vLLM stream: fed the
-//! same events the service's index applies, keyed as the service keys them,
-//! it answers every probe with the blocks vLLM says each pod had cached,
-//! and as the service's index does. Then it is evicted down, dumped and
+//! same batches the service's index applies, through `PodFeed` (the pod
+//! rules without a per-block map), it counts them as the service does and
+//! answers every probe with the blocks vLLM says each pod had cached, and
+//! as the service's index does. Then it is evicted down, dumped and
 //! restored, and still answers as it did.
 
 use std::collections::HashMap;
 
-use indexer::event::{EventBatch, KvEvent};
+use indexer::engine_hash::{HashAlgo, DEFAULT_SEED};
+use indexer::pod_feed::{KeyedRuns, PodFeed};
 use indexer::runs::RunIndex;
 use indexer::{Indexer, IndexerConfig};
 use serde_json::Value;
 
 use super::{answers, expected, frames, probe_tokens, Frame};
 
-/// The service's index and the run layout, fed one stream, and each pod's
-/// name by its id.
-fn replay(stream: &str) -> (Indexer, RunIndex, HashMap<u32, String>) {
-    let ix = Indexer::new(IndexerConfig::default());
-    let runs = RunIndex::with_token_keys().bounded();
+/// The service's index and the run layout (each pod fed by a `PodFeed`,
+/// which keys the blocks itself), fed one stream under `config`, and each
+/// pod's name by its id.
+fn replay(stream: &str, config: IndexerConfig) -> (Indexer, KeyedRuns, HashMap<u32, String>) {
+    let ix = Indexer::new(config);
+    let runs = KeyedRuns::new(&ix.config().tier_weights, true);
+    let mut feeds: HashMap<u32, PodFeed> = HashMap::new();
     let mut names = HashMap::new();
     for Frame {
         model,
@@ -28,40 +32,12 @@ fn replay(stream: &str) -> (Indexer, RunIndex, HashMap<u32, String>) {
     {
         let pod = ix.pod(&model, &pod, batch.data_parallel_rank);
         names.insert(pod.id.0, pod.name.clone());
-        // One event at a time: a block the batch removes again after
-        // storing it still has its key when its store is fed.
-        for event in &batch.events {
-            let one = EventBatch {
-                events: vec![event.clone()],
-                ts: batch.ts,
-                data_parallel_rank: batch.data_parallel_rank,
-                skipped: batch.skipped,
-            };
-            ix.apply(&pod, seq, &one);
-            match event {
-                KvEvent::Stored(s) => {
-                    let keys = ix.keys_of(&pod, &s.block_hashes);
-                    let blocks: Vec<(u64, u64)> = s
-                        .block_hashes
-                        .iter()
-                        .zip(&keys)
-                        .map(|(h, k)| (h.0, k.expect("the service keyed it").0))
-                        .collect();
-                    let skipped = runs.store_keyed(
-                        pod.id.0,
-                        s.tier(),
-                        s.parent_block_hash.map(|p| p.0),
-                        &blocks,
-                    );
-                    assert_eq!(skipped, 0, "{stream}: a store the service took");
-                }
-                KvEvent::Removed(r) => {
-                    let hashes: Vec<u64> = r.block_hashes.iter().map(|h| h.0).collect();
-                    runs.remove(pod.id.0, r.tier(), &hashes);
-                }
-                KvEvent::AllCleared => runs.clear(pod.id.0),
-            }
-        }
+        let service = ix.apply(&pod, seq, &batch);
+        let feed = feeds
+            .entry(pod.id.0)
+            .or_insert_with(|| PodFeed::new(pod.id.0, model.as_str()));
+        let ours = feed.apply(&runs, &batch, ix.config().keys.for_model(&model));
+        assert_eq!(ours, service, "{stream}: seq {seq} applied alike");
     }
     (ix, runs, names)
 }
@@ -70,26 +46,25 @@ fn replay(stream: &str) -> (Indexer, RunIndex, HashMap<u32, String>) {
 /// `super::answers` lists the service's.
 fn run_answers(
     ix: &Indexer,
-    runs: &RunIndex,
+    runs: &KeyedRuns,
     names: &HashMap<u32, String>,
     expected: &Value,
 ) -> Vec<u64> {
     let model = expected["meta"]["model"].as_str().unwrap();
+    let mode = ix.config().keys.for_model(model);
     let mut out = Vec::new();
     for probe in expected["probes"].as_array().unwrap() {
         let (lora, salt) = (probe["lora_name"].as_str(), probe["cache_salt"].as_str());
-        let keys: Vec<u64> = ix
-            .request_keys(
-                model,
-                lora,
-                salt,
-                &probe_tokens(probe),
-                ix.model_block_size(model),
-            )
-            .into_iter()
-            .map(|k| k.0)
-            .collect();
+        let (keys, engine_keys) = mode.request_keys(
+            model,
+            lora,
+            salt,
+            &probe_tokens(probe),
+            ix.model_block_size(model) as usize,
+        );
+        let keys: Vec<u64> = keys.into_iter().map(|k| k.0).collect();
         let ours: HashMap<&str, u32> = runs
+            .for_request(engine_keys)
             .prefix_matches(&keys)
             .into_iter()
             .map(|m| (names[&m.pod].as_str(), m.blocks))
@@ -101,19 +76,38 @@ fn run_answers(
     out
 }
 
+/// `pod`'s entries over both keyings.
+fn entries(runs: &KeyedRuns, pod: u32) -> u64 {
+    runs.engine.entries(pod) + runs.token.entries(pod)
+}
+
 #[test]
 fn runs_answer_every_recorded_stream_as_vllm_and_the_service_do() {
-    for stream in [
-        "qwen3-sha256-int",
-        "qwen3-sha256-int.array-v0.23",
-        "qwen3-sha256-int.array-v0.11",
-        "qwen3-sha256cbor-bytes",
-        "qwen3-sha256cbor-bytes.array-v0.23",
-        "qwen3-sha256cbor-bytes.array-v0.11",
-        "qwen3-lora-salt",
+    let token = IndexerConfig::default;
+    let engine = |algo| super::engine_config(algo, DEFAULT_SEED, false);
+    for (stream, config) in [
+        ("qwen3-sha256-int", token()),
+        ("qwen3-sha256-int.array-v0.23", token()),
+        ("qwen3-sha256-int.array-v0.11", token()),
+        ("qwen3-sha256cbor-bytes", token()),
+        ("qwen3-sha256cbor-bytes.array-v0.23", token()),
+        ("qwen3-sha256cbor-bytes.array-v0.11", token()),
+        ("qwen3-lora-salt", token()),
+        ("qwen3-sha256-int", engine(HashAlgo::Sha256)),
+        ("qwen3-sha256-int.array-v0.23", engine(HashAlgo::Sha256)),
+        ("qwen3-sha256-int.array-v0.11", engine(HashAlgo::Sha256)),
+        ("qwen3-sha256cbor-bytes", engine(HashAlgo::Sha256Cbor)),
+        (
+            "qwen3-sha256cbor-bytes.array-v0.11",
+            engine(HashAlgo::Sha256Cbor),
+        ),
+        // LoRA blocks are token keyed (no --lora-path), salted ones engine
+        // keyed: both indexes in use.
+        ("qwen3-lora-salt", engine(HashAlgo::Sha256)),
     ] {
+        let mode = config.keys.for_model("").name();
         let expected = expected(stream);
-        let (ix, runs, names) = replay(stream);
+        let (ix, runs, names) = replay(stream, config);
         let service = answers(&ix, &expected);
         let got = run_answers(&ix, &runs, &names, &expected);
         assert_eq!(got.len(), service.len());
@@ -123,30 +117,44 @@ fn runs_answer_every_recorded_stream_as_vllm_and_the_service_do() {
             assert_eq!(
                 (ours, service),
                 (vllm, vllm),
-                "{stream}: {what} (runs, service)"
+                "{stream} ({mode} keys): {what} (runs, service)"
             );
             cached += vllm;
         }
         assert!(cached > 0, "{stream}: the probes find cached blocks");
+        let (engine_blocks, token_blocks) = (runs.engine.blocks(), runs.token.blocks());
+        if mode == "token" {
+            assert_eq!(engine_blocks, 0, "{stream}: token keys only");
+        }
 
         // Dumped and restored: the same answers.
-        let restored = RunIndex::from_dump(runs.dump(), true)
-            .expect("its own dump")
-            .bounded();
+        let restored = KeyedRuns {
+            engine: RunIndex::from_dump(runs.engine.dump(), false)
+                .expect("its own dump")
+                .bounded(),
+            token: RunIndex::from_dump(runs.token.dump(), true)
+                .expect("its own dump")
+                .bounded(),
+        };
         let again = run_answers(&ix, &restored, &names, &expected);
         for (((what, ..), ours), again) in service.iter().zip(&got).zip(again) {
-            assert_eq!(*ours, again, "{stream}: {what} after a restore");
+            assert_eq!(
+                *ours, again,
+                "{stream} ({mode} keys): {what} after a restore"
+            );
         }
 
         // Evicted down to half its entries, pods in turn: answers only
         // shorten, and each pod keeps a prefix of what it had.
         let pods: Vec<u32> = names.keys().copied().collect();
-        let total: u64 = pods.iter().map(|p| runs.entries(*p)).sum();
+        let total: u64 = pods.iter().map(|p| entries(&runs, *p)).sum();
         let mut left = total;
         while left > total / 2 {
             let round: u64 = pods
                 .iter()
-                .map(|&pod| runs.evict(pod, 64).len() as u64)
+                .map(|&pod| {
+                    (runs.engine.evict(pod, 32).len() + runs.token.evict(pod, 32).len()) as u64
+                })
                 .sum();
             assert!(
                 round > 0,
@@ -154,17 +162,17 @@ fn runs_answer_every_recorded_stream_as_vllm_and_the_service_do() {
             );
             left -= round;
         }
-        let counted: u64 = pods.iter().map(|p| runs.entries(*p)).sum();
+        let counted: u64 = pods.iter().map(|p| entries(&runs, *p)).sum();
         assert_eq!(counted, left, "{stream}: entries counted as evicted");
         let after = run_answers(&ix, &runs, &names, &expected);
         for (((what, ..), before), after) in service.iter().zip(&got).zip(after) {
             assert!(after <= *before, "{stream}: {what} grew under eviction");
         }
         println!(
-            "{stream}: {} probe/pod pairs, {cached} cached blocks, runs = service = vLLM; \
-             {} distinct blocks, {total} entries",
+            "{stream} ({mode} keys): {} probe/pod pairs, {cached} cached blocks, \
+             runs = service = vLLM; {engine_blocks} engine-keyed and {token_blocks} token-keyed \
+             distinct blocks, {total} entries",
             got.len(),
-            restored.blocks(),
         );
     }
 }

@@ -1,0 +1,265 @@
+//! What a pod's store events mean before any block is held: which events
+//! count (full-attention groups only), the block sizes they teach, the
+//! engine-hash self-check, and how their blocks are keyed (engine hashes,
+//! or token keys with the adapter and extra keys folded in).
+//!
+//! Why a module of its own: these are vLLM's rules, not the index's. The
+//! pod state that holds blocks (`PodState` over the block index; the run
+//! layout's `pod_feed`) applies them alike, and they must never differ
+//! between the two.
+
+use std::collections::HashSet;
+
+use crate::event::{is_full_attention_kind, BlockStored, EngineHash, ExtraKey};
+use crate::keys::{chain, fold_extras, BlockKey, KeyScope};
+use crate::pod::ApplyStats;
+use crate::scheme::{EngineKeys, KeyMode};
+
+/// Every pod's first stores are checked, then one in `self_check_every`.
+const ALWAYS_CHECKED_STORES: u64 = 8;
+
+/// One pod's rule state: what its events taught about it.
+#[derive(Debug, Default)]
+pub(crate) struct StoreRules {
+    /// `group_idx` values a store declared to be sliding-window, mamba...:
+    /// removals for them (which carry no kind) are ignored too.
+    pub non_full_groups: HashSet<u32>,
+    pub block_size: Option<u32>,
+    /// Offloaded block size in tokens, as token-less stores give it (older
+    /// vLLM; newer ones send 0): see `offload`.
+    pub offload_block_size: Option<u32>,
+    /// Engine mode: stores eligible for the hash self-check seen so far.
+    checkable_stores: u64,
+    check_buf: Vec<u8>,
+}
+
+/// How a store's blocks are to be held, once the rules let it through.
+pub(crate) enum StorePlan<'e> {
+    /// Nothing to hold (counted in the stats where it is a fault).
+    Skip,
+    /// No tokens: blocks offloaded to another tier, known by hash. With
+    /// `engine`, a block the pod does not hold is keyed by its hash; else
+    /// it cannot be keyed.
+    TierOnly { engine: bool },
+    /// Engine keys: each block's key is its hash.
+    Engine,
+    /// Token keys, chained from the parent's key (or the root seed).
+    Tokens(TokenKeying<'e>),
+}
+
+impl StoreRules {
+    /// Whether the removals of `group` are ignored (not full attention).
+    pub fn skips_removal(&self, group: Option<u32>) -> bool {
+        group.is_some_and(|g| self.non_full_groups.contains(&g))
+    }
+
+    /// The plan for `ev` under `mode`: learns its block sizes and groups,
+    /// counts what it skips and self-checks engine hashes.
+    pub fn plan<'e>(
+        &mut self,
+        ev: &'e BlockStored,
+        mode: &KeyMode,
+        stats: &mut ApplyStats,
+    ) -> StorePlan<'e> {
+        if self.skip_group(ev.group_idx, ev.kv_cache_spec_kind.as_deref()) {
+            stats.non_full_attention_events += 1;
+            return StorePlan::Skip;
+        }
+        let n = ev.block_hashes.len();
+        if n == 0 {
+            return StorePlan::Skip;
+        }
+        let named_lora = named_lora(ev);
+        // Engine keys unless this adapter's hashes cannot be reproduced.
+        let engine = mode
+            .engine()
+            .filter(|e| e.lora_keyable(named_lora.as_deref()));
+        if ev.token_ids.is_empty() {
+            if let Some(size) = ev.block_size.filter(|s| *s > 0) {
+                self.offload_block_size = Some(size);
+            }
+            return StorePlan::TierOnly {
+                engine: engine.is_some(),
+            };
+        }
+        let block_size = match ev.block_size {
+            Some(bs) if bs > 0 && ev.token_ids.len() == n * bs as usize => bs as usize,
+            None if ev.token_ids.len() % n == 0 => ev.token_ids.len() / n,
+            _ => {
+                stats.malformed_stores += 1;
+                return StorePlan::Skip;
+            }
+        };
+        self.block_size = Some(block_size as u32);
+        if let Some(engine) = engine {
+            self.self_check(ev, block_size, engine, stats);
+            return StorePlan::Engine;
+        }
+        // An adapter known only by id (old wire forms) gets a marker that can
+        // never equal a requested name: such blocks never match a prompt.
+        let lora = named_lora.or_else(|| ev.lora_id.map(|id| format!("\0lora-id:{id}")));
+        StorePlan::Tokens(TokenKeying {
+            ev,
+            lora,
+            block_size,
+        })
+    }
+
+    fn skip_group(&mut self, group: Option<u32>, kind: Option<&str>) -> bool {
+        match (group, kind) {
+            (Some(g), Some(k)) if !is_full_attention_kind(k) => {
+                self.non_full_groups.insert(g);
+                true
+            }
+            (None, Some(k)) => !is_full_attention_kind(k),
+            (Some(g), None) => self.non_full_groups.contains(&g),
+            _ => false,
+        }
+    }
+
+    /// Recomputes (sampled) a prompt-start store's hashes from its tokens:
+    /// a mismatch means our algorithm or seed is not the pod's.
+    fn self_check(
+        &mut self,
+        ev: &BlockStored,
+        block_size: usize,
+        engine: &EngineKeys,
+        stats: &mut ApplyStats,
+    ) {
+        // Only stores whose hash inputs we know fully: a chain start (the
+        // wire carries parents truncated to 64 bits), no adapter, and extra
+        // keys present and empty (old wire forms omit them, salt included).
+        let plain = ev.parent_block_hash.is_none()
+            && ev.lora_name.is_none()
+            && ev.lora_id.is_none()
+            && ev
+                .extra_keys
+                .as_ref()
+                .is_some_and(|v| v.iter().all(|e| e.as_ref().is_none_or(|e| e.is_empty())));
+        if !plain || engine.self_check_every == 0 {
+            return;
+        }
+        self.checkable_stores += 1;
+        if self.checkable_stores > ALWAYS_CHECKED_STORES
+            && self.checkable_stores % u64::from(engine.self_check_every) != 0
+        {
+            return;
+        }
+        stats.engine_hash_checks += 1;
+        let hasher = &engine.hasher;
+        let mut parent = hasher.none_hash();
+        for (hash, tokens) in ev
+            .block_hashes
+            .iter()
+            .zip(ev.token_ids.chunks_exact(block_size))
+        {
+            parent = hasher.block_digest(&mut self.check_buf, &parent, tokens, &[]);
+            if parent.wire() != *hash {
+                stats.engine_hash_mismatches += 1;
+                return;
+            }
+        }
+    }
+}
+
+/// How a token-keyed store's blocks get their keys: each from its parent's
+/// key and its tokens, extra keys (images, a salt) folded in, the adapter in
+/// the root seed of a chain's first block.
+pub(crate) struct TokenKeying<'e> {
+    ev: &'e BlockStored,
+    lora: Option<String>,
+    block_size: usize,
+}
+
+impl<'e> TokenKeying<'e> {
+    /// The key a chain's first block is chained from, for `model`.
+    pub fn root_seed(&self, model: &str) -> u64 {
+        KeyScope {
+            model,
+            lora_name: self.lora.as_deref(),
+            first_block_extras: &self.extras_of(0),
+        }
+        .root_seed()
+    }
+
+    /// Each block's (engine hash, key), chained from `prev`: the parent's
+    /// key, or `root_seed` if the store has no parent.
+    pub fn keys(&self, mut prev: u64) -> impl Iterator<Item = (EngineHash, BlockKey)> + '_ {
+        let under_parent = self.ev.parent_block_hash.is_some();
+        self.ev
+            .block_hashes
+            .iter()
+            .zip(self.ev.token_ids.chunks_exact(self.block_size))
+            .enumerate()
+            .map(move |(i, (hash, tokens))| {
+                let mut key = chain(prev, tokens);
+                // Block 0 of a prompt had its extras folded into the root seed.
+                if i > 0 || under_parent {
+                    key = fold_extras(key, &self.extras_of(i));
+                }
+                prev = key.0;
+                (*hash, key)
+            })
+    }
+
+    fn extras_of(&self, i: usize) -> Vec<ExtraKey> {
+        let block = self
+            .ev
+            .extra_keys
+            .as_ref()
+            .and_then(|v| v.get(i))
+            .and_then(|e| e.as_deref())
+            .unwrap_or(&[]);
+        non_lora_extras(block, self.lora.as_deref(), self.ev.lora_id)
+    }
+}
+
+/// The LoRA adapter a store names: `lora_name`, else a tagged
+/// `("lora", name, ...)` extra key.
+fn named_lora(ev: &BlockStored) -> Option<String> {
+    if let Some(name) = &ev.lora_name {
+        return Some(name.clone());
+    }
+    let first = ev
+        .extra_keys
+        .as_ref()
+        .and_then(|v| v.first())
+        .and_then(|e| e.as_deref())
+        .unwrap_or(&[]);
+    for extra in first {
+        if let ExtraKey::List(items) = extra {
+            if let [ExtraKey::Str(tag), ExtraKey::Str(name), ..] = items.as_slice() {
+                if tag == "lora" {
+                    return Some(name.clone());
+                }
+            }
+        }
+    }
+    None
+}
+
+/// A block's extra keys minus the LoRA markers (the LoRA is in the root seed),
+/// with tagged cache salts `("cache_salt", s)` reduced to the bare salt, the
+/// form a request's salt takes.
+fn non_lora_extras(extras: &[ExtraKey], lora: Option<&str>, lora_id: Option<i64>) -> Vec<ExtraKey> {
+    extras
+        .iter()
+        .filter(|e| match e {
+            ExtraKey::Str(s) => Some(s.as_str()) != lora,
+            ExtraKey::Int(i) => Some(*i) != lora_id,
+            ExtraKey::List(items) => {
+                !matches!(items.first(), Some(ExtraKey::Str(t)) if t == "lora")
+            }
+            _ => true,
+        })
+        .map(|e| match e {
+            ExtraKey::List(items) => match items.as_slice() {
+                [ExtraKey::Str(tag), salt @ ExtraKey::Str(_)] if tag == "cache_salt" => {
+                    salt.clone()
+                }
+                _ => e.clone(),
+            },
+            _ => e.clone(),
+        })
+        .collect()
+}
