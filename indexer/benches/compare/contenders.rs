@@ -8,7 +8,11 @@
 //!   services use), or `<PositionalIndexer>` (jump 32, its default search);
 //!   reads run inline on the caller's thread, as its `find_matches` does;
 //! - smg: `kv_index::ChainIndex` (2.0's index), applied on the caller's
-//!   thread with one `ChainBlockMap` per worker, as its lanes do.
+//!   thread with one `ChainBlockMap` per worker, as its lanes do;
+//! - runs: `indexer::runs::RunIndex`, the layout the index redesign is
+//!   measured with, fed through its own API;
+//! - feed: the same layout fed vLLM's events through `pod_feed::PodFeed`,
+//!   the service's rules, as the service would feed it.
 
 use std::sync::Arc;
 
@@ -68,6 +72,53 @@ fn tokens_of(nodes: &Nodes, path: &[u32]) -> Vec<u32> {
         .collect()
 }
 
+/// A trace batch as vLLM sends it: what ours and `feed` apply.
+fn event_batch(nodes: &Nodes, batch: &Batch) -> EventBatch {
+    let hashes = |ns: &[u32]| -> Vec<EngineHash> {
+        ns.iter()
+            .map(|n| EngineHash(nodes.engine[*n as usize]))
+            .collect()
+    };
+    let events = batch
+        .events
+        .iter()
+        .map(|e| match e {
+            Event::Stored { parent, nodes: ns } => KvEvent::Stored(BlockStored {
+                block_hashes: hashes(ns),
+                parent_block_hash: parent.map(|p| EngineHash(nodes.engine[p as usize])),
+                token_ids: tokens_of(nodes, ns),
+                block_size: Some(BLOCK_SIZE as u32),
+                ..Default::default()
+            }),
+            Event::Removed { nodes: ns } => KvEvent::Removed(BlockRemoved {
+                block_hashes: hashes(ns),
+                ..Default::default()
+            }),
+        })
+        .collect();
+    EventBatch {
+        events,
+        ..Default::default()
+    }
+}
+
+/// The key schemes ours and `feed` use: engine hashes as keys for
+/// pre-hashed input (nothing to compute per block), token keys otherwise.
+fn schemes(input: Input) -> KeySchemes {
+    match input {
+        Input::PreHashed => KeySchemes::engine(
+            indexer::engine_hash::EngineHasher::new(
+                indexer::engine_hash::HashAlgo::Sha256,
+                indexer::engine_hash::DEFAULT_SEED,
+                indexer::engine_hash::ExtraKeyStyle::Tagged,
+            ),
+            false,
+            0,
+        ),
+        Input::Tokens => KeySchemes::default(),
+    }
+}
+
 const MODEL: &str = "bench/model";
 
 // ---------------------------------------------------------------- ours
@@ -94,21 +145,8 @@ impl Contender for Ours {
     }
 
     fn new(trace: &Trace, input: Input) -> Self {
-        let keys = match input {
-            // The engine's hashes are the keys: nothing to compute per block.
-            Input::PreHashed => KeySchemes::engine(
-                indexer::engine_hash::EngineHasher::new(
-                    indexer::engine_hash::HashAlgo::Sha256,
-                    indexer::engine_hash::DEFAULT_SEED,
-                    indexer::engine_hash::ExtraKeyStyle::Tagged,
-                ),
-                false,
-                0,
-            ),
-            Input::Tokens => KeySchemes::default(),
-        };
         let ix = Indexer::new(IndexerConfig {
-            keys,
+            keys: schemes(input),
             ..IndexerConfig::default()
         });
         // Pods in order, so pod i is PodId(i).
@@ -124,35 +162,7 @@ impl Contender for Ours {
     }
 
     fn prepare_batch(&self, nodes: &Nodes, batch: &Batch) -> Self::Batch {
-        let hashes = |ns: &[u32]| -> Vec<EngineHash> {
-            ns.iter()
-                .map(|n| EngineHash(nodes.engine[*n as usize]))
-                .collect()
-        };
-        let events = batch
-            .events
-            .iter()
-            .map(|e| match e {
-                Event::Stored { parent, nodes: ns } => KvEvent::Stored(BlockStored {
-                    block_hashes: hashes(ns),
-                    parent_block_hash: parent.map(|p| EngineHash(nodes.engine[p as usize])),
-                    token_ids: tokens_of(nodes, ns),
-                    block_size: Some(BLOCK_SIZE as u32),
-                    ..Default::default()
-                }),
-                Event::Removed { nodes: ns } => KvEvent::Removed(BlockRemoved {
-                    block_hashes: hashes(ns),
-                    ..Default::default()
-                }),
-            })
-            .collect();
-        (
-            batch.pod,
-            EventBatch {
-                events,
-                ..Default::default()
-            },
-        )
+        (batch.pod, event_batch(nodes, batch))
     }
 
     fn prepare_query(&self, nodes: &Nodes, path: &[u32]) -> Self::Query {
@@ -327,6 +337,78 @@ impl Contender for Runs {
                     .map(|k| k.0)
                     .collect();
                 self.ix.prefix_matches(&keys)
+            }
+        }
+    }
+
+    fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)> {
+        let mut out: Vec<(u32, u32)> = out.iter().map(|m| (m.pod, m.blocks)).collect();
+        out.sort_unstable();
+        out
+    }
+}
+
+// ---------------------------------------------------------------- feed
+
+/// `runs` as the service would use it: each pod's batches, as vLLM sends
+/// them (ours' input), through `indexer::pod_feed::PodFeed`, which applies
+/// the service's event rules and keys token ids itself.
+pub struct Feed {
+    runs: indexer::pod_feed::KeyedRuns,
+    feeds: Vec<Mutex<indexer::pod_feed::PodFeed>>,
+    mode: indexer::scheme::KeyMode,
+    input: Input,
+}
+
+impl Contender for Feed {
+    type Batch = (u32, EventBatch);
+    type Query = RunsQuery;
+    type Out = Vec<indexer::runs::RunMatch>;
+
+    fn name() -> &'static str {
+        "feed"
+    }
+
+    fn new(trace: &Trace, input: Input) -> Self {
+        let mode = schemes(input).for_model(MODEL).clone();
+        Feed {
+            runs: indexer::pod_feed::KeyedRuns::new(&Default::default(), false),
+            feeds: (0..trace.pods as u32)
+                .map(|pod| Mutex::new(indexer::pod_feed::PodFeed::new(pod, MODEL)))
+                .collect(),
+            mode,
+            input,
+        }
+    }
+
+    fn prepare_batch(&self, nodes: &Nodes, batch: &Batch) -> Self::Batch {
+        (batch.pod, event_batch(nodes, batch))
+    }
+
+    fn prepare_query(&self, nodes: &Nodes, path: &[u32]) -> Self::Query {
+        match self.input {
+            Input::PreHashed => {
+                RunsQuery::Keys(path.iter().map(|n| nodes.engine[*n as usize]).collect())
+            }
+            Input::Tokens => RunsQuery::Tokens(tokens_of(nodes, path)),
+        }
+    }
+
+    fn apply(&self, (pod, batch): Self::Batch) {
+        self.feeds[pod as usize]
+            .lock()
+            .apply(&self.runs, &batch, &self.mode);
+    }
+
+    fn find(&self, query: &Self::Query) -> Self::Out {
+        match query {
+            RunsQuery::Keys(keys) => self.runs.engine.prefix_matches(keys),
+            RunsQuery::Tokens(tokens) => {
+                let (keys, engine) = self
+                    .mode
+                    .request_keys(MODEL, None, None, tokens, BLOCK_SIZE);
+                let keys: Vec<u64> = keys.into_iter().map(|k| k.0).collect();
+                self.runs.for_request(engine).prefix_matches(&keys)
             }
         }
     }

@@ -24,7 +24,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use contenders::{Contender, DynamoPositional, DynamoRadix, Input, Ours, Runs, Smg};
+use contenders::{Contender, DynamoPositional, DynamoRadix, Feed, Input, Ours, Runs, Smg};
 use serde_json::{json, Value};
 use trace::{Params, Trace};
 
@@ -622,8 +622,8 @@ fn env_filter(name: &str) -> Option<String> {
 }
 
 /// Ours, the peers (`pre_hashed`: also Dynamo's positional indexer, which
-/// needs the engine's own hashes) and `runs`, the layout the redesign is
-/// measured with, less those `COMPARE_ONLY=ours` (or `dynamo`, `smg`, ...)
+/// needs the engine's own hashes), `runs`, the layout the redesign is
+/// measured with, and `feed`, that layout behind the service's event rules, less those `COMPARE_ONLY=ours` (or `dynamo`, `smg`, ...)
 /// leaves out, for profiling one indexer.
 fn contenders(pre_hashed: bool) -> Vec<Entry> {
     let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
@@ -631,6 +631,7 @@ fn contenders(pre_hashed: bool) -> Vec<Entry> {
         entries.push(entry::<DynamoPositional>());
     }
     entries.push(entry::<Runs>());
+    entries.push(entry::<Feed>());
     let only = env_filter("COMPARE_ONLY");
     entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
     entries

@@ -98,10 +98,19 @@ impl StoreRules {
         // An adapter known only by id (old wire forms) gets a marker that can
         // never equal a requested name: such blocks never match a prompt.
         let lora = named_lora.or_else(|| ev.lora_id.map(|id| format!("\0lora-id:{id}")));
+        // Most stores carry no extra keys past the adapter's: nothing to
+        // fold per block then (a filtered copy of none was a tenth of
+        // keying a block).
+        let extras = ev.extra_keys.as_ref().is_some_and(|v| {
+            v.iter()
+                .flatten()
+                .any(|e| !non_lora_extras(e, lora.as_deref(), ev.lora_id).is_empty())
+        });
         StorePlan::Tokens(TokenKeying {
             ev,
             lora,
             block_size,
+            extras,
         })
     }
 
@@ -169,15 +178,22 @@ pub(crate) struct TokenKeying<'e> {
     ev: &'e BlockStored,
     lora: Option<String>,
     block_size: usize,
+    /// Some block has extra keys besides the adapter's.
+    extras: bool,
 }
 
 impl<'e> TokenKeying<'e> {
     /// The key a chain's first block is chained from, for `model`.
     pub fn root_seed(&self, model: &str) -> u64 {
+        let extras = if self.extras {
+            self.extras_of(0)
+        } else {
+            Vec::new()
+        };
         KeyScope {
             model,
             lora_name: self.lora.as_deref(),
-            first_block_extras: &self.extras_of(0),
+            first_block_extras: &extras,
         }
         .root_seed()
     }
@@ -194,7 +210,7 @@ impl<'e> TokenKeying<'e> {
             .map(move |(i, (hash, tokens))| {
                 let mut key = chain(prev, tokens);
                 // Block 0 of a prompt had its extras folded into the root seed.
-                if i > 0 || under_parent {
+                if self.extras && (i > 0 || under_parent) {
                     key = fold_extras(key, &self.extras_of(i));
                 }
                 prev = key.0;
