@@ -235,6 +235,18 @@ pub enum RunsQuery {
     Tokens(Vec<u32>),
 }
 
+impl RunsQuery {
+    /// The prompt of `path`: its engine hashes, or its token ids.
+    fn new(input: Input, nodes: &Nodes, path: &[u32]) -> Self {
+        match input {
+            Input::PreHashed => {
+                RunsQuery::Keys(path.iter().map(|n| nodes.engine[*n as usize]).collect())
+            }
+            Input::Tokens => RunsQuery::Tokens(tokens_of(nodes, path)),
+        }
+    }
+}
+
 impl Runs {
     /// Drops everything `pod` holds, as its restart does.
     pub fn clear(&self, pod: u32) {
@@ -292,12 +304,7 @@ impl Contender for Runs {
     }
 
     fn prepare_query(&self, nodes: &Nodes, path: &[u32]) -> Self::Query {
-        match self.input {
-            Input::PreHashed => {
-                RunsQuery::Keys(path.iter().map(|n| nodes.engine[*n as usize]).collect())
-            }
-            Input::Tokens => RunsQuery::Tokens(tokens_of(nodes, path)),
-        }
+        RunsQuery::new(self.input, nodes, path)
     }
 
     fn apply(&self, (pod, events): Self::Batch) {
@@ -386,12 +393,7 @@ impl Contender for Feed {
     }
 
     fn prepare_query(&self, nodes: &Nodes, path: &[u32]) -> Self::Query {
-        match self.input {
-            Input::PreHashed => {
-                RunsQuery::Keys(path.iter().map(|n| nodes.engine[*n as usize]).collect())
-            }
-            Input::Tokens => RunsQuery::Tokens(tokens_of(nodes, path)),
-        }
+        RunsQuery::new(self.input, nodes, path)
     }
 
     fn apply(&self, (pod, batch): Self::Batch) {
