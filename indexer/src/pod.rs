@@ -1,5 +1,6 @@
 //! One pod's (one cache domain's) view: engine hash -> our key and per-tier
-//! counts, and the rules that turn its events into index updates.
+//! counts, and how its events change the index (what the events mean,
+//! before any block is held, is `rules`, shared with `pod_feed`).
 //!
 //! Invariants:
 //! - a pod's events are applied in order, by one applier at a time (the
@@ -156,7 +157,8 @@ pub struct ApplyStats {
     /// ...and found different: our algorithm or seed differs from the pod's.
     pub engine_hash_mismatches: u64,
     /// Run layout only (`pod_feed`): token-keyed blocks not stored because
-    /// another pod gave their engine hash to a different block.
+    /// another pod gave their engine hash to a different block, and the
+    /// rest of their chain (keyed from them).
     pub hash_conflicts: u64,
 }
 
@@ -389,8 +391,12 @@ impl PodState {
                 let prev = match ev.parent_block_hash {
                     None => keying.root_seed(&self.model),
                     Some(parent) => match self.key_of(parent) {
-                        Some(key) => key.0,
-                        None => {
+                        // A parent keyed by its hash (an engine-keyed
+                        // model's block, stored or offloaded without the
+                        // adapter) has no token key to chain from: its
+                        // children's keys would be ones no prompt has.
+                        Some(key) if key.0 != parent.0 => key.0,
+                        _ => {
                             stats.parent_unknown_blocks += n as u64;
                             return;
                         }

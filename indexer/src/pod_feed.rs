@@ -22,14 +22,21 @@
 //! blocks under an adapter whose hashes cannot be reproduced are token
 //! keyed (see `scheme`), so its pods can hold blocks in both.
 //!
+//! A block the pod holds keeps its key, as in `pod`: a store of a hash
+//! the pod holds keyed the other way gets the tier where it is.
+//!
 //! Where it differs from `pod` (neither happens with vLLM's own streams,
 //! whose pods name only blocks they stored):
 //! - token keys: a removal of an engine hash the pod never stored, naming
 //!   a block it holds under another hash, releases that block (the runs'
 //!   table is shared; `pod` counts it unknown);
 //! - token keys: a block whose engine hash another pod gave a different
-//!   block is not stored (`ApplyStats::hash_conflicts`); per-pod maps
-//!   never meet.
+//!   block is not stored, nor the rest of its chain
+//!   (`ApplyStats::hash_conflicts`); per-pod maps never meet.
+//!
+//! One writer per pod, as for `pod`: its events and its evictions come
+//! from one thread, so what a store reads of the pod (`key_held_by`) is
+//! still so when it stores.
 //!
 //! Not yet used by the service: see BENCHMARKS.md, "fourteenth session".
 
@@ -37,7 +44,7 @@ use crate::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Tier, TIERS};
 use crate::keys::BlockKey;
 use crate::pod::rules::{StorePlan, StoreRules};
 use crate::pod::ApplyStats;
-use crate::runs::RunIndex;
+use crate::runs::{RunIndex, MAX_POD};
 use crate::scheme::KeyMode;
 use crate::score::TierWeights;
 
@@ -86,15 +93,24 @@ pub struct PodFeed {
     pod: u32,
     model: String,
     rules: StoreRules,
+    /// It stored into the engine-keyed / token-keyed index since its last
+    /// clear (an eviction may have emptied it since): the index is read
+    /// for it only then. Most models' pods use one index only.
+    in_engine: bool,
+    in_token: bool,
 }
 
 impl PodFeed {
-    /// `pod`: its id in the runs (below 2^30).
+    /// `pod`: its id in the runs, below `MAX_POD` (a holder is the pod
+    /// and its tier in 32 bits).
     pub fn new(pod: u32, model: impl Into<String>) -> Self {
+        assert!(pod < MAX_POD, "pod id {pod} out of the runs' range");
         PodFeed {
             pod,
             model: model.into(),
             rules: StoreRules::default(),
+            in_engine: false,
+            in_token: false,
         }
     }
 
@@ -131,9 +147,8 @@ impl PodFeed {
 
     /// Our key of a block the pod holds, by its engine hash.
     pub fn key_of(&self, runs: &KeyedRuns, hash: u64) -> Option<BlockKey> {
-        runs.token
-            .key_held_by(self.pod, hash)
-            .or_else(|| runs.engine.key_held_by(self.pod, hash))
+        self.key_in(runs, Keying::Token, hash)
+            .or_else(|| self.key_in(runs, Keying::Engine, hash))
             .map(BlockKey)
     }
 
@@ -145,32 +160,116 @@ impl PodFeed {
         stats: &mut ApplyStats,
     ) {
         let tier = ev.tier();
-        let n = ev.block_hashes.len();
         let parent = ev.parent_block_hash.map(|p| p.0);
         match self.rules.plan(ev, mode, stats) {
             StorePlan::Skip => {}
             StorePlan::TierOnly { engine } => self.store_tier_only(runs, ev, engine, stats),
             StorePlan::Engine => {
-                let hashes: Vec<u64> = ev.block_hashes.iter().map(|h| h.0).collect();
-                runs.engine.store(self.pod, tier, parent, &hashes);
-                stats.stored_blocks += n as u64;
+                let blocks: Vec<(u64, u64)> = ev.block_hashes.iter().map(|h| (h.0, h.0)).collect();
+                self.store_chain(runs, Keying::Engine, tier, parent, &blocks, stats);
             }
             StorePlan::Tokens(keying) => {
+                // A parent keyed by its hash (in the engine index) has no
+                // token key to chain from, as in `pod`.
                 let prev = match parent {
                     None => keying.root_seed(&self.model),
-                    Some(p) => match runs.token.key_held_by(self.pod, p) {
+                    Some(p) => match self.key_in(runs, Keying::Token, p) {
                         Some(key) => key,
                         None => {
-                            stats.parent_unknown_blocks += n as u64;
+                            stats.parent_unknown_blocks += ev.block_hashes.len() as u64;
                             return;
                         }
                     },
                 };
                 let blocks: Vec<(u64, u64)> = keying.keys(prev).map(|(h, k)| (h.0, k.0)).collect();
-                let skipped = runs.token.store_keyed(self.pod, tier, parent, &blocks);
-                stats.stored_blocks += (n - skipped) as u64;
-                stats.hash_conflicts += skipped as u64;
+                self.store_chain(runs, Keying::Token, tier, parent, &blocks, stats);
             }
+        }
+    }
+
+    /// Stores `blocks` ((engine hash, key) each) on `tier` as a chain
+    /// under `under` in `keying`'s index. A block the pod holds keeps its
+    /// key and gets the tier where it is, as a held hash keeps its key in
+    /// `pod`; that matters only once the pod holds blocks keyed both ways
+    /// (an engine-keyed model's offload by hash, then the block stored
+    /// under an adapter it cannot engine key), and only then is each block
+    /// looked up first.
+    fn store_chain(
+        &mut self,
+        runs: &KeyedRuns,
+        keying: Keying,
+        tier: Tier,
+        mut under: Option<u64>,
+        blocks: &[(u64, u64)],
+        stats: &mut ApplyStats,
+    ) {
+        let other = keying.other();
+        if !self.may_hold(other) {
+            let skipped = self.put(runs, keying, tier, under, blocks);
+            stats.stored_blocks += (blocks.len() - skipped) as u64;
+            stats.hash_conflicts += skipped as u64;
+            return;
+        }
+        for (i, &(hash, key)) in blocks.iter().enumerate() {
+            if let Some(held) = self.key_in(runs, other, hash) {
+                self.put(runs, other, tier, None, &[(hash, held)]);
+                under = None;
+            } else {
+                let held = self.key_in(runs, keying, hash);
+                let at = if held.is_some() { None } else { under };
+                if self.put(runs, keying, tier, at, &[(hash, held.unwrap_or(key))]) > 0 {
+                    // The rest is keyed from the one not stored.
+                    stats.hash_conflicts += (blocks.len() - i) as u64;
+                    return;
+                }
+                under = Some(hash);
+            }
+            stats.stored_blocks += 1;
+        }
+    }
+
+    /// Stores `blocks` as one chain under `under` in `keying`'s index;
+    /// returns how many were not (see `RunIndex::store_keyed`).
+    fn put(
+        &mut self,
+        runs: &KeyedRuns,
+        keying: Keying,
+        tier: Tier,
+        under: Option<u64>,
+        blocks: &[(u64, u64)],
+    ) -> usize {
+        match keying {
+            Keying::Engine => {
+                self.in_engine = true;
+                let hashes: Vec<u64> = blocks.iter().map(|(h, _)| *h).collect();
+                runs.engine.store(self.pod, tier, under, &hashes);
+                0
+            }
+            Keying::Token => {
+                self.in_token = true;
+                runs.token.store_keyed(self.pod, tier, under, blocks)
+            }
+        }
+    }
+
+    /// Whether the pod may hold blocks in `keying`'s index (it stored some
+    /// there since its last clear): the other index is read only then.
+    fn may_hold(&self, keying: Keying) -> bool {
+        match keying {
+            Keying::Engine => self.in_engine,
+            Keying::Token => self.in_token,
+        }
+    }
+
+    /// The key of the block `hash` names in `keying`'s index, if the pod
+    /// holds it there.
+    fn key_in(&self, runs: &KeyedRuns, keying: Keying, hash: u64) -> Option<u64> {
+        if !self.may_hold(keying) {
+            return None;
+        }
+        match keying {
+            Keying::Engine => runs.engine.key_held_by(self.pod, hash),
+            Keying::Token => runs.token.key_held_by(self.pod, hash),
         }
     }
 
@@ -180,7 +279,7 @@ impl PodFeed {
     /// as a chain's start: vLLM's offloading connectors list what one step
     /// stored, from several chains' middles), else it cannot be keyed.
     fn store_tier_only(
-        &self,
+        &mut self,
         runs: &KeyedRuns,
         ev: &BlockStored,
         engine: bool,
@@ -191,11 +290,11 @@ impl PodFeed {
         let mut parent = ev.parent_block_hash.map(|p| p.0);
         for hash in ev.block_hashes.iter().map(|h| h.0) {
             let under = parent.replace(hash).filter(|_| chained);
-            if let Some(key) = runs.token.key_held_by(self.pod, hash) {
-                let skipped = runs.token.store_keyed(self.pod, tier, None, &[(hash, key)]);
+            if let Some(key) = self.key_in(runs, Keying::Token, hash) {
+                let skipped = self.put(runs, Keying::Token, tier, None, &[(hash, key)]);
                 debug_assert_eq!(skipped, 0, "a block the pod holds");
-            } else if engine || runs.engine.key_held_by(self.pod, hash).is_some() {
-                runs.engine.store(self.pod, tier, under, &[hash]);
+            } else if engine || self.key_in(runs, Keying::Engine, hash).is_some() {
+                self.put(runs, Keying::Engine, tier, under, &[(hash, hash)]);
             } else {
                 stats.unkeyable_blocks += 1;
                 continue;
@@ -217,23 +316,29 @@ impl PodFeed {
         }
         let tier = ev.tier();
         let hashes: Vec<u64> = ev.block_hashes.iter().map(|h| h.0).collect();
-        let (first, second) = match mode {
-            KeyMode::Engine(_) => (&runs.engine, &runs.token),
-            KeyMode::Token => (&runs.token, &runs.engine),
+        // The index the model's blocks are usually keyed in first.
+        let first = match mode {
+            KeyMode::Engine(_) => Keying::Engine,
+            KeyMode::Token => Keying::Token,
         };
-        let unknown = if second.entries(self.pod) == 0 {
-            first.remove(self.pod, tier, &hashes)
+        let (one, two) = (first.of(runs), first.other().of(runs));
+        let unknown = if !self.may_hold(first.other()) {
+            if self.may_hold(first) {
+                one.remove(self.pod, tier, &hashes)
+            } else {
+                hashes.len()
+            }
         } else {
             // Some of the pod's blocks are keyed the other way: each
-            // removal tried in both, the usual one first.
+            // removal tried in both.
             hashes
                 .iter()
                 .map(|h| {
-                    let missed = first.remove(self.pod, tier, std::slice::from_ref(h));
+                    let missed = one.remove(self.pod, tier, std::slice::from_ref(h));
                     if missed == 0 {
                         0
                     } else {
-                        second.remove(self.pod, tier, std::slice::from_ref(h))
+                        two.remove(self.pod, tier, std::slice::from_ref(h))
                     }
                 })
                 .sum()
@@ -246,7 +351,31 @@ impl PodFeed {
     pub fn clear(&mut self, runs: &KeyedRuns, stats: &mut ApplyStats) {
         runs.engine.clear(self.pod);
         runs.token.clear(self.pod);
+        (self.in_engine, self.in_token) = (false, false);
         stats.clears += 1;
+    }
+}
+
+/// Which of `KeyedRuns`' indexes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Keying {
+    Engine,
+    Token,
+}
+
+impl Keying {
+    fn other(self) -> Keying {
+        match self {
+            Keying::Engine => Keying::Token,
+            Keying::Token => Keying::Engine,
+        }
+    }
+
+    fn of(self, runs: &KeyedRuns) -> &RunIndex {
+        match self {
+            Keying::Engine => &runs.engine,
+            Keying::Token => &runs.token,
+        }
     }
 }
 

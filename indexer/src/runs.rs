@@ -290,8 +290,9 @@ impl RunIndex {
 
     /// The key of the block engine hash `e` names, if `pod` holds it on
     /// some tier: what a store under it, or a tier-only store of it, is
-    /// keyed from. Only the pod's own blocks: another pod's claim to a
-    /// hash never keys this pod's stores (see `pod_feed`).
+    /// keyed from. Only blocks the pod holds: a hash no block of the pod
+    /// goes by never keys its stores. (With token keys a block can go by
+    /// several pods' hashes, and any of them finds it: see `pod_feed`.)
     pub fn key_held_by(&self, pod: u32, e: u64) -> Option<u64> {
         self.writer.lock().key_held_by(pod, e)
     }
@@ -480,9 +481,12 @@ pub struct RunMatch {
     pub best_tier: [u32; TIERS],
 }
 
+/// Pod ids are below this: a holder is a pod and its tier in 32 bits.
+pub const MAX_POD: u32 = u32::MAX >> TIER_BITS;
+
 /// A holder: one pod's blocks on one tier.
 fn holder(pod: u32, tier: Tier) -> u32 {
-    debug_assert!(pod < u32::MAX >> TIER_BITS);
+    debug_assert!(pod < MAX_POD);
     pod << TIER_BITS | tier.index() as u32
 }
 

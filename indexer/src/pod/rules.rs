@@ -279,3 +279,125 @@ fn non_lora_extras(extras: &[ExtraKey], lora: Option<&str>, lora_id: Option<i64>
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys as every block's extras were folded before the shortcut (a
+    /// filtered copy of each block's extra keys, folded in past block 0),
+    /// chained from `prev`, or from the root seed with block 0's extras.
+    fn folded_each_block(k: &TokenKeying<'_>, model: &str, prev: Option<u64>) -> Vec<u64> {
+        let mut prev = prev.unwrap_or_else(|| {
+            KeyScope {
+                model,
+                lora_name: k.lora.as_deref(),
+                first_block_extras: &k.extras_of(0),
+            }
+            .root_seed()
+        });
+        (0..k.ev.block_hashes.len())
+            .map(|i| {
+                let tokens = &k.ev.token_ids[i * k.block_size..(i + 1) * k.block_size];
+                let mut key = chain(prev, tokens);
+                if i > 0 || k.ev.parent_block_hash.is_some() {
+                    key = fold_extras(key, &k.extras_of(i));
+                }
+                prev = key.0;
+                key.0
+            })
+            .collect()
+    }
+
+    /// A store's adapter name, adapter id and per-block extra keys.
+    type Extras = (
+        Option<&'static str>,
+        Option<i64>,
+        Option<Vec<Option<Vec<ExtraKey>>>>,
+    );
+
+    #[test]
+    fn keys_skip_extra_keys_only_when_every_block_has_none() {
+        let lora = ExtraKey::List(vec![
+            ExtraKey::Str("lora".into()),
+            ExtraKey::Str("sql".into()),
+        ]);
+        let salt = ExtraKey::List(vec![
+            ExtraKey::Str("cache_salt".into()),
+            ExtraKey::Str("s".into()),
+        ]);
+        let image = ExtraKey::Bytes(vec![7; 8]);
+        let cases: Vec<Extras> = vec![
+            (None, None, None),
+            (None, None, Some(vec![None, None, None])),
+            (None, None, Some(vec![Some(vec![]), None, Some(vec![])])),
+            // Only the adapter, tagged or bare, or by id: nothing to fold.
+            (
+                None,
+                None,
+                Some(vec![
+                    Some(vec![lora.clone()]),
+                    Some(vec![lora.clone()]),
+                    None,
+                ]),
+            ),
+            (
+                Some("sql"),
+                None,
+                Some(vec![Some(vec![ExtraKey::Str("sql".into())]); 3]),
+            ),
+            (None, Some(3), Some(vec![Some(vec![ExtraKey::Int(3)]); 3])),
+            // A salt on block 0, an image past it, both beside an adapter.
+            (
+                None,
+                None,
+                Some(vec![Some(vec![lora.clone(), salt.clone()]), None, None]),
+            ),
+            (
+                Some("sql"),
+                None,
+                Some(vec![None, Some(vec![image.clone()]), None]),
+            ),
+            (
+                None,
+                Some(3),
+                Some(vec![
+                    Some(vec![ExtraKey::Int(3), salt]),
+                    None,
+                    Some(vec![image]),
+                ]),
+            ),
+        ];
+        let mut with_extras = 0;
+        for (lora_name, lora_id, extra_keys) in cases {
+            for parent in [None, Some(EngineHash(9))] {
+                let ev = BlockStored {
+                    block_hashes: (1..=3).map(EngineHash).collect(),
+                    parent_block_hash: parent,
+                    token_ids: (0..12).collect(),
+                    block_size: Some(4),
+                    lora_name: lora_name.map(str::to_owned),
+                    lora_id,
+                    extra_keys: extra_keys.clone(),
+                    ..BlockStored::default()
+                };
+                let mut stats = ApplyStats::default();
+                let plan = StoreRules::default().plan(&ev, &KeyMode::Token, &mut stats);
+                let StorePlan::Tokens(keying) = plan else {
+                    panic!("token keyed");
+                };
+                with_extras += usize::from(keying.extras);
+                // A parent's key, or the root seed.
+                let parent_key = parent.map(|_| 0x5eed);
+                let prev = parent_key.unwrap_or_else(|| keying.root_seed("m"));
+                let got: Vec<u64> = keying.keys(prev).map(|(_, k)| k.0).collect();
+                assert_eq!(
+                    got,
+                    folded_each_block(&keying, "m", parent_key),
+                    "{lora_name:?} {lora_id:?} {extra_keys:?} {parent:?}"
+                );
+            }
+        }
+        assert_eq!(with_extras, 6, "the last three cases fold extras");
+    }
+}

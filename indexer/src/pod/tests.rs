@@ -476,6 +476,32 @@ fn unknown_parent_is_counted_and_touches_nothing() {
     assert_eq!(stats.unknown_removals, 1);
 }
 
+/// An engine-keyed model with an adapter it cannot engine key: a block
+/// offloaded by hash alone is keyed by its hash, so a store under it with
+/// the adapter (token keyed) has no token key to chain from. Its blocks
+/// would get keys no prompt has; they are counted as under an unknown
+/// parent instead, as the run layout's `pod_feed` does.
+#[test]
+fn an_adapter_store_under_a_hash_keyed_parent_is_under_an_unknown_parent() {
+    let index = BlockIndex::new();
+    let mode = engine_keys();
+    let mut pod = PodState::new(PodId(0), "m");
+    let mut stats = ApplyStats::default();
+    let offload = BlockStored {
+        block_hashes: vec![EngineHash(5)],
+        medium: Some("CPU".into()),
+        ..Default::default()
+    };
+    pod.store(&index, &offload, &mode, &mut stats);
+    assert_eq!(pod.key_of(EngineHash(5)), Some(BlockKey(5)));
+    let mut child = store(&[6], Some(5), &tokens(4, 0));
+    child.lora_name = Some("sql".into());
+    pod.store(&index, &child, &mode, &mut stats);
+    assert_eq!(stats.parent_unknown_blocks, 1);
+    assert_eq!(stats.stored_blocks, 1, "the offload only");
+    assert_eq!(pod.key_of(EngineHash(6)), None);
+}
+
 #[test]
 fn tier_only_store_adds_a_tier_to_known_hashes() {
     let index = BlockIndex::new();

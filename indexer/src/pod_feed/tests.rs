@@ -44,11 +44,16 @@ impl Forest {
     }
 }
 
-/// A node's engine hash as `pod` names it. Engine keys need every pod to
-/// name a block alike; token keys are tested with pods of two hash seeds,
-/// so that one block has two names.
+/// A node's engine hash as `pod` names it (`lora`: under the adapter).
+/// Engine keys need every pod to name a block alike; token-keyed blocks
+/// (all with token keys, the adapter's with engine keys) are named by
+/// pods of two hash seeds, so that one block has two names.
 fn engine_hash(engine_mode: bool, pod: u32, node: usize, lora: bool) -> u64 {
-    let family = if engine_mode { 0 } else { u64::from(pod % 2) };
+    let family = if engine_mode && !lora {
+        0
+    } else {
+        u64::from(pod % 2)
+    };
     let x = (node as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
         ^ family << 40
         ^ u64::from(lora) << 50;
@@ -76,13 +81,14 @@ enum Op {
         tier: u8,
         lora: bool,
     },
-    /// `pod` offloads these nodes' blocks to `tier` by hash alone, with no
-    /// parent, as vLLM's offloading connectors do: from several chains'
-    /// middles.
+    /// `pod` offloads these nodes' blocks (the adapter's if `lora`) to
+    /// `tier` by hash alone, with no parent and no adapter named, as
+    /// vLLM's offloading connectors do: from several chains' middles.
     Offload {
         pod: u32,
         nodes: Vec<usize>,
         tier: u8,
+        lora: bool,
     },
     Clear {
         pod: u32,
@@ -108,8 +114,8 @@ fn op(nodes: usize) -> impl Strategy<Value = Op> {
             .prop_map(|(pod, node, from, tier, hash_only, lora)| Op::Store { pod, node, from, tier, hash_only, lora }),
         3 => (pod.clone(), prop::collection::vec(node.clone(), 1..4), 0..3u8, prop::bool::weighted(0.15))
             .prop_map(|(pod, nodes, tier, lora)| Op::Remove { pod, nodes, tier, lora }),
-        2 => (pod.clone(), prop::collection::vec(node.clone(), 1..5), 1..3u8)
-            .prop_map(|(pod, nodes, tier)| Op::Offload { pod, nodes, tier }),
+        2 => (pod.clone(), prop::collection::vec(node.clone(), 1..5), 1..3u8, prop::bool::weighted(0.2))
+            .prop_map(|(pod, nodes, tier, lora)| Op::Offload { pod, nodes, tier, lora }),
         1 => pod.clone().prop_map(|pod| Op::Clear { pod }),
         1 => (pod.clone(), node.clone(), any::<bool>()).prop_map(|(pod, node, store)| Op::OtherGroup { pod, node, store }),
         1 => (pod, node).prop_map(|(pod, node)| Op::Malformed { pod, node }),
@@ -185,8 +191,9 @@ fn event(forest: &Forest, engine_mode: bool, op: &Op) -> KvEvent {
             pod,
             ref nodes,
             tier,
+            lora,
         } => KvEvent::Stored(BlockStored {
-            block_hashes: nodes.iter().map(|&n| name(pod, n, false)).collect(),
+            block_hashes: nodes.iter().map(|&n| name(pod, n, lora)).collect(),
             medium: medium(tier),
             ..BlockStored::default()
         }),
@@ -319,6 +326,20 @@ fn check_history(engine_mode: bool, forest: &Forest, ops: &[Op]) -> Result<(), T
                 feed.held_per_tier(&runs),
                 summary.blocks_per_tier,
                 "{}'s blocks per tier after {:?}",
+                &pod.name,
+                op
+            );
+            // Every name the pod could give a block keys as the service's.
+            let p = pod.id.0;
+            let names: Vec<EngineHash> = (0..forest.0.len())
+                .flat_map(|n| [false, true].map(|l| EngineHash(engine_hash(engine_mode, p, n, l))))
+                .collect();
+            let keys: Vec<Option<BlockKey>> =
+                names.iter().map(|h| feed.key_of(&runs, h.0)).collect();
+            prop_assert_eq!(
+                keys,
+                ix.keys_of(pod, &names),
+                "{}'s keys after {:?}",
                 &pod.name,
                 op
             );

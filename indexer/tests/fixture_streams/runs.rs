@@ -125,6 +125,11 @@ fn runs_answer_every_recorded_stream_as_vllm_and_the_service_do() {
         let (engine_blocks, token_blocks) = (runs.engine.blocks(), runs.token.blocks());
         if mode == "token" {
             assert_eq!(engine_blocks, 0, "{stream}: token keys only");
+        } else if stream == "qwen3-lora-salt" {
+            assert!(
+                engine_blocks > 0 && token_blocks > 0,
+                "{stream}: both keyings"
+            );
         }
 
         // Dumped and restored: the same answers.
