@@ -142,7 +142,8 @@ pub struct ApplyStats {
     pub stored_blocks: u64,
     pub removed_blocks: u64,
     pub clears: u64,
-    /// Blocks of stores whose parent hash this pod never stored.
+    /// Blocks of stores whose parent hash this pod never stored (or, for
+    /// a token-keyed store, holds keyed by its hash: see `store_event`).
     pub parent_unknown_blocks: u64,
     /// Tier-only stores (no tokens) for hashes we do not know.
     pub unkeyable_blocks: u64,
