@@ -40,6 +40,10 @@
 //! hash twice and remove it twice): the block stays until the last
 //! removal.
 //!
+//! Beyond first-miss answers, `held_along` lists every stretch of a prompt
+//! each pod holds, per tier, wherever it is: what Score's other rules read
+//! (prefix closure, offloaded chunks, speculative entries).
+//!
 //! Bounded by eviction: the least recently stored holdings lose their
 //! blocks first, leaf first (`evict`, with per-pod entry counts for a
 //! capacity policy to compare; `pods`). Saved and restored as data, run by
@@ -321,6 +325,83 @@ impl RunIndex {
         out
     }
 
+    /// Every stretch of `keys` each pod holds, per tier, wherever it is in
+    /// the prompt: what a first-miss answer leaves out and Score's other
+    /// rules read (prefix closure credits the deepest block held on GPU,
+    /// offloaded chunks count by each chunk's last block, speculative
+    /// entries stop at a block held exactly). Pods in order, each one's
+    /// stretches by tier, then start; adjacent ones merged.
+    ///
+    /// Complete: a prompt key in any run is found, because a run holding
+    /// it holds it from a run head that is itself a prompt key (keys are
+    /// chained, so the run's blocks before it are the prompt's). The walk
+    /// reads a run from each head it meets and probes the heads at every
+    /// position no run covers: a prompt no pod holds costs a probe per
+    /// block. Each run is read as one consistent view, as `prefix_matches`
+    /// reads them; a run a writer kept changing ends the walk there.
+    pub fn held_along(&self, keys: &[u64]) -> Vec<HeldAlong> {
+        let mut by_pod: std::collections::BTreeMap<u32, Vec<(Tier, u32, u32)>> =
+            std::collections::BTreeMap::new();
+        let mut i = 0usize;
+        while i < keys.len() {
+            let Some(run) = self.heads.find(keys[i]) else {
+                i += 1;
+                continue;
+            };
+            let rest = &keys[i..];
+            let Some(published) = self.published.find(run) else {
+                break;
+            };
+            let mut found: Vec<(u32, Tier, u32, u32)> = Vec::new();
+            let read = published.read(|run| {
+                found.clear();
+                // Since the table named it, the run may have died and its
+                // slot gone to another.
+                if run.hash(0) != Some(rest[0]) {
+                    return None;
+                }
+                let len = matched_in_run(run, rest) as u32;
+                for pod in run.pods() {
+                    for (tier, start, end) in pod.spans() {
+                        if start < len.min(end) {
+                            found.push((pod.pod, Tier::ALL[tier], start, end.min(len)));
+                        }
+                    }
+                }
+                Some(len)
+            });
+            match read {
+                Some(Some(len)) => {
+                    for (pod, tier, start, end) in found {
+                        let at = i as u32;
+                        by_pod
+                            .entry(pod)
+                            .or_default()
+                            .push((tier, at + start, at + end));
+                    }
+                    i += len as usize;
+                }
+                // Not the run the table named: the key starts none now.
+                Some(None) => i += 1,
+                None => break,
+            }
+        }
+        by_pod
+            .into_iter()
+            .map(|(pod, mut spans)| {
+                spans.sort_unstable_by_key(|&(tier, start, _)| (tier.index(), start));
+                let mut merged: Vec<(Tier, u32, u32)> = Vec::with_capacity(spans.len());
+                for (tier, start, end) in spans {
+                    match merged.last_mut() {
+                        Some((t, _, e)) if *t == tier && *e >= start => *e = (*e).max(end),
+                        _ => merged.push((tier, start, end)),
+                    }
+                }
+                HeldAlong { pod, spans: merged }
+            })
+            .collect()
+    }
+
     fn walk(&self, keys: &[u64], scratch: &mut Scratch, out: &mut Vec<RunMatch>) {
         let Scratch { alive, next, mixed } = scratch;
         alive.clear();
@@ -483,6 +564,14 @@ pub struct RunMatch {
 
 /// Pod ids are below this: a holder is a pod and its tier in 32 bits.
 pub const MAX_POD: u32 = u32::MAX >> TIER_BITS;
+
+/// The stretches of a prompt one pod holds (see `RunIndex::held_along`):
+/// (tier, start, end) in prompt positions, end excluded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldAlong {
+    pub pod: u32,
+    pub spans: Vec<(Tier, u32, u32)>,
+}
 
 /// A holder: one pod's blocks on one tier.
 fn holder(pod: u32, tier: Tier) -> u32 {

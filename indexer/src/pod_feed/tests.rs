@@ -14,6 +14,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo};
 use crate::event::{EngineHash, EventBatch};
+use crate::runs::HeldAlong;
 use crate::scheme::KeySchemes;
 use crate::{Indexer, IndexerConfig};
 
@@ -250,7 +251,8 @@ fn schemes(engine_mode: bool) -> KeySchemes {
 }
 
 /// Every pod's (blocks, per tier, best tier) for the prompt of the path to
-/// `node`, from the service's index and from the runs.
+/// `node`, and every stretch of it each pod holds, from the service's index
+/// and from the runs.
 type Answers = HashMap<u32, (u32, [u32; TIERS], [u32; TIERS])>;
 
 fn answers(
@@ -260,7 +262,7 @@ fn answers(
     engine_mode: bool,
     node: usize,
     lora: bool,
-) -> (Answers, Answers) {
+) -> ((Answers, Vec<HeldAlong>), (Answers, Vec<HeldAlong>)) {
     let path = forest.path(node);
     let mode = ix.config().keys.for_model(MODEL);
     let lora_name = lora.then_some("sql");
@@ -292,7 +294,41 @@ fn answers(
         .into_iter()
         .map(|m| (m.pod, (m.blocks, m.per_tier, m.best_tier)))
         .collect();
-    (service, ours)
+    // Every stretch each pod holds, from the service's holders of each key.
+    let ids: HashMap<String, u32> = ix
+        .list_pods(Some(MODEL))
+        .into_iter()
+        .filter_map(|p| Some((p.pod.clone(), ix.find_pod(MODEL, &p.pod)?.id.0)))
+        .collect();
+    let mut on: HashMap<(u32, Tier), Vec<u32>> = HashMap::new();
+    let holders = ix.lookup(&keys.iter().map(|k| BlockKey(*k)).collect::<Vec<_>>());
+    for (j, held) in holders.iter().enumerate() {
+        for (name, tiers) in &held.pods {
+            for tier in tiers.tiers() {
+                on.entry((ids[name], tier)).or_default().push(j as u32);
+            }
+        }
+    }
+    let mut pods: Vec<u32> = on.keys().map(|(p, _)| *p).collect();
+    pods.sort_unstable();
+    pods.dedup();
+    let service_along = pods
+        .into_iter()
+        .map(|pod| {
+            let mut spans: Vec<(Tier, u32, u32)> = Vec::new();
+            for tier in Tier::ALL {
+                for &j in on.get(&(pod, tier)).map_or(&[][..], Vec::as_slice) {
+                    match spans.last_mut() {
+                        Some((t, _, end)) if *t == tier && *end == j => *end += 1,
+                        _ => spans.push((tier, j, j + 1)),
+                    }
+                }
+            }
+            HeldAlong { pod, spans }
+        })
+        .collect();
+    let ours_along = runs.for_request(engine_keys).held_along(&keys);
+    ((service, service_along), (ours, ours_along))
 }
 
 fn check_history(engine_mode: bool, forest: &Forest, ops: &[Op]) -> Result<(), TestCaseError> {

@@ -537,6 +537,14 @@ impl PodSpans<'_> {
         best
     }
 
+    /// Each span: (tier index, start, end), end excluded.
+    pub fn spans(&self) -> impl Iterator<Item = (usize, u32, u32)> + '_ {
+        self.spans
+            .iter()
+            .map(span)
+            .filter(|&(tier, start, end)| tier < TIERS && start < end)
+    }
+
     /// How many of the run's first blocks the pod holds, on any tier.
     fn covered(&self) -> u32 {
         let mut end = 0;

@@ -125,6 +125,38 @@ impl Model {
         out
     }
 
+    /// Every stretch of `keys` each pod holds per tier, as
+    /// `RunIndex::held_along` lists them.
+    fn held_along(&self, keys: &[u64]) -> Vec<HeldAlong> {
+        let mut pods: Vec<u32> = self.0.keys().map(|(pod, _)| *pod).collect();
+        pods.sort_unstable();
+        pods.dedup();
+        pods.into_iter()
+            .map(|pod| {
+                let mut spans = Vec::new();
+                for tier in Tier::ALL {
+                    let Some(held) = self.0.get(&(pod, tier.index())) else {
+                        continue;
+                    };
+                    let mut start = None;
+                    for (j, k) in keys.iter().chain([&u64::MAX]).enumerate() {
+                        let on = j < keys.len() && held.contains(k);
+                        match (on, start) {
+                            (true, None) => start = Some(j as u32),
+                            (false, Some(s)) => {
+                                spans.push((tier, s, j as u32));
+                                start = None;
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                HeldAlong { pod, spans }
+            })
+            .filter(|h| !h.spans.is_empty())
+            .collect()
+    }
+
     fn clear(&mut self, pod: u32) {
         self.0.retain(|(p, _), _| *p != pod);
     }
@@ -308,6 +340,7 @@ fn check_every_chain(
             sorted(ix.prefix_matches(&q)),
             model.prefix_matches(&q, &ix.better)
         );
+        prop_assert_eq!(ix.held_along(&q), model.held_along(&q));
         q.push(hash(q[q.len() - 1] ^ 7));
         prop_assert_eq!(
             sorted(ix.prefix_matches(&q)),
