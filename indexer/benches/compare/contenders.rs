@@ -261,6 +261,16 @@ impl Runs {
     pub fn evict(&self, pod: u32, n: usize) -> usize {
         self.ix.evict(pod, n).len()
     }
+
+    /// `RunIndex::held_along` of pre-hashed keys; returns how many pods.
+    pub fn held_along(&self, keys: &[u64]) -> usize {
+        self.ix.held_along(keys).len()
+    }
+
+    /// `RunIndex::prefix_matches` of pre-hashed keys; returns how many pods.
+    pub fn prefix_matches(&self, keys: &[u64]) -> usize {
+        self.ix.prefix_matches(keys).len()
+    }
 }
 
 impl Contender for Runs {

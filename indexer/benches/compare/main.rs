@@ -486,6 +486,10 @@ fn main() {
         profile_clear();
         return;
     }
+    if args.iter().any(|a| a == "--profile-along") {
+        profile_along();
+        return;
+    }
     let plan = Plan {
         find_rounds: if quick { 2 } else { 5 },
         passes: 3,
@@ -638,6 +642,65 @@ fn contenders(pre_hashed: bool) -> Vec<Entry> {
 }
 
 /// The fleets `COMPARE_PODS` lets through.
+/// `--profile-along`: `runs` filled with each fleet's trace (pre-hashed;
+/// quick unless `COMPARE_TRACE=full`), then each query size's queries
+/// answered by `prefix_matches` and by `held_along` (every stretch each pod
+/// holds, what Score's closure and chunk rules read), alternating, and the
+/// same prompts with their first block replaced (no pod holds their start:
+/// `held_along` probes the run heads at every position until it meets a
+/// run). Prints the medians.
+fn profile_along() {
+    let quick = env_filter("COMPARE_TRACE").as_deref() != Some("full");
+    for fleet in profiled_fleets() {
+        let trace = fleet.trace(quick, 1);
+        let runs = Runs::new(&trace, Input::PreHashed);
+        for batch in &trace.batches {
+            runs.apply(runs.prepare_batch(&trace.nodes, batch));
+        }
+        for (size, queries) in &trace.queries {
+            let prompts: Vec<Vec<u64>> = queries
+                .iter()
+                .map(|q| {
+                    q.nodes
+                        .iter()
+                        .map(|n| trace.nodes.engine[*n as usize])
+                        .collect()
+                })
+                .collect();
+            let headless: Vec<Vec<u64>> = prompts
+                .iter()
+                .map(|p| {
+                    let mut p = p.clone();
+                    p[0] ^= 0x5555_5555_5555_5555;
+                    p
+                })
+                .collect();
+            let median = |prompts: &[Vec<u64>], f: &dyn Fn(&[u64]) -> usize| {
+                let mut ns: Vec<u128> = (0..5)
+                    .flat_map(|_| {
+                        prompts.iter().map(|p| {
+                            let t = Instant::now();
+                            black_box(f(black_box(p)));
+                            t.elapsed().as_nanos()
+                        })
+                    })
+                    .collect();
+                ns.sort_unstable();
+                ns[ns.len() / 2] as f64 / 1000.0
+            };
+            let prefix = median(&prompts, &|p| runs.prefix_matches(p));
+            let along = median(&prompts, &|p| runs.held_along(p));
+            let headless_prefix = median(&headless, &|p| runs.prefix_matches(p));
+            let headless_along = median(&headless, &|p| runs.held_along(p));
+            println!(
+                "{} pods, {size} blocks: prefix_matches {prefix:.2} us, held_along {along:.2} us; \
+                 start held by none: {headless_prefix:.2} us, {headless_along:.2} us (medians)",
+                fleet.pods,
+            );
+        }
+    }
+}
+
 /// `--profile-clear`: `runs` filled with each fleet's trace (pre-hashed;
 /// `COMPARE_TRACE=full` for the full one), and with a large fleet whose
 /// pods share nothing; then every pod's entries evicted, 1,024 at a time
