@@ -7,8 +7,8 @@
 //! block's work. What that map answers the runs answer too:
 //! - a parent's key (a token-keyed store chains from it) and whether a
 //!   tier-only store's block is known: `RunIndex::key_held_by`, which
-//!   reads only this pod's spans, so another pod's claim to a hash never
-//!   keys this pod's blocks;
+//!   answers only for blocks this pod holds, so a block only other pods
+//!   hold never keys this pod's stores;
 //! - removals per (engine hash, tier), repeated stores counted: the runs'
 //!   own table and repeat counts;
 //! - blocks per tier: the runs' per-pod counts.
@@ -23,7 +23,12 @@
 //! keyed (see `scheme`), so its pods can hold blocks in both.
 //!
 //! A block the pod holds keeps its key, as in `pod`: a store of a hash
-//! the pod holds keyed the other way gets the tier where it is.
+//! the pod holds keyed the other way gets the tier where it is. That takes
+//! what engine keys take anyway: every pod of an engine-keyed model names
+//! a block alike (one hash seed). Pods of several seeds there would give
+//! the token index a block it cannot find by its key under the new name
+//! (`RunIndex::store_keyed`), and `held_along` could miss it; their
+//! first-miss answers would still be exact.
 //!
 //! Where it differs from `pod` (neither happens with vLLM's own streams,
 //! whose pods name only blocks they stored):
@@ -164,6 +169,13 @@ impl PodFeed {
         match self.rules.plan(ev, mode, stats) {
             StorePlan::Skip => {}
             StorePlan::TierOnly { engine } => self.store_tier_only(runs, ev, engine, stats),
+            // Most pods of an engine-keyed model: one chain, hashes as keys.
+            StorePlan::Engine if !self.in_token => {
+                self.in_engine = true;
+                let hashes: Vec<u64> = ev.block_hashes.iter().map(|h| h.0).collect();
+                runs.engine.store(self.pod, tier, parent, &hashes);
+                stats.stored_blocks += hashes.len() as u64;
+            }
             StorePlan::Engine => {
                 let blocks: Vec<(u64, u64)> = ev.block_hashes.iter().map(|h| (h.0, h.0)).collect();
                 self.store_chain(runs, Keying::Engine, tier, parent, &blocks, stats);
