@@ -279,10 +279,7 @@ impl PodFeed {
         if !self.may_hold(keying) {
             return None;
         }
-        match keying {
-            Keying::Engine => runs.engine.key_held_by(self.pod, hash),
-            Keying::Token => runs.token.key_held_by(self.pod, hash),
-        }
+        keying.of(runs).key_held_by(self.pod, hash)
     }
 
     /// Blocks offloaded to `ev`'s tier, named by hash alone. A block the

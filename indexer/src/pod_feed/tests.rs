@@ -406,26 +406,24 @@ fn check_history(engine_mode: bool, forest: &Forest, ops: &[Op]) -> Result<(), T
     Ok(())
 }
 
+/// A forest and up to 40 events over it.
+fn history() -> impl Strategy<Value = (Forest, Vec<Op>)> {
+    forest().prop_flat_map(|f| {
+        let n = f.0.len();
+        (Just(f), prop::collection::vec(op(n), 1..40))
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
     #[test]
-    fn token_keyed_pods_feed_the_runs_as_the_service_index(
-        (forest, ops) in forest().prop_flat_map(|f| {
-            let n = f.0.len();
-            (Just(f), prop::collection::vec(op(n), 1..40))
-        })
-    ) {
+    fn token_keyed_pods_feed_the_runs_as_the_service_index((forest, ops) in history()) {
         check_history(false, &forest, &ops)?;
     }
 
     #[test]
-    fn engine_keyed_pods_feed_the_runs_as_the_service_index(
-        (forest, ops) in forest().prop_flat_map(|f| {
-            let n = f.0.len();
-            (Just(f), prop::collection::vec(op(n), 1..40))
-        })
-    ) {
+    fn engine_keyed_pods_feed_the_runs_as_the_service_index((forest, ops) in history()) {
         check_history(true, &forest, &ops)?;
     }
 }

@@ -776,15 +776,8 @@ impl Writer {
     pub fn key_held_by(&self, pod: u32, e: u64) -> Option<u64> {
         let loc = self.table.find(e)?;
         let r = &self.runs[loc.run as usize];
-        let first = r.holdings.partition_point(|h| h.holder >> TIER_BITS < pod);
-        r.holdings[first..]
-            .iter()
-            .take_while(|h| h.holder >> TIER_BITS == pod)
-            .any(|h| {
-                h.spans
-                    .iter()
-                    .any(|s| s.start <= loc.off && loc.off < s.end)
-            })
+        (0..TIERS as u32)
+            .any(|tier| r.holding_at(pod << TIER_BITS | tier, loc.off).is_some())
             .then(|| r.hash(loc.off))
             .flatten()
     }
