@@ -17,6 +17,7 @@ pub mod pod;
 pub mod pod_feed;
 pub mod repeats;
 pub mod routing;
+pub mod run_score;
 pub mod runs;
 pub mod scheme;
 pub mod score;

@@ -19,7 +19,18 @@
 use crate::event::Tier;
 use crate::index::{BlockIndex, PodId, TierMask};
 use crate::keys::BlockKey;
-use crate::score::{PrefixMatch, TierWeights};
+use crate::score::{count_tiers, PrefixMatch, TierWeights};
+
+/// Blocks per offloaded chunk: `offload_block_size` tokens in blocks of
+/// `block_size`, or 1 (blocks counted one by one) when it is unknown, not
+/// larger, or not a multiple.
+pub fn chunk_factor(offload_block_size: u32, block_size: u32) -> u32 {
+    match block_size {
+        0 => 1,
+        bs if offload_block_size > bs && offload_block_size % bs == 0 => offload_block_size / bs,
+        _ => 1,
+    }
+}
 
 /// The match of `pod`, offloading in chunks of `factor` blocks and holding
 /// `gpu_run` leading blocks of `keys` on GPU. Matched blocks count on the
@@ -62,16 +73,7 @@ pub fn chunked_match(
             // The blocks of this chunk past the GPU hit: all, but in the
             // first chunk those from `gpu_run` on.
             let blocks = (chunk + 1) * factor - (chunk * factor).max(gpu_run);
-            let mut best: Option<Tier> = None;
-            for tier in tiers.tiers() {
-                m.blocks_per_tier[tier.index()] += blocks;
-                if best.is_none_or(|b| weights.get(tier) > weights.get(b)) {
-                    best = Some(tier);
-                }
-            }
-            if let Some(b) = best {
-                m.best_tier_blocks[b.index()] += blocks;
-            }
+            count_tiers(&mut m, *tiers, blocks, weights);
         }
     }
     debug_assert_eq!(m.best_tier_blocks.iter().sum::<u32>(), m.matched_blocks);

@@ -876,15 +876,26 @@ fn deepest_on_gpu(
 
 fn record(m: &mut PrefixMatch, tiers: TierMask, weights: &TierWeights) {
     m.matched_blocks += 1;
+    count_tiers(m, tiers, 1, weights);
+}
+
+/// `blocks` blocks held on `tiers`, counted on each and, as their best, on
+/// the first of greatest weight (not as matched: callers count those).
+pub(crate) fn count_tiers(
+    m: &mut PrefixMatch,
+    tiers: TierMask,
+    blocks: u32,
+    weights: &TierWeights,
+) {
     let mut best: Option<Tier> = None;
     for tier in tiers.tiers() {
-        m.blocks_per_tier[tier.index()] += 1;
+        m.blocks_per_tier[tier.index()] += blocks;
         if best.is_none_or(|b| weights.get(tier) > weights.get(b)) {
             best = Some(tier);
         }
     }
     if let Some(b) = best {
-        m.best_tier_blocks[b.index()] += 1;
+        m.best_tier_blocks[b.index()] += blocks;
     }
 }
 

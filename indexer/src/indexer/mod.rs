@@ -24,7 +24,7 @@ use crate::closure::{ClosedView, Closure};
 use crate::event::{DecodeSkips, EventBatch, KvEvent, Tier, TIERS};
 use crate::index::{BlockIndex, PodId, TierMask, MAX_PODS};
 use crate::keys::BlockKey;
-use crate::offload::chunked_match;
+use crate::offload::{chunk_factor, chunked_match};
 use crate::pod::{ApplyStats, PodState};
 use crate::routing::speculative::Speculative;
 use crate::scheme::{KeyMode, KeySchemes};

@@ -360,6 +360,38 @@ impl Indexer {
         !searched_any
     }
 
+    /// The matches `score` gives every pod of `model` for `keys` (cut in
+    /// blocks of `block_size`) under its rules, by pod id: the walk,
+    /// `closure` as given and offloaded chunks, without names or
+    /// speculative entries (what `run_score` answers from the runs).
+    #[cfg(test)]
+    pub(crate) fn matches_by_rules(
+        &self,
+        model: &str,
+        keys: &[BlockKey],
+        closure: bool,
+        block_size: u32,
+    ) -> Vec<(PodId, PrefixMatch)> {
+        let table = self.table.read();
+        let Some(m) = table.model(model) else {
+            return Vec::new();
+        };
+        let offload_block_size = match self.config.offload_block_size {
+            0 => m.offload_block_size,
+            configured => configured,
+        };
+        let ids = m.pods.clone();
+        let rules = Rules {
+            closure,
+            offload_block_size,
+            block_size,
+        };
+        let mut out = Vec::new();
+        self.match_pods_in(&table, keys, &ids, rules, |pos, m| out.push((ids[pos], m)));
+        out.sort_unstable_by_key(|(id, _)| *id);
+        out
+    }
+
     /// Who holds each key (debugging).
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<KeyHolders> {
         let pods = self.table.read();
@@ -483,16 +515,5 @@ impl Indexer {
             0 => 1,
             _ => chunk_factor(self.pod_offload_block_size(pod, model), bs),
         }
-    }
-}
-
-/// Blocks per offloaded chunk: `offload_block_size` tokens in blocks of
-/// `block_size`, or 1 (blocks counted one by one) when it is unknown, not
-/// larger, or not a multiple.
-fn chunk_factor(offload_block_size: u32, block_size: u32) -> u32 {
-    match block_size {
-        0 => 1,
-        bs if offload_block_size > bs && offload_block_size % bs == 0 => offload_block_size / bs,
-        _ => 1,
     }
 }

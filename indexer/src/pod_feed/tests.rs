@@ -5,7 +5,9 @@
 //! stores, clears), in both key modes. After every event both must count
 //! the same, and every prompt of the history's chains must get the same
 //! answer from both for every pod: blocks, and blocks per tier and per
-//! best tier.
+//! best tier; every stretch of it each pod holds; and each pod's match
+//! under Score's rules (prefix closure, offloaded chunks: `run_score`
+//! against the service's lookup), with the rules drawn per history.
 
 use std::collections::HashMap;
 
@@ -14,8 +16,10 @@ use proptest::prelude::*;
 use super::*;
 use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo};
 use crate::event::{EngineHash, EventBatch};
+use crate::run_score::{match_pods, Candidate, MatchRules};
 use crate::runs::HeldAlong;
 use crate::scheme::KeySchemes;
+use crate::score::PrefixMatch;
 use crate::{Indexer, IndexerConfig};
 
 const BS: usize = 4;
@@ -252,14 +256,15 @@ fn schemes(engine_mode: bool) -> KeySchemes {
 /// and from the runs.
 type Answers = HashMap<u32, (u32, [u32; TIERS], [u32; TIERS])>;
 
-fn answers(
+/// The keys of the prompt of the path to `node` (`lora`: under the
+/// adapter), and whether they are engine keys.
+fn prompt_keys(
     ix: &Indexer,
-    runs: &KeyedRuns,
     forest: &Forest,
     engine_mode: bool,
     node: usize,
     lora: bool,
-) -> ((Answers, Vec<HeldAlong>), (Answers, Vec<HeldAlong>)) {
+) -> (Vec<u64>, bool) {
     let path = forest.path(node);
     let mode = ix.config().keys.for_model(MODEL);
     let lora_name = lora.then_some("sql");
@@ -272,6 +277,15 @@ fn answers(
     } else {
         keys.into_iter().map(|k| k.0).collect()
     };
+    (keys, engine_keys)
+}
+
+fn answers(
+    ix: &Indexer,
+    runs: &KeyedRuns,
+    keys: &[u64],
+    engine_keys: bool,
+) -> ((Answers, Vec<HeldAlong>), (Answers, Vec<HeldAlong>)) {
     let service = ix
         .prefix_matches(
             MODEL,
@@ -287,7 +301,7 @@ fn answers(
         .collect();
     let ours = runs
         .for_request(engine_keys)
-        .prefix_matches(&keys)
+        .prefix_matches(keys)
         .into_iter()
         .map(|m| (m.pod, (m.blocks, m.per_tier, m.best_tier)))
         .collect();
@@ -324,14 +338,84 @@ fn answers(
             HeldAlong { pod, spans }
         })
         .collect();
-    let ours_along = runs.for_request(engine_keys).held_along(&keys);
+    let ours_along = runs.for_request(engine_keys).held_along(keys);
     ((service, service_along), (ours, ours_along))
 }
 
-fn check_history(engine_mode: bool, forest: &Forest, ops: &[Op]) -> Result<(), TestCaseError> {
+/// Pods' matches, by pod.
+type Matches = Vec<(u32, PrefixMatch)>;
+
+/// Every pod's match under Score's rules (prefix closure if `closure` and
+/// the keys are engine keys, offloaded chunks of `chunk` blocks), by pod:
+/// from the service's index and from the runs (`run_score`).
+fn rule_answers(
+    ix: &Indexer,
+    runs: &KeyedRuns,
+    keys: &[u64],
+    engine_keys: bool,
+    closure: bool,
+    chunk: u32,
+) -> (Matches, Matches) {
+    let closure = closure && engine_keys;
+    let block_keys: Vec<BlockKey> = keys.iter().map(|k| BlockKey(*k)).collect();
+    let service = ix
+        .matches_by_rules(MODEL, &block_keys, closure, BS as u32)
+        .into_iter()
+        .map(|(id, m)| (id.0, m))
+        .collect();
+    let mut candidates: Vec<Candidate> = (0..PODS)
+        .map(|p| Candidate {
+            pod: ix.find_pod(MODEL, &format!("p{p}")).expect("known").id.0,
+            chunk,
+        })
+        .collect();
+    candidates.sort_unstable_by_key(|c| c.pod);
+    let rules = MatchRules {
+        closure,
+        model_chunk: chunk,
+    };
+    let weights = &ix.config().tier_weights;
+    let ours = match_pods(
+        runs.for_request(engine_keys),
+        keys,
+        &candidates,
+        rules,
+        weights,
+    )
+    .into_iter()
+    .map(|(at, m)| (candidates[at].pod, m))
+    .collect();
+    (service, ours)
+}
+
+/// Score's rules a history's prompts are also matched under.
+#[derive(Clone, Copy, Debug)]
+struct Rules {
+    /// Prefix closure (on engine keys).
+    closure: bool,
+    /// Blocks per offloaded chunk (1: none).
+    chunk: u32,
+}
+
+fn rules() -> impl Strategy<Value = Rules> {
+    (any::<bool>(), prop::sample::select(vec![1u32, 1, 2, 3]))
+        .prop_map(|(closure, chunk)| Rules { closure, chunk })
+}
+
+fn check_history(
+    engine_mode: bool,
+    forest: &Forest,
+    ops: &[Op],
+    rules: Rules,
+) -> Result<(), TestCaseError> {
     let ix = Indexer::new(IndexerConfig {
         default_block_size: BS as u32,
         keys: schemes(engine_mode),
+        offload_block_size: if rules.chunk > 1 {
+            rules.chunk * BS as u32
+        } else {
+            0
+        },
         ..IndexerConfig::default()
     });
     let runs = KeyedRuns::new(&ix.config().tier_weights, false);
@@ -391,7 +475,8 @@ fn check_history(engine_mode: bool, forest: &Forest, ops: &[Op]) -> Result<(), T
                 if lora && adapter_offloaded {
                     continue;
                 }
-                let (service, ours) = answers(&ix, &runs, forest, engine_mode, node, lora);
+                let (keys, engine_keys) = prompt_keys(&ix, forest, engine_mode, node, lora);
+                let (service, ours) = answers(&ix, &runs, &keys, engine_keys);
                 prop_assert_eq!(
                     ours,
                     service,
@@ -400,17 +485,28 @@ fn check_history(engine_mode: bool, forest: &Forest, ops: &[Op]) -> Result<(), T
                     lora,
                     op
                 );
+                let (service, ours) =
+                    rule_answers(&ix, &runs, &keys, engine_keys, rules.closure, rules.chunk);
+                prop_assert_eq!(
+                    ours,
+                    service,
+                    "Score's matches for the path to {} (adapter: {}, {:?}) after {:?}",
+                    node,
+                    lora,
+                    rules,
+                    op
+                );
             }
         }
     }
     Ok(())
 }
 
-/// A forest and up to 40 events over it.
-fn history() -> impl Strategy<Value = (Forest, Vec<Op>)> {
+/// A forest, up to 40 events over it, and Score's rules.
+fn history() -> impl Strategy<Value = (Forest, Vec<Op>, Rules)> {
     forest().prop_flat_map(|f| {
         let n = f.0.len();
-        (Just(f), prop::collection::vec(op(n), 1..40))
+        (Just(f), prop::collection::vec(op(n), 1..40), rules())
     })
 }
 
@@ -418,12 +514,12 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
     #[test]
-    fn token_keyed_pods_feed_the_runs_as_the_service_index((forest, ops) in history()) {
-        check_history(false, &forest, &ops)?;
+    fn token_keyed_pods_feed_the_runs_as_the_service_index((forest, ops, rules) in history()) {
+        check_history(false, &forest, &ops, rules)?;
     }
 
     #[test]
-    fn engine_keyed_pods_feed_the_runs_as_the_service_index((forest, ops) in history()) {
-        check_history(true, &forest, &ops)?;
+    fn engine_keyed_pods_feed_the_runs_as_the_service_index((forest, ops, rules) in history()) {
+        check_history(true, &forest, &ops, rules)?;
     }
 }
