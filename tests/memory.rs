@@ -1,7 +1,9 @@
 //! Bounded memory: an endless stream of stores and no removals keeps the
 //! index at its capacity; resident memory stays flat. The block hashes are
 //! sequential integers on purpose: the index must not depend on pods
-//! sending well-mixed hashes.
+//! sending well-mixed hashes. The stores carry no tokens and no parent,
+//! as offloads do: each block is its own run, the index's worst case per
+//! block (a run's bookkeeping is paid per run), which the capacity counts.
 
 mod common;
 
@@ -139,15 +141,17 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
         !window.windows(2).all(grew),
         "{window:?} KiB: grew in every turnover at capacity"
     );
-    // The first turnovers cost more than the tables' slots: each pod is
-    // evicted by its own ingest worker (its single writer), and while an
-    // owner is asked, its pod's share runs a little ahead, growing that
-    // pod's own tables once (measured: +4.3-4.8 MB over first-full, 22-25
-    // bytes per entry; +7-10 MB while pods' tables doubled at half full).
-    // Bounded, and flat from there (the check above).
+    // The first turnovers cost more than the first fill: runs freed by
+    // eviction leave their slots to be reused (the writer's list of runs
+    // has doubled past the most it held at once), the lookup tables hold
+    // tombstones until rebuilt, and each pod is evicted by its own ingest
+    // worker (its single writer), so while an owner is asked its share
+    // runs a little ahead. Measured with blocks stored one by one (this
+    // test: each its own run): +72 bytes per unit of capacity over
+    // first-full. Bounded, and flat from there (the check above).
     let grown = rss_at_end.saturating_sub(rss_first_full) * 1024;
     assert!(
-        grown <= CAPACITY * 60,
+        grown <= CAPACITY * 100,
         "{rss_first_full} -> {rss_at_end} KiB: {} bytes per entry",
         grown / CAPACITY
     );
@@ -163,8 +167,11 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
         per_entry <= kv_indexer::config::BYTES_PER_ENTRY as u64,
         "an entry costs {per_entry} bytes, more than BYTES_PER_ENTRY"
     );
-    // Each pod keeps a fair share: no pod was evicted to nothing.
+    // Each pod keeps a fair share: no pod was evicted to nothing. (Each
+    // block here is its own run, so it costs its entry and its holding's
+    // share of the capacity: `HOLDING_ENTRIES`.)
+    let blocks_at_capacity = CAPACITY / (1 + indexer::pod_feed::HOLDING_ENTRIES);
     for pod in service.list_pods("m").await {
-        assert!(pod.gpu_blocks > CAPACITY / PODS / 2, "{pod:?}");
+        assert!(pod.gpu_blocks > blocks_at_capacity / PODS / 2, "{pod:?}");
     }
 }

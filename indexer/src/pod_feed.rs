@@ -53,6 +53,14 @@ use crate::runs::{RunIndex, MAX_POD};
 use crate::scheme::KeyMode;
 use crate::score::TierWeights;
 
+/// What a holding (a pod's part of a run on a tier) costs against a
+/// capacity counted in entries. A run's own bookkeeping is about 400 bytes
+/// whatever its length, against 30-60 per block; a capacity's budget per
+/// entry (`BYTES_PER_ENTRY` in the service: 256) covers a run of one block
+/// at 1 + 2 entries, and adds little where runs are long (a 1,000-block
+/// store is one holding).
+pub const HOLDING_ENTRIES: u64 = 3;
+
 /// A model's blocks, by how they are keyed.
 pub struct KeyedRuns {
     /// Engine keys: each block's key is its engine hash.
@@ -126,6 +134,113 @@ impl PodFeed {
 
     pub fn offload_block_size(&self) -> Option<u32> {
         self.rules.offload_block_size
+    }
+
+    /// Its id in the runs.
+    pub fn pod(&self) -> u32 {
+        self.pod
+    }
+
+    /// The (tier, block) entries it has, over both indexes: what a
+    /// capacity counts and `evict` drops.
+    pub fn entries(&self, runs: &KeyedRuns) -> u64 {
+        self.held_per_tier(runs).iter().sum()
+    }
+
+    /// What it costs against a capacity counted in entries: its entries,
+    /// and `HOLDING_ENTRIES` per holding (see `RunIndex::usage`).
+    pub fn cost(&self, runs: &KeyedRuns) -> u64 {
+        let (e, h) = runs.engine.usage(self.pod);
+        let (t, g) = runs.token.usage(self.pod);
+        e + t + HOLDING_ENTRIES * (h + g)
+    }
+
+    /// Drops up to `n` of its entries, least recently stored holdings
+    /// first, leaf first (`RunIndex::evict`), from the index holding more
+    /// of them first. Returns how many went.
+    pub fn evict(&mut self, runs: &KeyedRuns, n: usize) -> usize {
+        let (e, t) = (runs.engine.entries(self.pod), runs.token.entries(self.pod));
+        let order = if e >= t {
+            [Keying::Engine, Keying::Token]
+        } else {
+            [Keying::Token, Keying::Engine]
+        };
+        let mut evicted = 0;
+        for keying in order {
+            if evicted < n && self.may_hold(keying) {
+                evicted += keying.of(runs).evict(self.pod, n - evicted).len();
+            }
+        }
+        evicted
+    }
+
+    /// What its events taught of it (a snapshot keeps it): the groups that
+    /// are not full attention (sorted), its block size and its offloaded
+    /// block size.
+    pub fn rules_state(&self) -> (Vec<u32>, Option<u32>, Option<u32>) {
+        let mut groups: Vec<u32> = self.rules.non_full_groups.iter().copied().collect();
+        groups.sort_unstable();
+        (groups, self.rules.block_size, self.rules.offload_block_size)
+    }
+
+    /// Takes back what `rules_state` gave.
+    pub fn restore_rules(
+        &mut self,
+        non_full_groups: &[u32],
+        block_size: Option<u32>,
+        offload_block_size: Option<u32>,
+    ) {
+        self.rules.non_full_groups = non_full_groups.iter().copied().collect();
+        self.rules.block_size = block_size;
+        self.rules.offload_block_size = offload_block_size;
+    }
+
+    /// After the runs were restored from a dump: which indexes hold its
+    /// blocks.
+    pub fn restored(&mut self, runs: &KeyedRuns) {
+        self.in_engine = runs.engine.entries(self.pod) > 0;
+        self.in_token = runs.token.entries(self.pod) > 0;
+    }
+
+    /// Stores the blocks of a pod's record in a snapshot of the service's
+    /// former index (format 2): (engine hash, key, stores per tier), least
+    /// recently stored first, with each one's parent hash (`parents`,
+    /// parallel, or empty). A block keyed by its hash in an engine-keyed
+    /// model goes to the engine keys, any other to the token keys; each is
+    /// stored under its parent if the pod holds that in the same index,
+    /// else as a run's start (keys are chained whatever the runs: lookups
+    /// find it by its key).
+    pub fn import_blocks(
+        &mut self,
+        runs: &KeyedRuns,
+        blocks: &[crate::snapshot::SnapshotBlock],
+        parents: &[Option<u64>],
+        mode: &KeyMode,
+    ) {
+        let engine_mode = matches!(mode, KeyMode::Engine(_));
+        for (i, &(hash, key, counts)) in blocks.iter().enumerate() {
+            let keying = if engine_mode && key == hash {
+                Keying::Engine
+            } else {
+                Keying::Token
+            };
+            let parent = parents
+                .get(i)
+                .copied()
+                .flatten()
+                .filter(|p| self.key_in(runs, keying, *p).is_some());
+            for tier in Tier::ALL {
+                for _ in 0..counts[tier.index()] {
+                    if self.key_in(runs, keying, hash).is_some() {
+                        // Held already (on another tier, or stored again):
+                        // found by its name, as a store of it would be.
+                        self.put(runs, keying, tier, None, &[(hash, key)]);
+                    } else {
+                        self.put(runs, keying, tier, parent, &[(hash, key)]);
+                    }
+                }
+            }
+        }
     }
 
     /// Applies `batch`'s events in order.

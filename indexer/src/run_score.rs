@@ -15,7 +15,6 @@
 //! (about 30 ns each: BENCHMARKS.md, "fourteenth session"), so it is read
 //! only when a rule needs it.
 //!
-//! Not yet used by the service: see BENCHMARKS.md, "fifteenth session".
 
 use crate::event::Tier;
 use crate::index::TierMask;
@@ -156,12 +155,12 @@ fn pod_match(held: &Held, n: u32, chunk: u32, closure: bool, weights: &TierWeigh
 /// Which tiers hold each position of a prompt, for one pod: stretches of
 /// positions held on the same tiers, in order, none empty.
 #[derive(Debug, Default)]
-struct Held(Vec<(u32, u32, TierMask)>);
+pub struct Held(Vec<(u32, u32, TierMask)>);
 
 impl Held {
     /// From a pod's stretches per tier (`held_along`: per tier, sorted and
     /// merged).
-    fn of(along: &HeldAlong) -> Held {
+    pub fn of(along: &HeldAlong) -> Held {
         // Each tier's stretches turn it on at their start and off at
         // their end: sweep the turns in position order.
         let mut turns: Vec<(u32, u8, bool)> = along
@@ -195,7 +194,7 @@ impl Held {
     }
 
     /// The tiers holding position `i`.
-    fn at(&self, i: u32) -> TierMask {
+    pub fn at(&self, i: u32) -> TierMask {
         let after = self.0.partition_point(|&(start, _, _)| start <= i);
         match after.checked_sub(1).map(|s| self.0[s]) {
             Some((_, end, mask)) if i < end => mask,

@@ -266,6 +266,14 @@ impl RunIndex {
         Ok(ix)
     }
 
+    /// Restores `dump` into this index, which must hold nothing yet (its
+    /// best tiers and bound stay as built): `from_dump` in place.
+    pub fn restore(&self, dump: Dump) -> Result<(), DumpError> {
+        self.writer
+            .lock()
+            .restore(&self.heads, &self.published, dump)
+    }
+
     /// Drops up to `n` of `pod`'s (tier, block) entries to bound memory:
     /// from the holdings it stored into least recently, each leaf first,
     /// so its answers only shorten (see `bounded`). Returns each entry
@@ -285,6 +293,17 @@ impl RunIndex {
     /// The (tier, block) entries `pod` has: what `evict` can drop.
     pub fn entries(&self, pod: u32) -> u64 {
         self.writer.lock().entries(pod).iter().sum()
+    }
+
+    /// `pod`'s entries (all tiers) and holdings (runs it holds part of,
+    /// per tier): a run's own bookkeeping (its record, words, table slots,
+    /// about 400 bytes) is paid per run whatever its length, and every run
+    /// has a holding, so the holdings bound it where entries cannot (blocks
+    /// stored one by one, each its own run, as offloads without a parent
+    /// are).
+    pub fn usage(&self, pod: u32) -> (u64, u64) {
+        let w = self.writer.lock();
+        (w.entries(pod).iter().sum(), w.holdings(pod))
     }
 
     /// The blocks `pod` has on each tier (`Tier::index` order).
@@ -340,6 +359,18 @@ impl RunIndex {
     /// block. Each run is read as one consistent view, as `prefix_matches`
     /// reads them; a run a writer kept changing ends the walk there.
     pub fn held_along(&self, keys: &[u64]) -> Vec<HeldAlong> {
+        self.held_in_runs(keys, true)
+    }
+
+    /// `held_along` for keys that may be no chain (a list someone typed):
+    /// each key is compared with the run's block at its place, not found
+    /// by binary search, so a key is found only where the list reaches it
+    /// from a run's first block, and no key is said held that is not.
+    pub fn held_at_each(&self, keys: &[u64]) -> Vec<HeldAlong> {
+        self.held_in_runs(keys, false)
+    }
+
+    fn held_in_runs(&self, keys: &[u64], chained: bool) -> Vec<HeldAlong> {
         let mut by_pod: std::collections::BTreeMap<u32, Vec<(Tier, u32, u32)>> =
             std::collections::BTreeMap::new();
         let mut i = 0usize;
@@ -360,7 +391,13 @@ impl RunIndex {
                 if run.hash(0) != Some(rest[0]) {
                     return None;
                 }
-                let len = matched_in_run(run, rest) as u32;
+                let len = if chained {
+                    matched_in_run(run, rest)
+                } else {
+                    (0..run.len().min(rest.len()))
+                        .take_while(|off| run.hash(*off) == Some(rest[*off]))
+                        .count()
+                } as u32;
                 for pod in run.pods() {
                     for (tier, start, end) in pod.spans() {
                         if start < len.min(end) {

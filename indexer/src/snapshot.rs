@@ -2,14 +2,24 @@
 //! last seq and flags, so a restarted indexer continues where it stopped and
 //! asks the pods' replay buffers only for what came after.
 //!
-//! Format (version 2), written and read one pod at a time, so neither side
-//! holds more than one pod's blocks besides the index itself:
+//! Format (version 3):
 //!
 //! ```text
 //! "KVIXSNAP"  version (u32 LE)  key fingerprint (u64 LE)
-//! { 1, pod (msgpack PodSnapshot) }*  0
+//! { 1, pod (msgpack PodSnapshot) }*  { 2, runs (msgpack [model, runs::Dump]) }*  0
 //! xxh3-64 of every byte before it (u64 LE)
 //! ```
+//!
+//! Each pod's record keeps what its events taught (block sizes, groups
+//! that are not full attention) and its stream's place, and names the id
+//! its blocks go by in the runs; the blocks are the runs themselves, one
+//! record per model and key kind (engine keys, token keys), about the size
+//! of the index: a shared prefix's keys once, not once per pod holding it.
+//!
+//! Version 2, which this build still reads, listed each pod's blocks in its
+//! own record, (engine hash, key, stores per tier) with each one's parent,
+//! written one pod at a time; its blocks are stored into the runs on
+//! restore (`PodFeed::import_blocks`).
 //!
 //! The checksum is a trailer because a stream only knows it at its end. A
 //! wrong magic, version or checksum, a record that does not decode, or a
@@ -23,13 +33,18 @@ use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::runs::Dump;
+
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
+/// The oldest version read.
+const OLDEST: u32 = 2;
 /// Magic, version, key fingerprint.
 const HEADER: u64 = 20;
 /// The checksum.
 const TRAILER: u64 = 8;
 const POD: u8 = 1;
+const RUNS: u8 = 2;
 const END: u8 = 0;
 
 /// One held block: (engine hash, key, count per tier).
@@ -62,13 +77,28 @@ pub struct PodSnapshot {
     /// restarted meanwhile. Defaulted, as `offload_block_size`.
     #[serde(default)]
     pub last_fingerprint: Option<u64>,
+    /// The pod's id in the snapshot's runs records (version 3; its
+    /// `blocks` are then empty).
+    #[serde(default)]
+    pub runs_id: Option<u32>,
+}
+
+/// One record of a snapshot.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    Pod(Box<PodSnapshot>),
+    /// Every block of one model of one key kind (version 3).
+    Runs {
+        model: String,
+        dump: Box<Dump>,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SnapshotError {
     #[error("not a kv-indexer snapshot")]
     NotASnapshot,
-    #[error("snapshot format version {0} (this build reads version {VERSION})")]
+    #[error("snapshot format version {0} (this build reads versions {OLDEST} to {VERSION})")]
     Version(u32),
     #[error("snapshot is corrupt (checksum mismatch)")]
     Checksum,
@@ -128,6 +158,12 @@ impl<W: Write> SnapshotWriter<W> {
         rmp_serde::encode::write(self, pod).map_err(io::Error::other)
     }
 
+    /// The blocks of one model of one key kind, after every pod.
+    pub fn runs(&mut self, model: &str, dump: &Dump) -> io::Result<()> {
+        self.write_all(&[RUNS])?;
+        rmp_serde::encode::write(self, &(model, dump)).map_err(io::Error::other)
+    }
+
     /// Ends the snapshot (end mark, checksum) and flushes it; returns the
     /// writer it went to.
     pub fn finish(mut self) -> io::Result<W> {
@@ -139,9 +175,10 @@ impl<W: Write> SnapshotWriter<W> {
     }
 }
 
-/// Reads a snapshot one pod at a time, after `open` checked all of it.
+/// Reads a snapshot one record at a time, after `open` checked all of it.
 pub struct SnapshotReader<R: Read + Seek> {
     input: Counted<BufReader<R>>,
+    version: u32,
     keys_fingerprint: u64,
     /// Where the end mark is.
     end: u64,
@@ -161,7 +198,7 @@ impl<R: Read + Seek> SnapshotReader<R> {
             return Err(SnapshotError::NotASnapshot);
         }
         let version = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
-        if version != VERSION {
+        if !(OLDEST..=VERSION).contains(&version) {
             return Err(SnapshotError::Version(version));
         }
         if len < HEADER + 1 + TRAILER {
@@ -182,11 +219,12 @@ impl<R: Read + Seek> SnapshotReader<R> {
         }
         let mut reader = SnapshotReader {
             input: Counted { inner: input, n: 0 },
+            version,
             keys_fingerprint: 0,
             end: len - TRAILER - 1,
         };
         reader.start()?;
-        while reader.next_pod()?.is_some() {}
+        while reader.next_record()?.is_some() {}
         reader.start()?;
         Ok(reader)
     }
@@ -204,15 +242,31 @@ impl<R: Read + Seek> SnapshotReader<R> {
         self.keys_fingerprint
     }
 
-    /// The next pod, or `None` after the last.
-    pub fn next_pod(&mut self) -> Result<Option<PodSnapshot>, SnapshotError> {
+    /// The format version it was written in.
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// The next record, or `None` after the last.
+    pub fn next_record(&mut self) -> Result<Option<Record>, SnapshotError> {
         let [mark] = read_array(&mut self.input)?;
+        let decoded = |e: rmp_serde::decode::Error| SnapshotError::Decode(e.to_string());
         match mark {
             END if self.input.n == self.end + 1 => Ok(None),
             END => Err(SnapshotError::Decode("ends before its checksum".into())),
             POD if self.input.n <= self.end => rmp_serde::from_read(&mut self.input)
-                .map(Some)
-                .map_err(|e| SnapshotError::Decode(e.to_string())),
+                .map(|p| Some(Record::Pod(Box::new(p))))
+                .map_err(decoded),
+            RUNS if self.input.n <= self.end && self.version >= 3 => {
+                rmp_serde::from_read(&mut self.input)
+                    .map(|(model, dump)| {
+                        Some(Record::Runs {
+                            model,
+                            dump: Box::new(dump),
+                        })
+                    })
+                    .map_err(decoded)
+            }
             _ => Err(SnapshotError::Decode(format!(
                 "record mark {mark} at byte {}",
                 self.input.n - 1
@@ -263,6 +317,7 @@ mod tests {
             non_full_groups: vec![1],
             blocks,
             parents,
+            runs_id: Some(3),
         }
     }
 
@@ -275,20 +330,48 @@ mod tests {
     }
 
     fn encode(fingerprint: u64, pods: &[PodSnapshot]) -> Vec<u8> {
+        encode_with(fingerprint, pods, &[])
+    }
+
+    fn encode_with(fingerprint: u64, pods: &[PodSnapshot], runs: &[(String, Dump)]) -> Vec<u8> {
         let mut w = SnapshotWriter::new(Vec::new(), fingerprint).unwrap();
         for p in pods {
             w.pod(p).unwrap();
+        }
+        for (model, d) in runs {
+            w.runs(model, d).unwrap();
         }
         w.finish().unwrap()
     }
 
     fn decode(bytes: &[u8]) -> Result<(u64, Vec<PodSnapshot>), SnapshotError> {
+        let (fingerprint, pods, runs) = decode_all(bytes)?;
+        assert!(runs.is_empty());
+        Ok((fingerprint, pods))
+    }
+
+    type Decoded = (u64, Vec<PodSnapshot>, Vec<(String, Dump)>);
+
+    fn decode_all(bytes: &[u8]) -> Result<Decoded, SnapshotError> {
         let mut r = SnapshotReader::open(Cursor::new(bytes))?;
-        let mut pods = Vec::new();
-        while let Some(p) = r.next_pod()? {
-            pods.push(p);
+        let (mut pods, mut runs) = (Vec::new(), Vec::new());
+        while let Some(record) = r.next_record()? {
+            match record {
+                Record::Pod(p) => pods.push(*p),
+                Record::Runs { model, dump } => runs.push((model, *dump)),
+            }
         }
-        Ok((r.keys_fingerprint(), pods))
+        Ok((r.keys_fingerprint(), pods, runs))
+    }
+
+    /// Both key kinds' runs, after the pods, as an index dumps them.
+    fn sample_runs() -> Vec<(String, Dump)> {
+        let engine = crate::runs::RunIndex::new();
+        engine.store(3, crate::event::Tier::Gpu, None, &[11, 12, 13]);
+        engine.store(4, crate::event::Tier::Cpu, Some(11), &[14]);
+        let token = crate::runs::RunIndex::with_token_keys();
+        token.store_keyed(3, crate::event::Tier::Gpu, None, &[(21, 5), (22, 6)]);
+        vec![("m".into(), engine.dump()), ("m".into(), token.dump())]
     }
 
     /// The checksum a damaged body is given again, so that what is tested
@@ -323,6 +406,7 @@ mod tests {
             PodSnapshot {
                 offload_block_size: None,
                 last_fingerprint: None,
+                runs_id: None,
                 ..p
             }
         );
@@ -332,6 +416,27 @@ mod tests {
     fn round_trips_pod_by_pod() {
         assert_eq!(decode(&encode(7, &sample())).unwrap(), (7, sample()));
         assert_eq!(decode(&encode(9, &[])).unwrap(), (9, vec![]));
+        let bytes = encode_with(7, &sample(), &sample_runs());
+        assert_eq!(decode_all(&bytes).unwrap(), (7, sample(), sample_runs()));
+    }
+
+    /// A version 2 file (pods with their blocks) still reads; a runs
+    /// record, which version 2 did not have, in one is refused.
+    #[test]
+    fn reads_version_2_and_refuses_runs_in_it() {
+        let mut bytes = encode(7, &sample());
+        bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+        resum(&mut bytes);
+        let mut r = SnapshotReader::open(Cursor::new(&bytes)).unwrap();
+        assert_eq!(r.version(), 2);
+        assert_eq!(
+            r.next_record().unwrap(),
+            Some(Record::Pod(Box::new(sample()[0].clone())))
+        );
+        let mut bytes = encode_with(7, &sample(), &sample_runs());
+        bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+        resum(&mut bytes);
+        assert!(matches!(decode_all(&bytes), Err(SnapshotError::Decode(_))));
     }
 
     #[test]
@@ -361,7 +466,7 @@ mod tests {
         let mut other = bytes.clone();
         other[..8].copy_from_slice(b"KVIXSNAQ");
         assert_eq!(decode(&other), Err(SnapshotError::NotASnapshot));
-        for v in [1, 3] {
+        for v in [1, 4] {
             let mut old = bytes.clone();
             old[8..12].copy_from_slice(&u32::to_le_bytes(v));
             assert_eq!(decode(&old), Err(SnapshotError::Version(v)));

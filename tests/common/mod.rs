@@ -488,13 +488,15 @@ pub struct Removed {
 }
 
 /// A batch payload (`(timestamp, [event], dp rank)`) of one stored block:
-/// `hash`, tokens 0..16.
+/// `hash`, with 16 tokens of its own.
 pub fn one_block_store(hash: u64) -> Vec<u8> {
     let event = Stored {
         ty: "BlockStored",
         block_hashes: vec![hash],
         parent_block_hash: None,
-        token_ids: (0..16).collect(),
+        // Tokens of its own: a hash names one block's content, as vLLM's
+        // do (one content under several hashes is one block, held once).
+        token_ids: (0..16).map(|t| t + 16 * hash as u32).collect(),
         block_size: 16,
         medium: "GPU",
     };

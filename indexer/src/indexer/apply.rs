@@ -52,17 +52,16 @@ impl Indexer {
         progress.skipped.unknown_fields += batch.skipped.unknown_fields;
         for event in &batch.events {
             match event {
-                KvEvent::Stored(ev) => state.store(&self.blocks, ev, &pod.mode, &mut stats),
-                KvEvent::Removed(ev) => state.remove(&self.blocks, ev, &mut stats),
+                KvEvent::Stored(ev) => state.store(&pod.runs, ev, &pod.mode, &mut stats),
+                KvEvent::Removed(ev) => state.remove(&pod.runs, ev, &pod.mode, &mut stats),
                 KvEvent::AllCleared => {
-                    state.clear(&self.blocks, &mut stats);
+                    state.clear(&pod.runs, &mut stats);
                     cleared = true;
                 }
             }
         }
         progress.applied.add(&stats);
-        debug_assert!(state.closure_is_current());
-        self.account(pod, state.entries());
+        self.account(pod, state.cost(&pod.runs));
         let learned = state.block_size();
         let offload = state.offload_block_size();
         drop(inner);
@@ -103,21 +102,19 @@ impl Indexer {
     }
 
     /// Updates the entry counts after `pod` now holds `now` entries.
-    pub(super) fn account(&self, pod: &Pod, now: usize) {
-        let before = pod.entries.swap(now as u64, Ordering::Relaxed);
-        if now as u64 >= before {
-            self.entries
-                .fetch_add(now as u64 - before, Ordering::Relaxed);
+    pub(super) fn account(&self, pod: &Pod, now: u64) {
+        let before = pod.entries.swap(now, Ordering::Relaxed);
+        if now >= before {
+            self.entries.fetch_add(now - before, Ordering::Relaxed);
         } else {
-            self.entries
-                .fetch_sub(before - now as u64, Ordering::Relaxed);
+            self.entries.fetch_sub(before - now, Ordering::Relaxed);
         }
     }
 
     /// Over capacity: evicts down to 95% of it, always from the pod holding
     /// the most entries (so a pod's share shrinks only when it is the
     /// largest: fair), its least recently stored leaf blocks first (see
-    /// `PodState::evict_oldest`). Evicting only ever shortens a pod's match
+    /// `PodFeed::evict`). Evicting only ever shortens a pod's match
     /// from its end: answers stay conservative.
     ///
     /// Only pods for which `owns` is true are evicted here (the caller is
@@ -197,16 +194,15 @@ impl Indexer {
         ask
     }
 
-    /// Evicts up to `n` of `pod`'s blocks (leaves first, least recently
-    /// stored first). Returns how many went.
+    /// Evicts up to `n` of `pod`'s (tier, block) entries (leaves first,
+    /// least recently stored holdings first). Returns how many went.
     pub fn evict(&self, pod: &Pod, n: usize) -> usize {
         if pod.is_removed() {
             return 0;
         }
         let mut inner = self.lock(pod);
-        let evicted = inner.state.evict_oldest(&self.blocks, n);
-        debug_assert!(inner.state.closure_is_current());
-        let now = inner.state.entries();
+        let evicted = inner.state.evict(&pod.runs, n);
+        let now = inner.state.cost(&pod.runs);
         drop(inner);
         self.drop_speculation(pod);
         self.account(pod, now);
@@ -217,9 +213,9 @@ impl Indexer {
     /// Drops every block `pod` holds; returns how many it held (all tiers).
     pub(super) fn clear_blocks(&self, pod: &Pod) -> u64 {
         let mut inner = self.lock(pod);
-        let held: u64 = inner.state.held_per_tier().iter().sum();
+        let held = inner.state.entries(&pod.runs);
         let mut stats = ApplyStats::default();
-        inner.state.clear(&self.blocks, &mut stats);
+        inner.state.clear(&pod.runs, &mut stats);
         drop(inner);
         self.account(pod, 0);
         self.drop_speculation(pod);

@@ -12,7 +12,6 @@
 //! `inner` mutex is therefore uncontended; it exists so that readers of
 //! its state (`ListPods`, snapshots) see it whole. Queries (`score`,
 //! `lookup`) never take a pod lock: they read the sharded block index.
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -20,21 +19,23 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
-use crate::closure::{ClosedView, Closure};
-use crate::event::{DecodeSkips, EventBatch, KvEvent, Tier, TIERS};
-use crate::index::{BlockIndex, PodId, TierMask, MAX_PODS};
+use crate::event::{DecodeSkips, EventBatch, KvEvent, TIERS};
+use crate::index::{PodId, TierMask, MAX_PODS};
 use crate::keys::BlockKey;
-use crate::offload::{chunk_factor, chunked_match};
-use crate::pod::{ApplyStats, PodState};
+use crate::offload::chunk_factor;
+use crate::pod::ApplyStats;
+use crate::pod_feed::{KeyedRuns, PodFeed};
 use crate::routing::speculative::Speculative;
+use crate::run_score::{self, Candidate, Held, MatchRules};
 use crate::scheme::{KeyMode, KeySchemes};
-#[cfg(test)]
-use crate::score::walk;
-use crate::score::{
-    extend_prefix_closed, holding, jump, walk_with_gpu_runs, PrefixMatch, Scratch, TierWeights,
-};
+use crate::score::{PrefixMatch, TierWeights};
 use crate::snapshot::{PodSnapshot, SnapshotError, SnapshotReader, SnapshotWriter};
+use query::raw_keys;
+use speculate::held_by;
 use table::PodTable;
+
+// A pod's id is its holder id in the runs.
+const _: () = assert!(MAX_PODS <= crate::runs::MAX_POD);
 
 #[derive(Clone, Debug)]
 pub struct IndexerConfig {
@@ -132,6 +133,8 @@ pub struct Pod {
     pub dp_rank: Option<u32>,
     /// The model's key mode, resolved once.
     mode: KeyMode,
+    /// Its model's blocks, where its writer stores them.
+    runs: Arc<KeyedRuns>,
     /// Learned block size; 0 until the first store.
     block_size: AtomicU32,
     /// The offloaded block size its events last gave (0: none).
@@ -145,16 +148,14 @@ pub struct Pod {
     /// Its stream's connection, as its ingest worker last saw it
     /// (a [`Connection`]).
     connection: AtomicU8,
-    /// Distinct blocks held (the pod's share of the capacity).
+    /// (tier, block) entries held (the pod's share of the capacity).
     entries: AtomicU64,
-    /// Whether readers may binary-search this pod (published by its
-    /// writer at each flush, see `closure`).
-    closure: Arc<Closure>,
     inner: Mutex<PodInner>,
 }
 
 struct PodInner {
-    state: PodState,
+    /// Its rules' state; its blocks are in the indexer's runs.
+    state: PodFeed,
     progress: Progress,
 }
 
@@ -248,25 +249,8 @@ pub struct KeyHolders {
     pub pods: Vec<(String, TierMask)>,
 }
 
-/// What a lookup reuses from the last one on its thread (see `Scratch`).
-#[derive(Default)]
-struct LookupScratch {
-    search: Scratch,
-    candidates: Vec<u32>,
-    /// The candidates that may be searched: ids, and positions with views.
-    closed: Vec<PodId>,
-    views: Vec<(u32, ClosedView)>,
-    /// Positions of the candidates that must be walked.
-    open: Vec<u32>,
-}
-
-thread_local! {
-    static LOOKUP_SCRATCH: RefCell<LookupScratch> = RefCell::new(LookupScratch::default());
-}
-
 pub struct Indexer {
     config: IndexerConfig,
-    blocks: BlockIndex,
     /// (pod, block) entries held, summed over pods.
     entries: AtomicU64,
     evictions: AtomicU64,
@@ -315,12 +299,8 @@ impl Pod {
 impl Indexer {
     pub fn new(config: IndexerConfig) -> Self {
         let config_max_spec = config.max_speculative_entries;
-        let blocks = config
-            .max_entries
-            .map_or_else(BlockIndex::new, BlockIndex::with_max_keys);
         Indexer {
             config,
-            blocks,
             entries: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
             evicting: Mutex::new(()),

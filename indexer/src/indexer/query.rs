@@ -18,14 +18,16 @@ impl Indexer {
     }
 
     pub fn score(&self, q: &ScoreQuery<'_>) -> ScoreOutcome {
-        // (candidate name, pod if known)
         let mut offload_block_size = self.config.offload_block_size;
-        let mut candidates: Vec<(String, Option<Arc<Pod>>)> = {
+        // The model's blocks (none: no pod of it is known), and
+        // (candidate name, pod if known).
+        let (runs, mut candidates): (Option<Arc<KeyedRuns>>, Vec<Named>) = {
             let table = self.table.read();
             if offload_block_size == 0 {
                 offload_block_size = table.model(q.model).map_or(0, |m| m.offload_block_size);
             }
-            if q.pods.is_empty() {
+            let runs = table.model(q.model).map(|m| m.runs.clone());
+            let candidates = if q.pods.is_empty() {
                 let ids = table
                     .model(q.model)
                     .map(|m| m.pods.clone())
@@ -41,7 +43,8 @@ impl Indexer {
                     .filter(|name| seen.insert(name.as_str()))
                     .map(|name| (name.clone(), table.by_name(q.model, name).cloned()))
                     .collect()
-            }
+            };
+            (runs, candidates)
         };
         let speculating = !self.speculative.is_empty();
         if speculating && q.pods.is_empty() {
@@ -75,7 +78,10 @@ impl Indexer {
                 }
             }
             match pod {
-                Some(pod) if !dropped => group.exact.push((pod.id, pos)),
+                Some(pod) if !dropped => {
+                    let chunk = self.pod_chunk_factor(&pod, offload_block_size, bs);
+                    group.exact.push((pod.id, pos, chunk));
+                }
                 _ => {}
             }
             scores.push(PodScore {
@@ -101,23 +107,34 @@ impl Indexer {
             let (keys, engine_keys) =
                 mode.request_keys(q.model, q.lora_name, q.cache_salt, q.tokens, bs as usize);
             group.sort_unstable();
-            let ids: Vec<PodId> = group.iter().map(|(id, _)| *id).collect();
             // Closure is only sound on engine keys: token keys of a block
             // whose parent was never seen do not exist at all.
             let closure = engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed);
-            let rules = Rules {
-                closure,
-                offload_block_size,
-                block_size: bs,
-            };
-            self.match_pods(&keys, &ids, rules, |at, m| {
-                scores[group[at].1].matched = m;
-            });
+            let raw = raw_keys(&keys);
+            if let Some(runs) = &runs {
+                let candidates: Vec<Candidate> = group
+                    .iter()
+                    .map(|&(id, _, chunk)| Candidate { pod: id.0, chunk })
+                    .collect();
+                let rules = MatchRules {
+                    closure,
+                    model_chunk: chunk_factor(offload_block_size, bs),
+                };
+                let weights = &self.config.tier_weights;
+                let index = runs.for_request(engine_keys);
+                for (at, m) in run_score::match_pods(index, &raw, &candidates, rules, weights) {
+                    scores[group[at].1].matched = m;
+                }
+            }
             for (pos, id, spec) in speculative {
                 let spec = spec.read();
                 let from = scores[pos].matched.matched_blocks as usize;
-                let run = spec.run_from(&keys[from.min(keys.len())..], now, |key| {
-                    id.is_some_and(|id| self.holds_exactly(id, key))
+                let held = id
+                    .zip(runs.as_ref())
+                    .map(|(id, runs)| held_by(runs, id.0, &raw));
+                let run = spec.run_from(&keys[from.min(keys.len())..], now, |at, _| {
+                    held.as_ref()
+                        .is_some_and(|h| !h.at((from + at) as u32).is_empty())
                 });
                 scores[pos].speculative_blocks = (from + run) as u32;
             }
@@ -149,260 +166,74 @@ impl Indexer {
     /// one block of a prompt already turned into keys (`request_keys`, or
     /// engine hashes in engine mode), in pod id order. No names, no zeros,
     /// no closure inference: the index alone, answering what the peers'
-    /// indexes answer, as the comparison bench measures it.
+    /// indexes answer, as the comparison bench measures it. Looked up in
+    /// the runs of the model's key kind.
     pub fn prefix_matches(&self, model: &str, keys: &[BlockKey]) -> Vec<(PodId, PrefixMatch)> {
-        // One read guard for the whole lookup, the model's pod list borrowed
-        // from it: taking the list (an `Arc` clone and drop) and then the
-        // guard again were four locked instructions per lookup, each a full
-        // fence (see `match_pods`).
-        let table = self.table.read();
-        let Some(model) = table.model(model) else {
-            return Vec::new();
+        let (ids, runs) = {
+            let table = self.table.read();
+            let Some(model) = table.model(model) else {
+                return Vec::new();
+            };
+            (model.pods.clone(), model.runs.clone())
         };
-        let ids: &[PodId] = &model.pods;
-        // Room for every pod up front (untouched memory costs nothing): a
-        // growing vector's copies added 14% to a 128-pod lookup.
-        let mut out = Vec::with_capacity(ids.len());
-        let in_order = self.match_pods_in(&table, keys, ids, Rules::INDEX_ONLY, |pos, m| {
-            out.push((ids[pos], m))
-        });
-        if !in_order {
-            out.sort_unstable_by_key(|(id, _)| *id);
-        }
-        out
-    }
-
-    /// Prefix matches of `ids` (sorted) with at least one block, each
-    /// given to `emit` as (position in `ids`, match), in position order
-    /// unless this returns false. Pods whose held set is prefix-closed and
-    /// on one tier are binary-searched (`score::jump`); the others, and any
-    /// whose closure a writer changed meanwhile, walk block by block (and
-    /// come last). Both give the first-miss answer on the index's own
-    /// state, or under concurrent events one between the states before and
-    /// after them (see `closure`).
-    ///
-    /// Only pods holding the first block can match (closure inference
-    /// aside, which credits blocks the index never saw): one probe picks
-    /// them, so with a large fleet a prompt pays per pod that holds its
-    /// start, not per pod of the model. With offloaded chunks (`rules`),
-    /// pods holding the first chunk's last block count too (vLLM's default
-    /// offload events name a chunk by it alone); those and every pod with
-    /// offloaded blocks are walked, then counted by chunks (`offload`).
-    ///
-    /// The pod table's read guard is held throughout: a pod removed since
-    /// `ids` was read has no slot and is skipped, and no id is freed (so
-    /// reused) while the search runs. The block index's shards are taken
-    /// under it; nothing takes them the other way round.
-    fn match_pods(
-        &self,
-        keys: &[BlockKey],
-        ids: &[PodId],
-        rules: Rules,
-        emit: impl FnMut(usize, PrefixMatch),
-    ) -> bool {
-        self.match_pods_in(&self.table.read(), keys, ids, rules, emit)
-    }
-
-    /// `match_pods` under a guard the caller holds.
-    fn match_pods_in(
-        &self,
-        table: &PodTable,
-        keys: &[BlockKey],
-        ids: &[PodId],
-        rules: Rules,
-        mut emit: impl FnMut(usize, PrefixMatch),
-    ) -> bool {
-        debug_assert!(ids.windows(2).all(|w| w[0] < w[1]));
-        if keys.is_empty() {
-            return true;
-        }
-        LOOKUP_SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => {
-                self.match_pods_with(table, keys, ids, rules, &mut scratch, &mut emit)
-            }
-            Err(_) => self.match_pods_with(
-                table,
-                keys,
-                ids,
-                rules,
-                &mut LookupScratch::default(),
-                &mut emit,
-            ),
-        })
-    }
-
-    /// `match_pods` with its buffers. Matches go straight to `emit`, not
-    /// through a list of every candidate that was then filtered and
-    /// re-keyed: 7% fewer instructions per lookup with 128 pods holding a
-    /// 128-block prompt's start (callgrind).
-    fn match_pods_with(
-        &self,
-        pods: &PodTable,
-        keys: &[BlockKey],
-        ids: &[PodId],
-        Rules {
-            closure,
-            offload_block_size,
-            block_size,
-        }: Rules,
-        scratch: &mut LookupScratch,
-        emit: &mut impl FnMut(usize, PrefixMatch),
-    ) -> bool {
-        let LookupScratch {
-            search,
-            candidates,
-            closed,
-            views,
-            open,
-        } = scratch;
-        if closure {
-            candidates.clear();
-            candidates.extend(0..ids.len() as u32);
-        } else {
-            holding(&self.blocks, keys[0], ids, search, candidates);
-        }
-        let weights = &self.config.tier_weights;
-        closed.clear();
-        views.clear();
-        open.clear();
-        for &pos in candidates.iter() {
-            let id = ids[pos as usize];
-            let Some(pod) = pods.get(id) else { continue };
-            match pod.closure.view() {
-                // Offloaded chunks are counted after the walk (below).
-                Some(view)
-                    if view.tier == Tier::Gpu
-                        || self.pod_chunk_factor(pod, offload_block_size, block_size) == 1 =>
-                {
-                    closed.push(id);
-                    views.push((pos, view));
-                }
-                _ => open.push(pos),
-            }
-        }
-        let model_factor = chunk_factor(offload_block_size, block_size);
-        if model_factor > 1 && !closure && keys.len() >= model_factor as usize {
-            // A pod may hold the first chunk offloaded and not block 0:
-            // with the connector's default events only the chunk's last
-            // block is known. (The model's chunk size: a pod of another
-            // size holding its first chunk alone is missed.)
-            let mut more = Vec::new();
-            holding(
-                &self.blocks,
-                keys[model_factor as usize - 1],
-                ids,
-                search,
-                &mut more,
-            );
-            let mut known = candidates.clone();
-            known.sort_unstable();
-            more.retain(|pos| {
-                known.binary_search(pos).is_err() && pods.get(ids[*pos as usize]).is_some()
-            });
-            open.extend(more);
-        }
-        // Without closure inference the candidates are the holders of
-        // block 0, probed above.
-        let depths = jump(&self.blocks, keys, closed, !closure, search);
-        let mut searched_any = false;
-        for ((&id, &(pos, view)), &depth) in closed.iter().zip(views.iter()).zip(depths) {
-            if !pods.get(id).is_some_and(|p| p.closure.unchanged(view)) {
-                open.push(pos);
-            } else if depth > 0 {
-                searched_any = true;
-                emit(
-                    pos as usize,
-                    PrefixMatch::on_one_tier(depth, view.tier, weights),
-                );
-            }
-        }
-        if open.is_empty() {
-            return true;
-        }
-        // Rare (pods not closed, offloading in chunks, or whose closure a
-        // writer changed): walk.
-        open.sort_unstable();
-        let open_ids: Vec<PodId> = open.iter().map(|pos| ids[*pos as usize]).collect();
-        let (mut walked, mut gpu_runs) = walk_with_gpu_runs(&self.blocks, keys, &open_ids, weights);
-        // Per walked pod, blocks per offloaded chunk (1: none).
-        let factors: Vec<u32> = open_ids
+        let engine = matches!(self.config.keys.for_model(model), KeyMode::Engine(_));
+        let candidates: Vec<Candidate> = ids
             .iter()
-            .map(|id| {
-                pods.get(*id).map_or(1, |p| {
-                    self.pod_chunk_factor(p, offload_block_size, block_size)
-                })
+            .map(|id| Candidate {
+                pod: id.0,
+                chunk: 1,
             })
             .collect();
-        if closure {
-            let chunked: Vec<bool> = factors.iter().map(|f| *f > 1).collect();
-            extend_prefix_closed(
-                &self.blocks,
-                keys,
-                &open_ids,
-                &mut walked,
-                &mut gpu_runs,
-                &chunked,
-                weights,
-            );
-        }
-        for (c, f) in factors.iter().enumerate() {
-            if *f > 1 {
-                walked[c] =
-                    chunked_match(&self.blocks, keys, open_ids[c], *f, gpu_runs[c], weights);
-            }
-        }
-        for (pos, m) in open.iter().zip(walked) {
-            if m.matched_blocks > 0 {
-                emit(*pos as usize, m);
-            }
-        }
-        // The walked ones came after any searched ones.
-        !searched_any
+        run_score::match_pods(
+            runs.for_request(engine),
+            &raw_keys(keys),
+            &candidates,
+            MatchRules::INDEX_ONLY,
+            &self.config.tier_weights,
+        )
+        .into_iter()
+        .map(|(at, m)| (ids[at], m))
+        .collect()
     }
 
-    /// The matches `score` gives every pod of `model` for `keys` (cut in
-    /// blocks of `block_size`) under its rules, by pod id: the walk,
-    /// `closure` as given and offloaded chunks, without names or
-    /// speculative entries (what `run_score` answers from the runs).
-    #[cfg(test)]
-    pub(crate) fn matches_by_rules(
-        &self,
-        model: &str,
-        keys: &[BlockKey],
-        closure: bool,
-        block_size: u32,
-    ) -> Vec<(PodId, PrefixMatch)> {
-        let table = self.table.read();
-        let Some(m) = table.model(model) else {
-            return Vec::new();
-        };
-        let offload_block_size = match self.config.offload_block_size {
-            0 => m.offload_block_size,
-            configured => configured,
-        };
-        let ids = m.pods.clone();
-        let rules = Rules {
-            closure,
-            offload_block_size,
-            block_size,
-        };
-        let mut out = Vec::new();
-        self.match_pods_in(&table, keys, &ids, rules, |pos, m| out.push((ids[pos], m)));
-        out.sort_unstable_by_key(|(id, _)| *id);
-        out
-    }
-
-    /// Who holds each key (debugging).
+    /// Who holds each key (debugging). The keys are read as a prompt's,
+    /// in order from its first block (as `request_keys` gives them): a key
+    /// is found where the list reaches it from the start of a run of
+    /// blocks the index keeps, which a prompt's keys always do; each key
+    /// is compared, so a list that is no chain gets no wrong holder.
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<KeyHolders> {
+        let raw = raw_keys(keys);
+        let mut held: Vec<Vec<(PodId, TierMask)>> = vec![Vec::new(); keys.len()];
+        let models: Vec<Arc<KeyedRuns>> = self
+            .table
+            .read()
+            .models()
+            .map(|(_, m)| m.runs.clone())
+            .collect();
+        for runs in &models {
+            for index in [&runs.engine, &runs.token] {
+                for along in index.held_at_each(&raw) {
+                    let pod = PodId(along.pod);
+                    for (tier, start, end) in along.spans {
+                        for at in &mut held[start as usize..end as usize] {
+                            match at.iter_mut().find(|(p, _)| *p == pod) {
+                                Some((_, tiers)) => tiers.0 |= 1 << tier.index(),
+                                None => at.push((pod, TierMask(1 << tier.index()))),
+                            }
+                        }
+                    }
+                }
+            }
+        }
         let pods = self.table.read();
         keys.iter()
-            .map(|key| KeyHolders {
+            .zip(held)
+            .map(|(key, holders)| KeyHolders {
                 key: *key,
-                pods: self.blocks.with_holders(*key, |h| {
-                    h.iter()
-                        .filter_map(|h| Some((pods.get(h.pod())?.name.clone(), h.tiers())))
-                        .collect()
-                }),
+                pods: holders
+                    .into_iter()
+                    .filter_map(|(pod, tiers)| Some((pods.get(pod)?.name.clone(), tiers)))
+                    .collect(),
             })
             .collect()
     }
@@ -432,7 +263,7 @@ impl Indexer {
                         p,
                         model_offload.get(&p.model).copied().unwrap_or(0),
                     ),
-                    blocks_per_tier: inner.state.held_per_tier(),
+                    blocks_per_tier: inner.state.held_per_tier(&p.runs),
                     last_seq: inner.progress.last_seq,
                     batches: inner.progress.batches,
                     events: inner.progress.events,
@@ -453,45 +284,31 @@ impl Indexer {
         out
     }
 
-    /// Distinct keys held by any pod.
+    /// Distinct blocks kept, of either key kind (a block no pod holds any
+    /// more stays in its run until the run's later blocks go).
     pub fn indexed_keys(&self) -> usize {
-        self.blocks.len()
+        self.table
+            .read()
+            .models()
+            .map(|(_, m)| m.runs.engine.blocks() + m.runs.token.blocks())
+            .sum()
     }
 }
+
+/// A candidate's name, and its pod if known.
+type Named = (String, Option<Arc<Pod>>);
 
 /// The candidates of one block size: those the exact index knows, and
 /// those with speculative entries (known or not yet).
 #[derive(Default)]
 struct SizeGroup {
-    exact: Vec<(PodId, usize)>,
+    /// (pod, position in the answer, blocks per offloaded chunk).
+    exact: Vec<(PodId, usize, u32)>,
     speculative: Vec<(
         usize,
         Option<PodId>,
         Arc<RwLock<crate::routing::speculative::PodSpeculation>>,
     )>,
-}
-
-/// What a lookup answers beyond the first-miss walk on the index's blocks.
-#[derive(Clone, Copy, Debug)]
-struct Rules {
-    /// Engine mode's prefix closure: a pod holding block k on GPU holds
-    /// blocks 0..k there (`extend_prefix_closed`).
-    closure: bool,
-    /// The model's offloaded block size in tokens (0: none known, blocks
-    /// count one by one); a pod whose own events gave another counts by
-    /// its own (`pod_offload_block_size`).
-    offload_block_size: u32,
-    /// The block size `keys` were cut with (the pods' own).
-    block_size: u32,
-}
-
-impl Rules {
-    /// The index alone, as the peers' indexes answer.
-    const INDEX_ONLY: Rules = Rules {
-        closure: false,
-        offload_block_size: 0,
-        block_size: 0,
-    };
 }
 
 impl Indexer {
@@ -516,4 +333,9 @@ impl Indexer {
             _ => chunk_factor(self.pod_offload_block_size(pod, model), bs),
         }
     }
+}
+
+/// A prompt's keys as the runs take them.
+pub(super) fn raw_keys(keys: &[BlockKey]) -> Vec<u64> {
+    keys.iter().map(|k| k.0).collect()
 }

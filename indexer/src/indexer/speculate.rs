@@ -24,27 +24,25 @@ impl Indexer {
         self.speculative.insert(model, pod, keys, until, now)
     }
 
-    /// Leading blocks of `keys[from..]` that `pod` holds exactly (any tier).
+    /// Leading blocks of `keys[from..]` that `pod` holds exactly (any
+    /// tier). `keys` are a prompt's, from its first block.
     pub fn exact_run(&self, pod: &Pod, keys: &[BlockKey], from: usize) -> usize {
-        if pod.is_removed() {
+        if pod.is_removed() || from >= keys.len() {
             return 0;
         }
-        keys.get(from..)
-            .unwrap_or(&[])
-            .iter()
-            .take_while(|key| self.holds_exactly(pod.id, **key))
+        let held = held_by(&pod.runs, pod.id.0, &raw_keys(keys));
+        (from..keys.len())
+            .take_while(|i| !held.at(*i as u32).is_empty())
             .count()
-    }
-
-    /// Whether the pod holds `key` exactly (any tier).
-    pub(super) fn holds_exactly(&self, pod: PodId, key: BlockKey) -> bool {
-        self.blocks.with_holders(key, |h| h.get(pod).is_some())
     }
 
     /// Our keys of blocks `pod` holds, by engine hash (`None`: not held).
     pub fn keys_of(&self, pod: &Pod, hashes: &[EngineHash]) -> Vec<Option<BlockKey>> {
         let inner = self.lock(pod);
-        hashes.iter().map(|h| inner.state.key_of(*h)).collect()
+        hashes
+            .iter()
+            .map(|h| inner.state.key_of(&pod.runs, h.0))
+            .collect()
     }
 
     /// The pod's cache changed under its speculative entries (cleared,
@@ -54,4 +52,17 @@ impl Indexer {
             self.speculative.clear_pod(&pod.model, &pod.name);
         }
     }
+}
+
+/// What `pod` holds of a prompt's `keys` in its model's `runs`, on any
+/// tier, in either key kind's runs (a prompt's keys are of one kind: the
+/// other holds none of them).
+pub(super) fn held_by(runs: &KeyedRuns, pod: u32, keys: &[u64]) -> Held {
+    let mut spans = Vec::new();
+    for runs in [&runs.engine, &runs.token] {
+        if let Some(along) = runs.held_along(keys).into_iter().find(|a| a.pod == pod) {
+            spans.extend(along.spans);
+        }
+    }
+    Held::of(&crate::runs::HeldAlong { pod, spans })
 }

@@ -30,8 +30,11 @@ pub(super) struct PodTable {
     models: BTreeMap<String, ModelEntry>,
 }
 
-#[derive(Default)]
 pub(super) struct ModelEntry {
+    /// The model's blocks. Per model: engine hashes do not say the model
+    /// (two models fed one prompt name its blocks alike), and the runs
+    /// find a block by its engine hash.
+    pub(super) runs: Arc<KeyedRuns>,
     /// Pods of this model, sorted by id; shared, so a lookup takes the list
     /// without copying it. Changed in place (`Arc::make_mut`) unless a
     /// lookup holds it just then: a fleet's first minute adds thousands of
@@ -153,11 +156,21 @@ impl Indexer {
             }
             None => return Err(Refused::Ids),
         };
-        let state = if self.config.max_entries.is_some() {
-            PodState::new(id, model).bounded()
-        } else {
-            PodState::new(id, model)
-        };
+        let runs = table
+            .models
+            .entry(model.to_owned())
+            .or_insert_with(|| ModelEntry {
+                runs: Arc::new(KeyedRuns::new(
+                    &self.config.tier_weights,
+                    self.config.max_entries.is_some(),
+                )),
+                pods: Arc::default(),
+                block_size: 0,
+                offload_block_size: 0,
+            })
+            .runs
+            .clone();
+        let state = PodFeed::new(id.0, model);
         let slot = Arc::new(Pod {
             id,
             name: name.clone(),
@@ -165,20 +178,20 @@ impl Indexer {
             topic_pod: pod.to_owned(),
             dp_rank,
             mode: self.config.keys.for_model(model).clone(),
+            runs,
             block_size: AtomicU32::new(0),
             offload_block_size: AtomicU32::new(0),
             incomplete: AtomicBool::new(false),
             removed: AtomicBool::new(false),
             connection: AtomicU8::new(Connection::Unknown as u8),
             entries: AtomicU64::new(0),
-            closure: state.closure(),
             inner: Mutex::new(PodInner {
                 state,
                 progress: Progress::default(),
             }),
         });
         table.slots[id.0 as usize] = Some(slot.clone());
-        let entry = table.models.entry(model.to_owned()).or_default();
+        let entry = table.models.get_mut(model).expect("made above");
         let ids = Arc::make_mut(&mut entry.pods);
         // A reused id may be lower than the others.
         let at = ids.partition_point(|p| *p < id);

@@ -1,13 +1,14 @@
-//! The run layout fed by `PodFeed` against the service's index fed by the
-//! same events: random vLLM-shaped histories (chains stored under parents
-//! held or not, repeats, removals of held and unknown blocks, offloads by
-//! hash alone, adapters, groups that are not full attention, malformed
-//! stores, clears), in both key modes. After every event both must count
-//! the same, and every prompt of the history's chains must get the same
-//! answer from both for every pod: blocks, and blocks per tier and per
-//! best tier; every stretch of it each pod holds; and each pod's match
-//! under Score's rules (prefix closure, offloaded chunks: `run_score`
-//! against the service's lookup), with the rules drawn per history.
+//! The run layout fed by `PodFeed` against the index the service kept
+//! before it (`pod::PodState` per pod over a `BlockIndex`, answered by
+//! `score`'s and `offload`'s walks) fed by the same events: random
+//! vLLM-shaped histories (chains stored under parents held or not,
+//! repeats, removals of held and unknown blocks, offloads by hash alone,
+//! adapters, groups that are not full attention, malformed stores,
+//! clears), in both key modes. After every event both must count the
+//! same, key every name alike, and give every prompt of the history's
+//! chains the same answers for every pod: its first-miss match (blocks,
+//! per tier, per best tier), every stretch it holds, and its match under
+//! Score's rules (prefix closure, offloaded chunks; drawn per history).
 
 use std::collections::HashMap;
 
@@ -16,11 +17,13 @@ use proptest::prelude::*;
 use super::*;
 use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo};
 use crate::event::{EngineHash, EventBatch};
+use crate::index::{BlockIndex, PodId};
+use crate::offload::chunked_match;
+use crate::pod::PodState;
 use crate::run_score::{match_pods, Candidate, MatchRules};
 use crate::runs::HeldAlong;
 use crate::scheme::KeySchemes;
-use crate::score::PrefixMatch;
-use crate::{Indexer, IndexerConfig};
+use crate::score::{extend_prefix_closed, walk, walk_with_gpu_runs, PrefixMatch};
 
 const BS: usize = 4;
 const MODEL: &str = "m";
@@ -251,22 +254,22 @@ fn schemes(engine_mode: bool) -> KeySchemes {
     }
 }
 
-/// Every pod's (blocks, per tier, best tier) for the prompt of the path to
-/// `node`, and every stretch of it each pod holds, from the service's index
-/// and from the runs.
+/// Every pod's (blocks, per tier, best tier) for a prompt.
 type Answers = HashMap<u32, (u32, [u32; TIERS], [u32; TIERS])>;
+
+/// Pods' matches, by pod.
+type Matches = Vec<(u32, PrefixMatch)>;
 
 /// The keys of the prompt of the path to `node` (`lora`: under the
 /// adapter), and whether they are engine keys.
 fn prompt_keys(
-    ix: &Indexer,
+    mode: &KeyMode,
     forest: &Forest,
     engine_mode: bool,
     node: usize,
     lora: bool,
 ) -> (Vec<u64>, bool) {
     let path = forest.path(node);
-    let mode = ix.config().keys.for_model(MODEL);
     let lora_name = lora.then_some("sql");
     let (keys, engine_keys) = mode.request_keys(MODEL, lora_name, None, &forest.tokens(&path), BS);
     // Engine keys are the pods' own hashes (the test's are not sha256's).
@@ -280,112 +283,175 @@ fn prompt_keys(
     (keys, engine_keys)
 }
 
-fn answers(
-    ix: &Indexer,
+/// The index the service kept before the runs: each pod's `PodState` (a
+/// map by engine hash) over one `BlockIndex` of holders per key, answered
+/// by `score`'s and `offload`'s walks over the holders of each key. What
+/// the runs must answer alike.
+struct Reference {
+    index: BlockIndex,
+    pods: Vec<PodState>,
+    weights: TierWeights,
+}
+
+impl Reference {
+    fn new() -> Self {
+        Reference {
+            index: BlockIndex::new(),
+            pods: (0..PODS).map(|p| PodState::new(PodId(p), MODEL)).collect(),
+            weights: TierWeights::default(),
+        }
+    }
+
+    fn apply(&mut self, pod: u32, batch: &EventBatch, mode: &KeyMode) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        let state = &mut self.pods[pod as usize];
+        for event in &batch.events {
+            match event {
+                KvEvent::Stored(ev) => state.store(&self.index, ev, mode, &mut stats),
+                KvEvent::Removed(ev) => state.remove(&self.index, ev, &mut stats),
+                KvEvent::AllCleared => state.clear(&self.index, &mut stats),
+            }
+        }
+        stats
+    }
+
+    fn ids(&self) -> Vec<PodId> {
+        (0..PODS).map(PodId).collect()
+    }
+
+    fn block_keys(keys: &[u64]) -> Vec<BlockKey> {
+        keys.iter().map(|k| BlockKey(*k)).collect()
+    }
+
+    /// Each pod's first-miss match.
+    fn prefix(&self, keys: &[u64]) -> Answers {
+        let ids = self.ids();
+        walk(&self.index, &Self::block_keys(keys), &ids, &self.weights)
+            .into_iter()
+            .zip(ids)
+            .filter(|(m, _)| m.matched_blocks > 0)
+            .map(|(m, id)| {
+                (
+                    id.0,
+                    (m.matched_blocks, m.blocks_per_tier, m.best_tier_blocks),
+                )
+            })
+            .collect()
+    }
+
+    /// Every stretch of the prompt each pod holds, from the holders of
+    /// each key.
+    fn along(&self, keys: &[u64]) -> Vec<HeldAlong> {
+        let mut on: HashMap<(u32, Tier), Vec<u32>> = HashMap::new();
+        for (j, key) in keys.iter().enumerate() {
+            self.index.with_holders(BlockKey(*key), |holders| {
+                for h in holders.iter() {
+                    for tier in h.tiers().tiers() {
+                        on.entry((h.pod().0, tier)).or_default().push(j as u32);
+                    }
+                }
+            });
+        }
+        let mut pods: Vec<u32> = on.keys().map(|(p, _)| *p).collect();
+        pods.sort_unstable();
+        pods.dedup();
+        pods.into_iter()
+            .map(|pod| {
+                let mut spans: Vec<(Tier, u32, u32)> = Vec::new();
+                for tier in Tier::ALL {
+                    for &j in on.get(&(pod, tier)).map_or(&[][..], Vec::as_slice) {
+                        match spans.last_mut() {
+                            Some((t, _, end)) if *t == tier && *end == j => *end += 1,
+                            _ => spans.push((tier, j, j + 1)),
+                        }
+                    }
+                }
+                HeldAlong { pod, spans }
+            })
+            .collect()
+    }
+
+    /// Each pod's match under Score's rules, as the service's lookup gave
+    /// it: the holders of block 0 (every pod with closure, and the holders
+    /// of the first chunk's last block without) walked, extended to the
+    /// deepest GPU block by closure, counted by chunks.
+    fn rules(&self, keys: &[u64], closure: bool, chunk: u32) -> Matches {
+        let keys = Self::block_keys(keys);
+        let holds = |key: BlockKey, pod: PodId| {
+            self.index
+                .with_holders(key, |h| h.get(pod).is_some_and(|t| !t.is_empty()))
+        };
+        let mut out = Vec::new();
+        for pod in self.ids() {
+            let first_chunk = !closure
+                && chunk > 1
+                && keys.len() >= chunk as usize
+                && holds(keys[chunk as usize - 1], pod);
+            let candidate = closure || keys.first().is_some_and(|k| holds(*k, pod)) || first_chunk;
+            if !candidate || keys.is_empty() {
+                continue;
+            }
+            let (mut walked, mut gpu_runs) =
+                walk_with_gpu_runs(&self.index, &keys, &[pod], &self.weights);
+            if closure {
+                extend_prefix_closed(
+                    &self.index,
+                    &keys,
+                    &[pod],
+                    &mut walked,
+                    &mut gpu_runs,
+                    &[chunk > 1],
+                    &self.weights,
+                );
+            }
+            if chunk > 1 {
+                walked[0] =
+                    chunked_match(&self.index, &keys, pod, chunk, gpu_runs[0], &self.weights);
+            }
+            if walked[0].matched_blocks > 0 {
+                out.push((pod.0, walked[0]));
+            }
+        }
+        out
+    }
+}
+
+/// The runs' answers for a prompt: each pod's first-miss match, every
+/// stretch each holds, and each one's match under Score's rules (prefix
+/// closure if `closure` and the keys are engine keys, offloaded chunks of
+/// `chunk` blocks).
+fn runs_answers(
     runs: &KeyedRuns,
     keys: &[u64],
     engine_keys: bool,
-) -> ((Answers, Vec<HeldAlong>), (Answers, Vec<HeldAlong>)) {
-    let service = ix
-        .prefix_matches(
-            MODEL,
-            &keys.iter().map(|k| BlockKey(*k)).collect::<Vec<_>>(),
-        )
-        .into_iter()
-        .map(|(id, m)| {
-            (
-                id.0,
-                (m.matched_blocks, m.blocks_per_tier, m.best_tier_blocks),
-            )
-        })
-        .collect();
-    let ours = runs
-        .for_request(engine_keys)
+    rules: Rules,
+) -> (Answers, Vec<HeldAlong>, Matches) {
+    let index = runs.for_request(engine_keys);
+    let prefix = index
         .prefix_matches(keys)
         .into_iter()
         .map(|m| (m.pod, (m.blocks, m.per_tier, m.best_tier)))
         .collect();
-    // Every stretch each pod holds, from the service's holders of each key.
-    let ids: HashMap<String, u32> = ix
-        .list_pods(Some(MODEL))
-        .into_iter()
-        .filter_map(|p| Some((p.pod.clone(), ix.find_pod(MODEL, &p.pod)?.id.0)))
-        .collect();
-    let mut on: HashMap<(u32, Tier), Vec<u32>> = HashMap::new();
-    let holders = ix.lookup(&keys.iter().map(|k| BlockKey(*k)).collect::<Vec<_>>());
-    for (j, held) in holders.iter().enumerate() {
-        for (name, tiers) in &held.pods {
-            for tier in tiers.tiers() {
-                on.entry((ids[name], tier)).or_default().push(j as u32);
-            }
-        }
-    }
-    let mut pods: Vec<u32> = on.keys().map(|(p, _)| *p).collect();
-    pods.sort_unstable();
-    pods.dedup();
-    let service_along = pods
-        .into_iter()
-        .map(|pod| {
-            let mut spans: Vec<(Tier, u32, u32)> = Vec::new();
-            for tier in Tier::ALL {
-                for &j in on.get(&(pod, tier)).map_or(&[][..], Vec::as_slice) {
-                    match spans.last_mut() {
-                        Some((t, _, end)) if *t == tier && *end == j => *end += 1,
-                        _ => spans.push((tier, j, j + 1)),
-                    }
-                }
-            }
-            HeldAlong { pod, spans }
+    let candidates: Vec<Candidate> = (0..PODS)
+        .map(|pod| Candidate {
+            pod,
+            chunk: rules.chunk,
         })
         .collect();
-    let ours_along = runs.for_request(engine_keys).held_along(keys);
-    ((service, service_along), (ours, ours_along))
-}
-
-/// Pods' matches, by pod.
-type Matches = Vec<(u32, PrefixMatch)>;
-
-/// Every pod's match under Score's rules (prefix closure if `closure` and
-/// the keys are engine keys, offloaded chunks of `chunk` blocks), by pod:
-/// from the service's index and from the runs (`run_score`).
-fn rule_answers(
-    ix: &Indexer,
-    runs: &KeyedRuns,
-    keys: &[u64],
-    engine_keys: bool,
-    closure: bool,
-    chunk: u32,
-) -> (Matches, Matches) {
-    let closure = closure && engine_keys;
-    let block_keys: Vec<BlockKey> = keys.iter().map(|k| BlockKey(*k)).collect();
-    let service = ix
-        .matches_by_rules(MODEL, &block_keys, closure, BS as u32)
-        .into_iter()
-        .map(|(id, m)| (id.0, m))
-        .collect();
-    let mut candidates: Vec<Candidate> = (0..PODS)
-        .map(|p| Candidate {
-            pod: ix.find_pod(MODEL, &format!("p{p}")).expect("known").id.0,
-            chunk,
-        })
-        .collect();
-    candidates.sort_unstable_by_key(|c| c.pod);
-    let rules = MatchRules {
-        closure,
-        model_chunk: chunk,
-    };
-    let weights = &ix.config().tier_weights;
-    let ours = match_pods(
-        runs.for_request(engine_keys),
+    let matched = match_pods(
+        index,
         keys,
         &candidates,
-        rules,
-        weights,
+        MatchRules {
+            closure: rules.closure && engine_keys,
+            model_chunk: rules.chunk,
+        },
+        &TierWeights::default(),
     )
     .into_iter()
     .map(|(at, m)| (candidates[at].pod, m))
     .collect();
-    (service, ours)
+    (prefix, index.held_along(keys), matched)
 }
 
 /// Score's rules a history's prompts are also matched under.
@@ -408,89 +474,58 @@ fn check_history(
     ops: &[Op],
     rules: Rules,
 ) -> Result<(), TestCaseError> {
-    let ix = Indexer::new(IndexerConfig {
-        default_block_size: BS as u32,
-        keys: schemes(engine_mode),
-        offload_block_size: if rules.chunk > 1 {
-            rules.chunk * BS as u32
-        } else {
-            0
-        },
-        ..IndexerConfig::default()
-    });
-    let runs = KeyedRuns::new(&ix.config().tier_weights, false);
-    let pods: Vec<_> = (0..PODS)
-        .map(|p| ix.pod(MODEL, &format!("p{p}"), None))
-        .collect();
-    let mut feeds: Vec<PodFeed> = pods.iter().map(|p| PodFeed::new(p.id.0, MODEL)).collect();
-    let mode = ix.config().keys.for_model(MODEL).clone();
-    let mut adapter_offloaded = false;
+    let keys = schemes(engine_mode);
+    let mode = keys.for_model(MODEL).clone();
+    let mut reference = Reference::new();
+    let runs = KeyedRuns::new(&TierWeights::default(), false);
+    let mut feeds: Vec<PodFeed> = (0..PODS).map(|p| PodFeed::new(p, MODEL)).collect();
     for (seq, op) in ops.iter().enumerate() {
-        let p = pod_of(op) as usize;
+        let p = pod_of(op);
         let batch = EventBatch {
             events: vec![event(forest, engine_mode, op)],
             ..EventBatch::default()
         };
-        let service = ix.apply(&pods[p], seq as u64, &batch);
-        let ours = feeds[p].apply(&runs, &batch, &mode);
-        prop_assert_eq!(ours, service, "{:?}", op);
-        for (pod, feed) in pods.iter().zip(&feeds) {
-            let summary = ix
-                .list_pods(Some(MODEL))
-                .into_iter()
-                .find(|s| s.pod == pod.name)
-                .expect("listed");
+        let want = reference.apply(p, &batch, &mode);
+        let got = feeds[p as usize].apply(&runs, &batch, &mode);
+        prop_assert_eq!(got, want, "event {}: {:?}", seq, op);
+        for (p, feed) in feeds.iter().enumerate() {
+            let state = &reference.pods[p];
             prop_assert_eq!(
                 feed.held_per_tier(&runs),
-                summary.blocks_per_tier,
-                "{}'s blocks per tier after {:?}",
-                &pod.name,
+                state.held_per_tier(),
+                "p{}'s blocks per tier after {:?}",
+                p,
                 op
             );
-            // Every name the pod could give a block keys as the service's.
-            let p = pod.id.0;
-            let names: Vec<EngineHash> = (0..forest.0.len())
-                .flat_map(|n| [false, true].map(|l| EngineHash(engine_hash(engine_mode, p, n, l))))
-                .collect();
-            let keys: Vec<Option<BlockKey>> =
-                names.iter().map(|h| feed.key_of(&runs, h.0)).collect();
-            prop_assert_eq!(
-                keys,
-                ix.keys_of(pod, &names),
-                "{}'s keys after {:?}",
-                &pod.name,
-                op
-            );
+            // Every name the pod could give a block keys as the reference.
+            for n in 0..forest.0.len() {
+                for lora in [false, true] {
+                    let h = engine_hash(engine_mode, p as u32, n, lora);
+                    prop_assert_eq!(
+                        feed.key_of(&runs, h),
+                        state.key_of(EngineHash(h)),
+                        "p{}'s key of node {} (adapter: {}) after {:?}",
+                        p,
+                        n,
+                        lora,
+                        op
+                    );
+                }
+            }
         }
-        // An engine-keyed model's adapter block offloaded by hash before
-        // its store is keyed by its hash in both, and the token chain
-        // stored through it then has a block keyed unlike the prompt's.
-        // The service's index binary-searches such a pod as if its linked
-        // blocks were keyed as a chain (its closure is by links, not
-        // keys), so its answer to the adapter's prompts is then not its
-        // own first-miss walk: compared only until that happens.
-        adapter_offloaded |= engine_mode && matches!(op, Op::Offload { lora: true, .. });
         for node in 0..forest.0.len() {
             for lora in [false, true] {
-                if lora && adapter_offloaded {
-                    continue;
-                }
-                let (keys, engine_keys) = prompt_keys(&ix, forest, engine_mode, node, lora);
-                let (service, ours) = answers(&ix, &runs, &keys, engine_keys);
-                prop_assert_eq!(
-                    ours,
-                    service,
-                    "the path to {} (adapter: {}) after {:?}",
-                    node,
-                    lora,
-                    op
+                let (keys, engine_keys) = prompt_keys(&mode, forest, engine_mode, node, lora);
+                let want = (
+                    reference.prefix(&keys),
+                    reference.along(&keys),
+                    reference.rules(&keys, rules.closure && engine_keys, rules.chunk),
                 );
-                let (service, ours) =
-                    rule_answers(&ix, &runs, &keys, engine_keys, rules.closure, rules.chunk);
+                let got = runs_answers(&runs, &keys, engine_keys, rules);
                 prop_assert_eq!(
-                    ours,
-                    service,
-                    "Score's matches for the path to {} (adapter: {}, {:?}) after {:?}",
+                    got,
+                    want,
+                    "the path to {} (adapter: {}, {:?}) after {:?}",
                     node,
                     lora,
                     rules,

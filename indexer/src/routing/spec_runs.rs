@@ -88,16 +88,17 @@ impl PodSpeculation {
     }
 
     /// How many of `keys`, from the first, are held: speculatively at
-    /// `now`, or else by `exactly` (the pod's exact state). The same as
-    /// `keys.iter().take_while(|k| self.holds(**k, now) || exactly(**k))
-    /// .count()`, but once a key's entry is found, the keys after it are
+    /// `now`, or else by `exactly` (the pod's exact state; given each
+    /// key's position in `keys` too). The same as
+    /// `(0..keys.len()).take_while(|i| self.holds(keys[*i], now) ||
+    /// exactly(*i, keys[*i])).count()`, but once a key's entry is found, the keys after it are
     /// compared with the entries after it in the log, in order, and the
     /// table is probed again only where they differ.
     pub fn run_from(
         &self,
         keys: &[BlockKey],
         now: Instant,
-        mut exactly: impl FnMut(BlockKey) -> bool,
+        mut exactly: impl FnMut(usize, BlockKey) -> bool,
     ) -> usize {
         let now = self.end(now);
         let mut i = 0;
@@ -113,7 +114,7 @@ impl PodSpeculation {
                         .take_while(|((k, end), want)| k == *want && *end > now)
                         .count();
                 }
-                None if exactly(key) => i += 1,
+                None if exactly(i, key) => i += 1,
                 None => return i,
             }
         }
@@ -320,7 +321,9 @@ mod tests {
                             .iter()
                             .take_while(|k| model.holds(**k, at(ms)) || exactly(**k))
                             .count();
-                        prop_assert_eq!(spec.run_from(q, at(ms), exactly), want);
+                        // The position given is the key's in `q`.
+                        let at_its_place = |i: usize, k: BlockKey| q[i] == k && exactly(k);
+                        prop_assert_eq!(spec.run_from(q, at(ms), at_its_place), want);
                         prop_assert_eq!(spec.holds(q[0], at(ms)), model.holds(q[0], at(ms)));
                     }
                 }
@@ -339,7 +342,7 @@ mod tests {
         assert_eq!(spec.log.len(), 2048);
         let mut asked = 0;
         assert_eq!(
-            spec.run_from(&prompt[100..], now, |_| {
+            spec.run_from(&prompt[100..], now, |_, _| {
                 asked += 1;
                 false
             }),

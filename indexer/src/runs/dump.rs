@@ -71,6 +71,35 @@ pub struct RepeatRecord {
     pub count: u32,
 }
 
+impl Dump {
+    /// The pods holding anything in it, sorted.
+    pub fn pods(&self) -> Vec<u32> {
+        let mut pods: Vec<u32> = self
+            .runs
+            .iter()
+            .flat_map(|r| r.holdings.iter().map(|h| h.pod))
+            .chain(self.repeats.iter().map(|r| r.pod))
+            .collect();
+        pods.sort_unstable();
+        pods.dedup();
+        pods
+    }
+
+    /// Renames every pod by `to` (which must give distinct pods distinct
+    /// ids): a restarted service gives pods new ids.
+    pub fn rename_pods(&mut self, to: impl Fn(u32) -> u32) {
+        for r in &mut self.runs {
+            for h in &mut r.holdings {
+                h.pod = to(h.pod);
+            }
+            r.holdings.sort_by_key(|h| (h.pod, h.tier));
+        }
+        for r in &mut self.repeats {
+            r.pod = to(r.pod);
+        }
+    }
+}
+
 /// Why a dump was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DumpError {

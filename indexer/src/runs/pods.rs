@@ -35,6 +35,9 @@ pub(super) struct PodRuns {
     compacted: usize,
     /// (Holder, block) entries the pod has, per tier.
     pub entries: [u64; TIERS],
+    /// Holdings it has (runs it holds part of, per tier): what its runs'
+    /// own bookkeeping costs scales with (see `RunIndex::footprint`).
+    pub holdings: u64,
 }
 
 /// Every pod's, by pod. A store or removal finds its pod here once per

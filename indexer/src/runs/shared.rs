@@ -211,8 +211,8 @@ impl Words {
         let w = Words {
             len: AtomicU32::new(0),
             holding_words: AtomicU32::new(0),
-            hashes: atomics(hashes.next_power_of_two().max(4)),
-            holdings: atomics(holding_words.next_power_of_two().max(4)),
+            hashes: atomics(hashes.next_power_of_two()),
+            holdings: atomics(holding_words.next_power_of_two().max(2)),
         };
         if let Some(from) = from {
             for (to, h) in w.hashes.iter().zip(&from.hashes[..len]) {

@@ -241,11 +241,14 @@ impl Run {
             .hash(self.len as usize)
     }
 
-    /// The index of `holder`'s holding, added (empty) if it has none.
-    fn holding(&mut self, holder: u32) -> usize {
+    /// The index of `holder`'s holding, added (empty) if it has none, and
+    /// whether it was.
+    fn holding(&mut self, holder: u32) -> (usize, bool) {
         match self.holdings.binary_search_by_key(&holder, |h| h.holder) {
-            Ok(i) => i,
+            Ok(i) => (i, false),
             Err(i) => {
+                // Most runs have one holding: room for it alone.
+                self.holdings.reserve_exact(1);
                 self.holdings.insert(
                     i,
                     Holding {
@@ -254,7 +257,7 @@ impl Run {
                         spans: SmallVec::new(),
                     },
                 );
-                i
+                (i, true)
             }
         }
     }
@@ -558,7 +561,10 @@ impl Writer {
             let i = match holding {
                 Some((r, i)) if r == loc.run => i,
                 _ => {
-                    let i = self.runs[loc.run as usize].holding(pod);
+                    let (i, new) = self.runs[loc.run as usize].holding(pod);
+                    if new {
+                        self.pods.entry(pod >> TIER_BITS).holdings += 1;
+                    }
                     touched.push((loc.run, i));
                     i
                 }
@@ -652,7 +658,11 @@ impl Writer {
         if run.holdings[i].spans.is_empty() {
             run.holdings.remove(i);
             *holding = None;
+            if let Some(pod) = self.pods.get_mut(&(pod >> TIER_BITS)) {
+                pod.holdings -= 1;
+            }
         }
+        let run = &mut self.runs[loc.run as usize];
         run.holders_of[loc.off as usize] -= 1;
         let tail = loc.off + 1 == run.len();
         self.touch(loc.run);
@@ -732,11 +742,12 @@ impl Writer {
         let r = &mut self.runs[run as usize];
         debug_assert!(r.holding_of(holder).is_none());
         let held: u32 = spans.iter().map(|s| s.end - s.start).sum();
-        let i = r.holding(holder);
+        let (i, _) = r.holding(holder);
         r.holdings[i].stamp = stamp;
         r.holdings[i].spans = spans;
         let pod = self.pods.entry(holder >> TIER_BITS);
         pod.entries[usize::from(tier_of(holder))] += u64::from(held);
+        pod.holdings += 1;
         // Out of stamp order: `sort_queues` puts it in place, and nothing
         // is stale yet.
         pod.push_unordered(Touch { stamp, run, holder });
@@ -770,6 +781,10 @@ impl Writer {
     /// The (holder, block) entries `pod` has, per tier.
     pub fn entries(&self, pod: u32) -> [u64; TIERS] {
         self.pods.get(&pod).map_or([0; TIERS], |p| p.entries)
+    }
+
+    pub fn holdings(&self, pod: u32) -> u64 {
+        self.pods.get(&pod).map_or(0, |p| p.holdings)
     }
 
     /// The key of the block `e` names, if `pod` holds it on some tier.
