@@ -487,6 +487,164 @@ fn a_snapshot_restores_every_pod_exactly() {
     assert_eq!(engine.entries(), 0);
 }
 
+/// A snapshot file of the former index (format 2: each pod's blocks with
+/// their keys, stores per tier and parents) restores into the runs: the
+/// same answers, and the counts (a block stored twice needs two removals).
+#[test]
+fn a_version_2_snapshot_is_stored_into_the_runs() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..48).collect();
+    let a = ix.pod("m", "a", None);
+    ix.apply(&a, 4, &batch(vec![stored(&[1, 2, 3], None, &tokens, 16)]));
+    ix.apply(&a, 5, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
+    ix.apply(&a, 6, &batch(vec![offloaded(&[2], 16)]));
+    let keys = ix.keys_of(&a, &[EngineHash(1), EngineHash(2), EngineHash(3)]);
+    let key = |i: usize| keys[i].expect("held").0;
+    // As the former index wrote it: least recently stored first.
+    let record = PodSnapshot {
+        model: "m".into(),
+        pod: "a".into(),
+        dp_rank: None,
+        block_size: Some(16),
+        last_seq: Some(6),
+        incomplete: false,
+        non_full_groups: vec![],
+        blocks: vec![
+            (1, key(0), [2, 0, 0]),
+            (2, key(1), [1, 1, 0]),
+            (3, key(2), [1, 0, 0]),
+        ],
+        parents: vec![None, Some(1), Some(2)],
+        offload_block_size: None,
+        last_fingerprint: None,
+        runs_id: None,
+    };
+    let mut w = SnapshotWriter::new(Vec::new(), ix.keys_fingerprint()).unwrap();
+    w.pod(&record).unwrap();
+    let mut bytes = w.finish().unwrap();
+    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let body = bytes.len() - 8;
+    let sum = xxhash_rust::xxh3::xxh3_64(&bytes[..body]);
+    bytes[body..].copy_from_slice(&sum.to_le_bytes());
+    let restored = Indexer::new(IndexerConfig::default());
+    assert_eq!(restored.import(std::io::Cursor::new(&bytes)).unwrap(), 1);
+    let q = ScoreQuery {
+        model: "m",
+        tokens: &tokens,
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    };
+    assert_eq!(restored.score(&q), ix.score(&q));
+    assert_eq!(restored.list_pods(None)[0].blocks_per_tier, [3, 1, 0]);
+    let ra = restored.pod("m", "a", None);
+    assert_eq!(restored.last_seq(&ra), Some(6));
+    let remove_1 = batch(vec![KvEvent::Removed(crate::event::BlockRemoved {
+        block_hashes: vec![EngineHash(1)],
+        ..Default::default()
+    })]);
+    restored.apply(&ra, 7, &remove_1);
+    assert_eq!(restored.score(&q).pods[0].matched.matched_blocks, 3);
+    restored.apply(&ra, 8, &remove_1);
+    assert_eq!(restored.score(&q).pods[0].matched.matched_blocks, 0);
+}
+
+/// A pod the restarted service refuses (its bounds were lowered) is not
+/// restored, and neither are its blocks, whether the runs it held are
+/// shared with a pod that is or its own.
+#[test]
+fn a_snapshot_drops_the_blocks_of_pods_it_cannot_restore() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..64).collect();
+    let a = ix.pod("m", "a", None);
+    let b = ix.pod("m", "b", None);
+    ix.apply(
+        &a,
+        0,
+        &batch(vec![stored(&[1, 2], None, &tokens[..32], 16)]),
+    );
+    ix.apply(
+        &b,
+        0,
+        &batch(vec![stored(&[1, 2, 3], None, &tokens[..48], 16)]),
+    );
+    ix.apply(&b, 1, &batch(vec![stored(&[9], None, &tokens[48..], 16)]));
+    let bytes = ix.export(Vec::new()).unwrap();
+    let restored = Indexer::new(IndexerConfig {
+        max_pods: Some(1),
+        ..Default::default()
+    });
+    assert_eq!(restored.import(std::io::Cursor::new(&bytes)).unwrap(), 1);
+    let pods = restored.list_pods(None);
+    assert_eq!(pods.len(), 1);
+    assert_eq!(
+        (pods[0].pod.as_str(), pods[0].blocks_per_tier),
+        ("a", [2, 0, 0])
+    );
+    let q = ScoreQuery {
+        model: "m",
+        tokens: &tokens[..48],
+        lora_name: None,
+        cache_salt: None,
+        pods: &[],
+    };
+    let scored = restored.score(&q);
+    assert_eq!(scored.pods.len(), 1);
+    assert_eq!(scored.pods[0].matched.matched_blocks, 2);
+    // b's blocks past a's went with it.
+    assert_eq!(restored.indexed_keys(), 2);
+    assert_eq!(restored.entries(), restored_cost(&restored));
+}
+
+/// Capacity units the restored pods account (`Indexer::entries`), from
+/// their own runs.
+fn restored_cost(ix: &Indexer) -> u64 {
+    ix.list_pod_handles()
+        .iter()
+        .map(|p| p.inner.lock().state.cost(&p.runs))
+        .sum()
+}
+
+/// Runs that break the index's rules under a valid checksum (what a
+/// writer bug would leave) refuse the snapshot, and leave the indexer
+/// empty, as any refused snapshot does.
+#[test]
+fn a_snapshot_whose_runs_break_the_rules_leaves_the_indexer_empty() {
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..32).collect();
+    let a = ix.pod("m", "a", None);
+    ix.apply(&a, 0, &batch(vec![stored(&[1, 2], None, &tokens, 16)]));
+    let record = PodSnapshot {
+        model: "m".into(),
+        pod: "a".into(),
+        dp_rank: None,
+        block_size: Some(16),
+        last_seq: Some(0),
+        incomplete: false,
+        non_full_groups: vec![],
+        blocks: vec![],
+        parents: vec![],
+        offload_block_size: None,
+        last_fingerprint: None,
+        runs_id: Some(a.id.0),
+    };
+    let mut dump = a.runs.token.dump();
+    // A span past its run's end.
+    dump.runs[0].holdings[0].spans = vec![(0, 5)];
+    let mut w = SnapshotWriter::new(Vec::new(), ix.keys_fingerprint()).unwrap();
+    w.pod(&record).unwrap();
+    w.runs("m", &dump).unwrap();
+    let bytes = w.finish().unwrap();
+    let restored = Indexer::new(IndexerConfig::default());
+    assert!(matches!(
+        restored.import(std::io::Cursor::new(&bytes)),
+        Err(SnapshotError::Decode(_))
+    ));
+    assert_eq!(restored.live_pods(), 0);
+    assert_eq!(restored.entries(), 0);
+    assert_eq!(restored.indexed_keys(), 0);
+}
+
 #[test]
 fn list_pods_reports_progress_and_gaps() {
     let ix = Indexer::new(IndexerConfig::default());
