@@ -12,9 +12,20 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::event::ExtraKey;
 
-/// A block's identity in our index.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// A block's identity in our index. Transparent, so that a prompt's keys
+/// are the runs' `u64`s without a copy (`as_raw`).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, bytemuck::Pod, bytemuck::Zeroable,
+)]
+#[repr(transparent)]
 pub struct BlockKey(pub u64);
+
+impl BlockKey {
+    /// Keys as the numbers they are, borrowed.
+    pub fn as_raw(keys: &[BlockKey]) -> &[u64] {
+        bytemuck::cast_slice(keys)
+    }
+}
 
 /// Everything besides tokens that selects a cache: what the root seed is made of.
 #[derive(Clone, Copy, Debug)]

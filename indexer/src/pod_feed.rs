@@ -150,9 +150,14 @@ impl PodFeed {
     /// What it costs against a capacity counted in entries: its entries,
     /// and `HOLDING_ENTRIES` per holding (see `RunIndex::usage`).
     pub fn cost(&self, runs: &KeyedRuns) -> u64 {
-        let (e, h) = runs.engine.usage(self.pod);
-        let (t, g) = runs.token.usage(self.pod);
-        e + t + HOLDING_ENTRIES * (h + g)
+        [Keying::Engine, Keying::Token]
+            .into_iter()
+            .filter(|k| self.may_hold(*k))
+            .map(|k| {
+                let (entries, holdings) = k.of(runs).usage(self.pod);
+                entries + HOLDING_ENTRIES * holdings
+            })
+            .sum()
     }
 
     /// Drops up to `n` of its entries, least recently stored holdings

@@ -18,7 +18,7 @@
 
 use crate::event::Tier;
 use crate::index::TierMask;
-use crate::runs::{HeldAlong, RunIndex};
+use crate::runs::{HeldAlong, RunIndex, RunMatch};
 use crate::score::{count_tiers, PrefixMatch, TierWeights};
 
 /// What a lookup answers beyond the first-miss walk (the service's
@@ -73,16 +73,7 @@ pub fn match_pods(
         found.sort_unstable_by_key(|m| m.pod);
         return merge_by_pod(candidates, &found, |m| m.pod)
             .filter(|(_, m)| m.blocks > 0)
-            .map(|(at, m)| {
-                let mut out = PrefixMatch {
-                    matched_blocks: m.blocks,
-                    blocks_per_tier: m.per_tier,
-                    best_tier_blocks: m.best_tier,
-                    weighted_blocks: 0.0,
-                };
-                out.weigh(weights);
-                (at, out)
-            })
+            .map(|(at, m)| (at, prefix_match(m, weights)))
             .collect();
     }
     let along = runs.held_along(keys);
@@ -109,6 +100,18 @@ pub fn match_pods(
             out.push((at, m));
         }
     }
+    out
+}
+
+/// A first-miss answer of the runs as a score weighs it.
+pub fn prefix_match(m: &RunMatch, weights: &TierWeights) -> PrefixMatch {
+    let mut out = PrefixMatch {
+        matched_blocks: m.blocks,
+        blocks_per_tier: m.per_tier,
+        best_tier_blocks: m.best_tier,
+        weighted_blocks: 0.0,
+    };
+    out.weigh(weights);
     out
 }
 

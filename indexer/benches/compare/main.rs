@@ -627,8 +627,8 @@ fn env_filter(name: &str) -> Option<String> {
 
 /// Ours, the peers (`pre_hashed`: also Dynamo's positional indexer, which
 /// needs the engine's own hashes), `runs`, the layout the redesign is
-/// measured with, and `feed`, that layout behind the service's event rules, less those `COMPARE_ONLY=ours` (or `dynamo`, `smg`, ...)
-/// leaves out, for profiling one indexer.
+/// measured with, and `feed`, that layout behind the service's event rules, less those `COMPARE_ONLY=ours` (or `dynamo`, `smg`, ..., or several,
+/// `ours,feed`) leaves out, for profiling one indexer.
 fn contenders(pre_hashed: bool) -> Vec<Entry> {
     let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
     if pre_hashed {
@@ -637,7 +637,10 @@ fn contenders(pre_hashed: bool) -> Vec<Entry> {
     entries.push(entry::<Runs>());
     entries.push(entry::<Feed>());
     let only = env_filter("COMPARE_ONLY");
-    entries.retain(|e| only.as_deref().is_none_or(|o| o == e.name));
+    entries.retain(|e| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|o| o == e.name))
+    });
     entries
 }
 

@@ -110,7 +110,7 @@ impl Indexer {
             // Closure is only sound on engine keys: token keys of a block
             // whose parent was never seen do not exist at all.
             let closure = engine_keys && mode.engine().is_some_and(|e| e.assume_prefix_closed);
-            let raw = raw_keys(&keys);
+            let raw = BlockKey::as_raw(&keys);
             if let Some(runs) = &runs {
                 let candidates: Vec<Candidate> = group
                     .iter()
@@ -122,7 +122,7 @@ impl Indexer {
                 };
                 let weights = &self.config.tier_weights;
                 let index = runs.for_request(engine_keys);
-                for (at, m) in run_score::match_pods(index, &raw, &candidates, rules, weights) {
+                for (at, m) in run_score::match_pods(index, raw, &candidates, rules, weights) {
                     scores[group[at].1].matched = m;
                 }
             }
@@ -131,7 +131,7 @@ impl Indexer {
                 let from = scores[pos].matched.matched_blocks as usize;
                 let held = id
                     .zip(runs.as_ref())
-                    .map(|(id, runs)| held_by(runs, id.0, &raw));
+                    .map(|(id, runs)| held_by(runs, id.0, raw));
                 let run = spec.run_from(&keys[from.min(keys.len())..], now, |at, _| {
                     held.as_ref()
                         .is_some_and(|h| !h.at((from + at) as u32).is_empty())
@@ -169,31 +169,21 @@ impl Indexer {
     /// indexes answer, as the comparison bench measures it. Looked up in
     /// the runs of the model's key kind.
     pub fn prefix_matches(&self, model: &str, keys: &[BlockKey]) -> Vec<(PodId, PrefixMatch)> {
-        let (ids, runs) = {
-            let table = self.table.read();
-            let Some(model) = table.model(model) else {
-                return Vec::new();
-            };
-            (model.pods.clone(), model.runs.clone())
+        // A model's runs hold its pods' blocks only (a removed pod's are
+        // gone with it): every pod they answer is a candidate.
+        let Some(runs) = self.table.read().model(model).map(|m| m.runs.clone()) else {
+            return Vec::new();
         };
         let engine = matches!(self.config.keys.for_model(model), KeyMode::Engine(_));
-        let candidates: Vec<Candidate> = ids
-            .iter()
-            .map(|id| Candidate {
-                pod: id.0,
-                chunk: 1,
-            })
+        let weights = &self.config.tier_weights;
+        let mut out: Vec<(PodId, PrefixMatch)> = runs
+            .for_request(engine)
+            .prefix_matches(BlockKey::as_raw(keys))
+            .into_iter()
+            .map(|m| (PodId(m.pod), run_score::prefix_match(&m, weights)))
             .collect();
-        run_score::match_pods(
-            runs.for_request(engine),
-            &raw_keys(keys),
-            &candidates,
-            MatchRules::INDEX_ONLY,
-            &self.config.tier_weights,
-        )
-        .into_iter()
-        .map(|(at, m)| (ids[at], m))
-        .collect()
+        out.sort_unstable_by_key(|(id, _)| *id);
+        out
     }
 
     /// Who holds each key (debugging). The keys are read as a prompt's,
@@ -202,7 +192,7 @@ impl Indexer {
     /// blocks the index keeps, which a prompt's keys always do; each key
     /// is compared, so a list that is no chain gets no wrong holder.
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<KeyHolders> {
-        let raw = raw_keys(keys);
+        let raw = BlockKey::as_raw(keys);
         let mut held: Vec<Vec<(PodId, TierMask)>> = vec![Vec::new(); keys.len()];
         let models: Vec<Arc<KeyedRuns>> = self
             .table
@@ -212,7 +202,7 @@ impl Indexer {
             .collect();
         for runs in &models {
             for index in [&runs.engine, &runs.token] {
-                for along in index.held_at_each(&raw) {
+                for along in index.held_at_each(raw) {
                     let pod = PodId(along.pod);
                     for (tier, start, end) in along.spans {
                         for at in &mut held[start as usize..end as usize] {
@@ -333,9 +323,4 @@ impl Indexer {
             _ => chunk_factor(self.pod_offload_block_size(pod, model), bs),
         }
     }
-}
-
-/// A prompt's keys as the runs take them.
-pub(super) fn raw_keys(keys: &[BlockKey]) -> Vec<u64> {
-    keys.iter().map(|k| k.0).collect()
 }

@@ -30,7 +30,7 @@ impl Indexer {
         if pod.is_removed() || from >= keys.len() {
             return 0;
         }
-        let held = held_by(&pod.runs, pod.id.0, &raw_keys(keys));
+        let held = held_by(&pod.runs, pod.id.0, BlockKey::as_raw(keys));
         (from..keys.len())
             .take_while(|i| !held.at(*i as u32).is_empty())
             .count()
