@@ -30,7 +30,6 @@ use crate::run_score::{self, Candidate, Held, MatchRules};
 use crate::scheme::{KeyMode, KeySchemes};
 use crate::score::{PrefixMatch, TierWeights};
 use crate::snapshot::{PodSnapshot, SnapshotError, SnapshotReader, SnapshotWriter};
-use speculate::held_by;
 use table::PodTable;
 
 // A pod's id is its holder id in the runs.

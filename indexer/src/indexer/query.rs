@@ -126,12 +126,21 @@ impl Indexer {
                     scores[group[at].1].matched = m;
                 }
             }
+            // What every pod holds of the prompt, read once for all the
+            // pods with speculative entries (their runs stop at a block
+            // held exactly).
+            let along: Vec<crate::runs::HeldAlong> = match &runs {
+                Some(runs) if !speculative.is_empty() => {
+                    runs.for_request(engine_keys).held_along(raw)
+                }
+                _ => Vec::new(),
+            };
             for (pos, id, spec) in speculative {
                 let spec = spec.read();
                 let from = scores[pos].matched.matched_blocks as usize;
                 let held = id
-                    .zip(runs.as_ref())
-                    .map(|(id, runs)| held_by(runs, id.0, raw));
+                    .and_then(|id| along.iter().find(|a| a.pod == id.0))
+                    .map(Held::of);
                 let run = spec.run_from(&keys[from.min(keys.len())..], now, |at, _| {
                     held.as_ref()
                         .is_some_and(|h| !h.at((from + at) as u32).is_empty())

@@ -57,7 +57,7 @@ impl Indexer {
 /// What `pod` holds of a prompt's `keys` in its model's `runs`, on any
 /// tier, in either key kind's runs (a prompt's keys are of one kind: the
 /// other holds none of them).
-pub(super) fn held_by(runs: &KeyedRuns, pod: u32, keys: &[u64]) -> Held {
+fn held_by(runs: &KeyedRuns, pod: u32, keys: &[u64]) -> Held {
     let mut spans = Vec::new();
     for runs in [&runs.engine, &runs.token] {
         if let Some(along) = runs.held_along(keys).into_iter().find(|a| a.pod == pod) {

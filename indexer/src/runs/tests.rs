@@ -316,8 +316,21 @@ fn check_every_chain(
     let held: HashSet<u64> = model.0.values().flat_map(|h| h.0.keys()).copied().collect();
     prop_assert!(ix.blocks() >= held.len());
     let engine_keys = !ix.writer.lock().token_keys;
+    // Holdings as counted, against the runs' own lists.
+    let mut holdings = [0u64; 4];
+    for r in &ix.writer.lock().runs {
+        for h in &r.holdings {
+            holdings[(h.holder >> TIER_BITS) as usize] += 1;
+        }
+    }
     for pod in 0..4 {
         prop_assert_eq!(ix.entries(pod), model.entries(pod), "pod {}'s entries", pod);
+        prop_assert_eq!(
+            ix.usage(pod),
+            (model.entries(pod), holdings[pod as usize]),
+            "pod {}'s usage",
+            pod
+        );
         let per_tier: [u64; TIERS] =
             std::array::from_fn(|t| model.0.get(&(pod, t)).map_or(0, |h| h.0.len() as u64));
         prop_assert_eq!(ix.held_per_tier(pod), per_tier, "pod {}'s tiers", pod);

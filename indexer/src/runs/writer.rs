@@ -247,8 +247,11 @@ impl Run {
         match self.holdings.binary_search_by_key(&holder, |h| h.holder) {
             Ok(i) => (i, false),
             Err(i) => {
-                // Most runs have one holding: room for it alone.
-                self.holdings.reserve_exact(1);
+                // Most runs have one holding: room for it alone (and the
+                // usual doubling from there).
+                if self.holdings.capacity() == 0 {
+                    self.holdings.reserve_exact(1);
+                }
                 self.holdings.insert(
                     i,
                     Holding {
