@@ -1,4 +1,7 @@
-//! The concurrent store: block key -> the pods holding it, per tier.
+//! The former concurrent store: block key -> the pods holding it, per
+//! tier. The service's index is now `runs`; this stays as the reference
+//! the runs are tested against (`pod_feed`'s property test), and for the
+//! small types both use (`PodId`, `TierMask`, `KeyBuildHasher`).
 //!
 //! Sharded (a read-write lock per shard), so pods applying events and
 //! requests scoring prompts only contend when they touch the same shard at

@@ -1,8 +1,11 @@
 //! KV-cache index core: no sockets, no threads, no clocks beyond `Instant`.
 //!
-//! Data flows one way: payload bytes -> [`wire`] -> [`event`]s -> [`pod`]
-//! rules -> the shared [`index`]; a prompt's tokens -> [`keys`] -> [`score`]
-//! walk. [`Indexer`] ties them together for the service.
+//! Data flows one way: payload bytes -> [`wire`] -> [`event`]s ->
+//! [`pod_feed`] (the rules of `pod::rules`) -> each model's [`runs`]; a
+//! prompt's tokens -> [`keys`] -> [`run_score`]. [`Indexer`] ties them
+//! together for the service. [`index`], [`pod`]'s block map and [`score`]'s
+//! walk are the former per-block index, kept as the reference the runs
+//! are tested against (`pod_feed`'s property test).
 
 pub mod block_map;
 pub mod closure;

@@ -44,14 +44,28 @@ pub fn chunked_match(
     gpu_run: u32,
     weights: &TierWeights,
 ) -> PrefixMatch {
+    chunked_match_by(keys.len() as u32, factor, gpu_run, weights, |i| {
+        index.with_holders(keys[i as usize], |h| h.get(pod).unwrap_or_default())
+    })
+}
+
+/// `chunked_match` for an `n`-block prompt, the pod's tiers at each
+/// position given by `tiers_at` (the runs answer it from what a pod holds
+/// along the prompt, `run_score`).
+pub fn chunked_match_by(
+    n: u32,
+    factor: u32,
+    gpu_run: u32,
+    weights: &TierWeights,
+    tiers_at: impl Fn(u32) -> TierMask,
+) -> PrefixMatch {
     debug_assert!(factor > 1);
-    let chunks = (keys.len() / factor as usize) as u32;
+    let chunks = n / factor;
     let start = gpu_run / factor;
     // The offloaded tiers of each chunk held from `start` on.
     let mut held: Vec<TierMask> = Vec::new();
     for chunk in start..chunks {
-        let last = ((chunk + 1) * factor - 1) as usize;
-        let tiers = index.with_holders(keys[last], |h| h.get(pod).unwrap_or_default());
+        let tiers = tiers_at((chunk + 1) * factor - 1);
         let offloaded = TierMask(tiers.0 & !(1 << Tier::Gpu.index()));
         if offloaded.is_empty() {
             break;

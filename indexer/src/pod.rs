@@ -1,6 +1,8 @@
-//! One pod's (one cache domain's) view: engine hash -> our key and per-tier
-//! counts, and how its events change the index (what the events mean,
-//! before any block is held, is `rules`, shared with `pod_feed`).
+//! One pod's (one cache domain's) view in the former per-block index:
+//! engine hash -> our key and per-tier counts, and how its events change
+//! that index. The service now uses `pod_feed`; this stays as the reference
+//! its property test compares with. What the events mean, before any block
+//! is held, is `rules`, which both use.
 //!
 //! Invariants:
 //! - a pod's events are applied in order, by one applier at a time (the

@@ -43,7 +43,8 @@
 //! from one thread, so what a store reads of the pod (`key_held_by`) is
 //! still so when it stores.
 //!
-//! Not yet used by the service: see BENCHMARKS.md, "fourteenth session".
+//! The service's pods keep their rules' state here (`Indexer`'s
+//! `PodInner`); their blocks are in their model's `KeyedRuns`.
 
 use crate::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Tier, TIERS};
 use crate::keys::BlockKey;

@@ -18,6 +18,7 @@
 
 use crate::event::Tier;
 use crate::index::TierMask;
+use crate::offload::chunked_match_by;
 use crate::runs::{HeldAlong, RunIndex, RunMatch};
 use crate::score::{count_tiers, PrefixMatch, TierWeights};
 
@@ -256,34 +257,7 @@ impl Held {
     /// `offload::chunked_match` of a pod holding `gpu_run` leading blocks
     /// on GPU, offloading in chunks of `factor`, for an `n`-block prompt.
     fn chunked(&self, n: u32, factor: u32, gpu_run: u32, weights: &TierWeights) -> PrefixMatch {
-        let chunks = n / factor;
-        let start = gpu_run / factor;
-        let gpu = 1u8 << Tier::Gpu.index();
-        let mut held: Vec<TierMask> = Vec::new();
-        for chunk in start..chunks {
-            let offloaded = TierMask(self.at((chunk + 1) * factor - 1).0 & !gpu);
-            if offloaded.is_empty() {
-                break;
-            }
-            held.push(offloaded);
-        }
-        let end = (start + held.len() as u32) * factor;
-        let loads = end >= gpu_run.saturating_add(factor);
-        let mut m = PrefixMatch {
-            matched_blocks: if loads { end } else { gpu_run },
-            ..PrefixMatch::default()
-        };
-        m.blocks_per_tier[Tier::Gpu.index()] = gpu_run;
-        m.best_tier_blocks[Tier::Gpu.index()] = gpu_run;
-        if loads {
-            for (i, tiers) in held.iter().enumerate() {
-                let chunk = start + i as u32;
-                let blocks = (chunk + 1) * factor - (chunk * factor).max(gpu_run);
-                count_tiers(&mut m, *tiers, blocks, weights);
-            }
-        }
-        m.weigh(weights);
-        m
+        chunked_match_by(n, factor, gpu_run, weights, |i| self.at(i))
     }
 }
 

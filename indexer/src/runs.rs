@@ -1,7 +1,8 @@
-//! Runs of a chain as the unit of the index: the layout the index redesign
-//! of issue #17 is measured with, before it replaces `index` and `pod`.
+//! Runs of a chain as the unit of the index: the service's index (one per
+//! model and key kind, fed by `pod_feed`, read by `run_score`).
 //!
-//! Why: the index today keeps an entry per (pod, block) twice over (the
+//! Why: the former index (`index` and `pod`, now the tests' reference)
+//! kept an entry per (pod, block) twice over (the
 //! pod's map from engine hash, the shared table's holder lists), so every
 //! applied block costs two random cache misses, and a lookup probes per
 //! block. Both peers do at least one per block too, which is why the
@@ -51,10 +52,10 @@
 //! weighs (`with_best_tiers`). Keys the caller computed (adapters, images)
 //! are taken as given (`store_keyed`).
 //!
-//! The service does not use it yet: its pods' own state (streams, stats,
-//! block sizes), its snapshot file and Score are built on `index` and
-//! `pod`. BENCHMARKS.md ("twelfth session", "thirteenth session") has its
-//! numbers against the peers and what is left before the service can.
+//! A run costs about 400 bytes of its own whatever its length, so each
+//! pod's holdings are counted (`usage`) for a capacity to charge: blocks
+//! stored one by one are each a run. BENCHMARKS.md ("twelfth" to
+//! "fifteenth session") has its numbers against the peers.
 
 mod dump;
 mod pods;
