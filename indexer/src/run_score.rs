@@ -79,17 +79,11 @@ pub fn match_pods(
     }
     let along = runs.held_along(keys);
     let mut out = Vec::new();
-    let mut along_at = 0;
-    for (at, c) in candidates.iter().enumerate() {
-        while along.get(along_at).is_some_and(|a| a.pod < c.pod) {
-            along_at += 1;
-        }
-        let held = match along.get(along_at) {
-            Some(a) if a.pod == c.pod => Held::of(a),
-            // Holds nothing of the prompt: no rule credits it anything
-            // (closure needs a block held on GPU).
-            _ => continue,
-        };
+    // A candidate holding nothing of the prompt is credited nothing by any
+    // rule (closure needs a block held on GPU): only those in `along`.
+    for (at, a) in merge_by_pod(candidates, &along, |a| a.pod) {
+        let c = &candidates[at];
+        let held = Held::of(a);
         let candidate = rules.closure
             || !held.at(0).is_empty()
             || (first_chunk_counts && !held.at(rules.model_chunk - 1).is_empty());
