@@ -139,11 +139,6 @@ impl PodFeed {
         self.rules.offload_block_size
     }
 
-    /// Its id in the runs.
-    pub fn pod(&self) -> u32 {
-        self.pod
-    }
-
     /// The (tier, block) entries it has, over both indexes: what a
     /// capacity counts and `evict` drops.
     pub fn entries(&self, runs: &KeyedRuns) -> u64 {
