@@ -32,6 +32,7 @@ pub mod feedback;
 pub mod grpc;
 pub mod ingest;
 pub mod llmd;
+pub mod malloc;
 pub mod metrics;
 mod owners;
 mod priority;

@@ -1,9 +1,12 @@
 //! `kv-indexer`: the service binary.
 
 use kv_indexer::config::{Args, Command, Config, LogFormat};
+use kv_indexer::malloc::Pinned;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> std::process::ExitCode {
+    // Before anything allocates much (see `malloc`).
+    let pinned = kv_indexer::malloc::pin_mmap_threshold();
     let mut args = Args::parse_or_exit();
     let mut command = args.command.take();
     let publishing = matches!(command, Some(Command::Publish { .. }));
@@ -52,6 +55,12 @@ fn main() -> std::process::ExitCode {
         };
     }
     init_logging(&config);
+    match pinned {
+        Pinned::Set | Pinned::ByEnvironment | Pinned::NotGlibc => {
+            tracing::debug!(?pinned, "allocator's mmap threshold")
+        }
+        Pinned::Refused => tracing::warn!("glibc refused the mmap threshold (see src/malloc.rs)"),
+    }
     raise_open_files_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

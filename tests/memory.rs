@@ -141,17 +141,18 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
         !window.windows(2).all(grew),
         "{window:?} KiB: grew in every turnover at capacity"
     );
-    // The first turnovers cost more than the first fill: runs freed by
-    // eviction leave their slots to be reused (the writer's list of runs
-    // has doubled past the most it held at once), the lookup tables hold
-    // tombstones until rebuilt, and each pod is evicted by its own ingest
-    // worker (its single writer), so while an owner is asked its share
-    // runs a little ahead. Measured with blocks stored one by one (this
-    // test: each its own run): +72 bytes per unit of capacity over
-    // first-full. Bounded, and flat from there (the check above).
+    // The first turnovers cost a little more than the first fill: runs
+    // freed by eviction leave their slots to be reused (the writer's list
+    // of runs has doubled past the most it held at once), the lookup
+    // tables hold tombstones until rebuilt, and each pod is evicted by its
+    // own ingest worker (its single writer), so while an owner is asked
+    // its share runs a little ahead. Measured: +7-10 bytes per unit of
+    // capacity over first-full. Before the service pinned glibc's mmap
+    // threshold (`kv_indexer::malloc`), each rebuilt table left a hole in
+    // the heap: +70 here, +109 in a CI run, which this fails.
     let grown = rss_at_end.saturating_sub(rss_first_full) * 1024;
     assert!(
-        grown <= CAPACITY * 100,
+        grown <= CAPACITY * 40,
         "{rss_first_full} -> {rss_at_end} KiB: {} bytes per entry",
         grown / CAPACITY
     );
