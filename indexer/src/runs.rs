@@ -337,10 +337,17 @@ impl RunIndex {
     /// at different instants: under writes, an answer is one the index
     /// could have given at some point during the lookup, per run.
     pub fn prefix_matches(&self, keys: &[u64]) -> Vec<RunMatch> {
+        self.prefix_matches_as(keys, |m| m)
+    }
+
+    /// `prefix_matches`, each answer made into what the caller returns as
+    /// it is found: no second list to allocate and copy into (at 128
+    /// blocks and 128 pods that copy was a sixth of a lookup).
+    pub fn prefix_matches_as<T>(&self, keys: &[u64], make: impl Fn(RunMatch) -> T) -> Vec<T> {
         let mut out = Vec::new();
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => self.walk(keys, &mut scratch, &mut out),
-            Err(_) => self.walk(keys, &mut Scratch::default(), &mut out),
+            Ok(mut scratch) => self.walk(keys, &mut scratch, &mut out, &make),
+            Err(_) => self.walk(keys, &mut Scratch::default(), &mut out, &make),
         });
         out
     }
@@ -440,7 +447,13 @@ impl RunIndex {
             .collect()
     }
 
-    fn walk(&self, keys: &[u64], scratch: &mut Scratch, out: &mut Vec<RunMatch>) {
+    fn walk<T>(
+        &self,
+        keys: &[u64],
+        scratch: &mut Scratch,
+        out: &mut Vec<T>,
+        make: &impl Fn(RunMatch) -> T,
+    ) {
         let Scratch { alive, next, mixed } = scratch;
         alive.clear();
         mixed.clear();
@@ -451,12 +464,12 @@ impl RunIndex {
                 Some(Ok(t)) => Counts::one(t, blocks),
                 Some(Err(at)) => mixed[at],
             };
-            RunMatch {
+            make(RunMatch {
                 pod,
                 blocks,
                 per_tier: counts.per_tier,
                 best_tier: counts.best,
-            }
+            })
         };
         let better = &self.better;
         let mut i = 0usize;
