@@ -39,7 +39,7 @@ pub const TRIM_THRESHOLD: usize = 2 * MMAP_THRESHOLD;
 /// What `pin_mmap_threshold` did, for the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pinned {
-    /// Set to `MMAP_THRESHOLD`.
+    /// Set to `MMAP_THRESHOLD` (and the trim threshold to `TRIM_THRESHOLD`).
     Set,
     /// The environment set it (`MALLOC_MMAP_THRESHOLD_`).
     ByEnvironment,
@@ -49,8 +49,9 @@ pub enum Pinned {
     NotGlibc,
 }
 
-/// Pins glibc's mmap threshold at `MMAP_THRESHOLD`; call it first thing in
-/// `main`, before the threads and tables it is for.
+/// Pins glibc's mmap threshold at `MMAP_THRESHOLD` and its trim threshold
+/// at `TRIM_THRESHOLD`; call it first thing in `main`, before the threads
+/// and tables it is for.
 pub fn pin_mmap_threshold() -> Pinned {
     if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some() {
         return Pinned::ByEnvironment;
@@ -78,4 +79,16 @@ fn pin() -> Pinned {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn pin() -> Pinned {
     Pinned::NotGlibc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn glibc_takes_both_thresholds() {
+        // `pin`, not `pin_mmap_threshold`: whatever the test's environment.
+        assert_eq!(pin(), Pinned::Set);
+    }
 }

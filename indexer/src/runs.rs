@@ -342,7 +342,7 @@ impl RunIndex {
 
     /// `prefix_matches`, each answer made into what the caller returns as
     /// it is found: no second list to allocate and copy into (at 128
-    /// blocks and 128 pods that copy was a sixth of a lookup).
+    /// blocks and 128 pods that copy was 8% of a lookup's instructions).
     pub fn prefix_matches_as<T>(&self, keys: &[u64], make: impl Fn(RunMatch) -> T) -> Vec<T> {
         let mut out = Vec::new();
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
