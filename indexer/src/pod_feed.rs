@@ -56,12 +56,13 @@ use crate::score::TierWeights;
 
 /// What a holding (a pod's part of a run on a tier) costs against a
 /// capacity counted in entries. A run's own bookkeeping is about 400 bytes
-/// whatever its length (in process; ~850 in the service's resident memory,
-/// glibc's arenas included), against 30-60 per block. Every run has a
-/// holding, so a capacity's budget per entry (`BYTES_PER_ENTRY` in the
-/// service: 256) covers a run of one block at 1 + 3 entries
-/// (`tests/memory.rs`: 202 bytes per unit), and adds little where runs are
-/// long (a 1,000-block store is one holding).
+/// whatever its length (in process; ~550 in the service's resident memory
+/// for a run of one block, glibc's arenas included), against 30-60 per
+/// block. Every run has a holding, so a capacity's budget per entry
+/// (`BYTES_PER_ENTRY` in the service: 256) covers a run of one block at
+/// 1 + 3 entries (`tests/memory.rs`: 137 bytes per unit; 202-238 before
+/// the service fixed glibc's mmap threshold, `kv_indexer::malloc`), and
+/// adds little where runs are long (a 1,000-block store is one holding).
 pub const HOLDING_ENTRIES: u64 = 3;
 
 /// A model's blocks, by how they are keyed.

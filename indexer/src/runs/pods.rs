@@ -36,7 +36,7 @@ pub(super) struct PodRuns {
     /// (Holder, block) entries the pod has, per tier.
     pub entries: [u64; TIERS],
     /// Holdings it has (runs it holds part of, per tier): what its runs'
-    /// own bookkeeping costs scales with (see `RunIndex::footprint`).
+    /// own bookkeeping costs scales with (see `RunIndex::usage`).
     pub holdings: u64,
 }
 
