@@ -43,20 +43,17 @@ impl Indexer {
     /// copy are dropped on restore.
     pub fn export<W: std::io::Write>(&self, out: W) -> std::io::Result<W> {
         let mut snapshot = SnapshotWriter::new(out, self.keys_fingerprint())?;
-        let mut pods: Vec<Arc<Pod>> = self
-            .table
-            .read()
-            .pods()
-            .filter(|p| !p.is_removed())
-            .cloned()
-            .collect();
+        // The pods and their models' runs from one reading of the table.
+        let (mut pods, models) = {
+            let table = self.table.read();
+            let pods: Vec<Arc<Pod>> = table.pods().filter(|p| !p.is_removed()).cloned().collect();
+            let models: Vec<(String, Arc<KeyedRuns>)> = table
+                .models()
+                .map(|(name, m)| (name.clone(), m.runs.clone()))
+                .collect();
+            (pods, models)
+        };
         pods.sort_unstable_by_key(|p| p.id);
-        let models: Vec<(String, Arc<KeyedRuns>)> = self
-            .table
-            .read()
-            .models()
-            .map(|(name, m)| (name.clone(), m.runs.clone()))
-            .collect();
         let (records, dumps) = {
             let guards: Vec<_> = pods.iter().map(|p| self.lock(p)).collect();
             let dumps: Vec<(&str, Dump)> = models
