@@ -70,8 +70,8 @@ pub fn match_pods(
     let first_chunk_counts = !rules.closure && rules.model_chunk > 1 && n >= rules.model_chunk;
     let needs_more = rules.closure || first_chunk_counts || candidates.iter().any(|c| c.chunk > 1);
     if !needs_more {
-        let mut found = runs.prefix_matches(keys);
-        found.sort_unstable_by_key(|m| m.pod);
+        // In pod order, as `merge_by_pod` needs.
+        let found = runs.prefix_matches(keys);
         return merge_by_pod(candidates, &found, |m| m.pod)
             .filter(|(_, m)| m.blocks > 0)
             .map(|(at, m)| (at, prefix_match(m, weights)))

@@ -330,7 +330,7 @@ impl RunIndex {
 
     /// For every pod holding `keys[0]` (on any tier), how many leading
     /// keys it holds and how many of those on each tier (pods holding none
-    /// are left out), in no particular order. `keys` must be a chain from
+    /// are left out), in pod order. `keys` must be a chain from
     /// its first block, as a prompt's keys are: see `shared::Heads`.
     ///
     /// Each run is read as one consistent view, but the runs of one lookup
@@ -454,23 +454,15 @@ impl RunIndex {
         out: &mut Vec<T>,
         make: &impl Fn(RunMatch) -> T,
     ) {
-        let Scratch { alive, next, mixed } = scratch;
+        let Scratch {
+            alive,
+            next,
+            mixed,
+            ends,
+        } = scratch;
         alive.clear();
         mixed.clear();
-        // A pod's match ends here: `tiers` says where its blocks are.
-        let answer = |pod: u32, blocks: u32, tiers: Tiers, mixed: &[Counts]| {
-            let counts = match tiers.get() {
-                None => Counts::default(),
-                Some(Ok(t)) => Counts::one(t, blocks),
-                Some(Err(at)) => mixed[at],
-            };
-            make(RunMatch {
-                pod,
-                blocks,
-                per_tier: counts.per_tier,
-                best_tier: counts.best,
-            })
-        };
+        ends.clear();
         let better = &self.better;
         let mut i = 0usize;
         while i < keys.len() {
@@ -479,17 +471,21 @@ impl RunIndex {
                 break;
             };
             let rest = &keys[i..];
-            let (answered, mixed_before) = (out.len(), mixed.len());
+            let mixed_before = mixed.len();
             // A run the table names is in an allocated segment; `None`
             // only from a torn read of the table.
             let Some(published) = self.published.find(run) else {
                 break;
             };
             let read = published.read(|run| {
-                // A read the version check turns down leaves nothing.
+                // A read the version check turns down leaves nothing. (The
+                // ends it wrote are written again: every pod it decided is
+                // decided again, or answered from `alive` below.)
                 next.clear();
-                out.truncate(answered);
                 mixed.truncate(mixed_before);
+                if i == 0 {
+                    ends.clear();
+                }
                 // The run may have died, and its slot gone to another,
                 // since the table named it.
                 if run.hash(0) != Some(rest[0]) {
@@ -497,19 +493,17 @@ impl RunIndex {
                 }
                 let len = matched_in_run(run, rest);
                 let more = len < rest.len();
-                if i == 0 {
-                    // Room for every pod that holds the first run, at once.
-                    out.reserve(run.pods_at_most());
-                }
-                let mut decide = |pod: u32, tiers: Tiers, spans: Option<&PodSpans<'_>>| {
+                // A pod goes on into the next run (`next`), or its match
+                // ends here: (blocks, where they are).
+                let mut decide = |m: Matching, spans: Option<&PodSpans<'_>>| {
                     let (n, held) = spans.map_or((0, Held::Many(Counts::default())), |s| {
                         s.matched(len as u32, better)
                     });
                     // Where the pod's blocks so far and these are.
-                    let tiers = match (tiers.get(), held) {
-                        (_, _) if n == 0 => tiers,
+                    let tiers = match (m.tiers.get(), held) {
+                        (_, _) if n == 0 => m.tiers,
                         (None, Held::One(t)) => Tiers::one(t),
-                        (Some(Ok(a)), Held::One(t)) if a == t => tiers,
+                        (Some(Ok(a)), Held::One(t)) if a == t => m.tiers,
                         (before, held) => {
                             let mut counts = match before {
                                 None => Counts::default(),
@@ -524,29 +518,51 @@ impl RunIndex {
                             Tiers::mixed(mixed.len() - 1)
                         }
                     };
-                    let blocks = (i as u32).saturating_add(n);
                     if n as usize == len && more {
-                        next.push((pod, tiers));
-                    } else if blocks > 0 {
-                        out.push(answer(pod, blocks, tiers, mixed));
+                        next.push(Matching { tiers, ..m });
+                        None
+                    } else {
+                        Some(((i as u32).saturating_add(n), tiers))
                     }
                 };
-                let mut pods = run.pods().peekable();
                 if i == 0 {
-                    for p in pods {
-                        decide(p.pod, Tiers::NONE, Some(&p));
+                    // The first run's holders, in pod order, are every pod
+                    // that can match: each one's answer goes at its rank.
+                    for p in run.pods() {
+                        let m = Matching {
+                            pod: p.pod,
+                            rank: ends.len() as u32,
+                            tiers: Tiers::NONE,
+                        };
+                        let (blocks, tiers) = decide(m, Some(&p)).unwrap_or((0, Tiers::NONE));
+                        ends.push(Ended {
+                            pod: p.pod,
+                            blocks,
+                            tiers,
+                        });
                     }
                 } else {
                     // Merge the pods still matching with the run's holders.
-                    for &(pod, tiers) in alive.iter() {
-                        while pods.next_if(|p| p.pod < pod).is_some() {}
-                        let here = pods.next_if(|p| p.pod == pod);
-                        decide(pod, tiers, here.as_ref());
+                    let mut pods = run.pods().peekable();
+                    for &m in alive.iter() {
+                        while pods.next_if(|p| p.pod < m.pod).is_some() {}
+                        let here = pods.next_if(|p| p.pod == m.pod);
+                        if let Some((blocks, tiers)) = decide(m, here.as_ref()) {
+                            ends[m.rank as usize] = Ended {
+                                pod: m.pod,
+                                blocks,
+                                tiers,
+                            };
+                        }
                     }
                 }
                 Some(len)
             });
             let Some(len) = read.flatten() else {
+                if i == 0 {
+                    // No first run read: no pod matched.
+                    ends.clear();
+                }
                 break;
             };
             std::mem::swap(alive, next);
@@ -555,12 +571,46 @@ impl RunIndex {
                 break;
             }
         }
-        out.extend(
-            alive
-                .iter()
-                .map(|&(pod, tiers)| answer(pod, i as u32, tiers, mixed)),
-        );
+        for m in alive.iter() {
+            ends[m.rank as usize] = Ended {
+                pod: m.pod,
+                blocks: i as u32,
+                tiers: m.tiers,
+            };
+        }
+        // In rank order, so in pod order: no sort for the callers.
+        out.reserve(ends.len());
+        out.extend(ends.iter().filter(|e| e.blocks > 0).map(|e| {
+            let counts = match e.tiers.get() {
+                None => Counts::default(),
+                Some(Ok(t)) => Counts::one(t, e.blocks),
+                Some(Err(at)) => mixed[at],
+            };
+            make(RunMatch {
+                pod: e.pod,
+                blocks: e.blocks,
+                per_tier: counts.per_tier,
+                best_tier: counts.best,
+            })
+        }));
     }
+}
+
+/// A pod still matching a lookup: its id, its rank among the first run's
+/// holders (where its answer goes) and where its blocks so far are.
+#[derive(Clone, Copy, Debug)]
+struct Matching {
+    pod: u32,
+    rank: u32,
+    tiers: Tiers,
+}
+
+/// A pod's answer, once its match ended: blocks 0 for none.
+#[derive(Clone, Copy, Debug)]
+struct Ended {
+    pod: u32,
+    blocks: u32,
+    tiers: Tiers,
 }
 
 /// Where a pod still matching holds the blocks it matched so far: nowhere
@@ -596,9 +646,11 @@ impl Tiers {
 /// (a lookup of a prompt many pods share fills them).
 #[derive(Default)]
 struct Scratch {
-    alive: Vec<(u32, Tiers)>,
-    next: Vec<(u32, Tiers)>,
+    alive: Vec<Matching>,
+    next: Vec<Matching>,
     mixed: Vec<Counts>,
+    /// Every pod of the first run, in pod order, and its answer so far.
+    ends: Vec<Ended>,
 }
 
 /// What a pod holds of a prompt: its leading blocks held on any tier, and

@@ -185,13 +185,11 @@ impl Indexer {
         };
         let engine = matches!(self.config.keys.for_model(model), KeyMode::Engine(_));
         let weights = &self.config.tier_weights;
-        let mut out = runs
-            .for_request(engine)
+        // In pod order as the runs answer.
+        runs.for_request(engine)
             .prefix_matches_as(BlockKey::as_raw(keys), |m| {
                 (PodId(m.pod), run_score::prefix_match(&m, weights))
-            });
-        out.sort_unstable_by_key(|(id, _)| *id);
-        out
+            })
     }
 
     /// Who holds each key (debugging). The keys are read as a prompt's,

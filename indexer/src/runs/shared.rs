@@ -387,12 +387,6 @@ impl View<'_> {
         self.hashes.get(off).map(|h| h.load(Ordering::Relaxed))
     }
 
-    /// At least as many as the pods holding some of the run (a header and
-    /// a span each, at least).
-    pub fn pods_at_most(&self) -> usize {
-        self.holdings.len() / 2
-    }
-
     /// Each pod's holdings of the run, in pod order.
     #[inline]
     pub fn pods(&self) -> impl Iterator<Item = PodSpans<'_>> + '_ {
