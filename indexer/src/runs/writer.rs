@@ -511,9 +511,31 @@ impl Writer {
     ) -> (usize, usize) {
         let mut repeated = 0;
         let total = blocks.len();
+        let mut blocks = blocks.peekable();
         // (run, index of the pod's holding in it).
         let mut holding: Option<(u32, usize)> = None;
-        for (done, (e, k)) in blocks.enumerate() {
+        let mut done = 0;
+        loop {
+            // Along the run whose held end the pod just stored: the blocks
+            // the run has next, as a stretch (most of a store of a shared
+            // prefix).
+            if let (Some(l), Some((run, i))) = (at, holding) {
+                if l.run == run {
+                    let n = self.stretch(run, i, l.off + 1, &mut blocks);
+                    if n > 0 {
+                        done += n as usize;
+                        at = Some(Loc {
+                            run,
+                            off: l.off + n,
+                        });
+                        continue;
+                    }
+                }
+            }
+            let Some((e, k)) = blocks.next() else {
+                break;
+            };
+            done += 1;
             let next = at.map(|l| Loc {
                 run: l.run,
                 off: l.off + 1,
@@ -525,7 +547,7 @@ impl Writer {
                             None => self.alias(e, n),
                             Some(named) if named == n => {}
                             // `e` names another block: the claims disagree.
-                            Some(_) => return (total - done, repeated),
+                            Some(_) => return (total - done + 1, repeated),
                         }
                     }
                     n
@@ -533,7 +555,7 @@ impl Writer {
                 _ => match self.table.find(e) {
                     // Engine keys: the table is by key, nothing to check.
                     Some(loc) if !self.token_keys || self.is_at(k, loc) => loc,
-                    Some(_) => return (total - done, repeated),
+                    Some(_) => return (total - done + 1, repeated),
                     // Under another engine hash, a block that is not where
                     // its parent's run goes on starts a run (see
                     // `shared::Heads`).
@@ -588,13 +610,79 @@ impl Writer {
         (0, repeated)
     }
 
+    /// Stores the blocks of `blocks` that are the next ones of `run` from
+    /// `off` on, while `holder`'s holding `i` of it ends right at them (so
+    /// it holds none of them: no repeats), and with the engine hashes the
+    /// run's blocks go by; returns how many. The rest, whatever they are,
+    /// are left to the block-by-block rules.
+    fn stretch(
+        &mut self,
+        run: u32,
+        i: usize,
+        off: u32,
+        blocks: &mut std::iter::Peekable<impl Iterator<Item = (u64, u64)>>,
+    ) -> u32 {
+        let r = &mut self.runs[run as usize];
+        let Some(last) = r.holdings[i].spans.last() else {
+            return 0;
+        };
+        if last.end != off {
+            return 0;
+        }
+        let Some(words) = r.words.as_deref() else {
+            return 0;
+        };
+        let engines = match (&r.names, self.token_keys) {
+            (_, false) => None,
+            (Some(names), true) => Some(&names.engines),
+            (None, true) => return 0,
+        };
+        let mut end = off;
+        while end < r.len {
+            let Some(&(e, k)) = blocks.peek() else {
+                break;
+            };
+            let named = engines.map_or(true, |n| n.get(end as usize) == Some(&e));
+            if words.hash(end as usize) != k || !named {
+                break;
+            }
+            blocks.next();
+            r.holders_of[end as usize] += 1;
+            end += 1;
+        }
+        if end == off {
+            return 0;
+        }
+        r.holdings[i].spans.last_mut().expect("a span").end = end;
+        self.touch(run);
+        end - off
+    }
+
     /// `pod` removed `hashes`; returns how many it did not hold.
     pub fn remove(&mut self, heads: &Heads, pod: u32, hashes: &[u64]) -> usize {
         let (mut unknown, mut released) = (0, 0);
         let mut last: Option<Loc> = None;
         // (run, index of the pod's holding in it), as in `store`.
         let mut holding: Option<(u32, usize)> = None;
-        for &h in hashes {
+        let mut rest = hashes;
+        while let Some((&h, after)) = rest.split_first() {
+            // Down the run whose block the pod just let go of: the blocks
+            // before it, as a stretch (a tail evicted leaf first).
+            if let (Some(l), Some((run, i))) = (last, holding) {
+                if l.run == run && self.repeats.is_empty() {
+                    let n = self.shrink(heads, run, i, l.off, rest);
+                    if n > 0 {
+                        released += n as u64;
+                        rest = &rest[n as usize..];
+                        last = Some(Loc {
+                            run,
+                            off: l.off - n,
+                        });
+                        continue;
+                    }
+                }
+            }
+            rest = after;
             // Leaf-first eviction names a chain tail first: the block
             // before the last one is the likeliest.
             let near = last.and_then(|l| {
@@ -628,6 +716,57 @@ impl Writer {
             self.count_released(pod, released);
         }
         unknown
+    }
+
+    /// Lets go of the blocks `hashes` name while they are the ones before
+    /// `off` in `run`, going down, and the last of what `holder`'s holding
+    /// `i` holds of it ends right before `off` (the holder just let go of
+    /// `off`); returns how many. The span's first block, and whatever
+    /// does not follow, is left to the block-by-block rules (the holding
+    /// may go with it). Only while no store is repeated (those removals
+    /// count down first).
+    fn shrink(&mut self, heads: &Heads, run: u32, i: usize, off: u32, hashes: &[u64]) -> u32 {
+        let r = &mut self.runs[run as usize];
+        let Some(span) = r.holdings[i].spans.last() else {
+            return 0;
+        };
+        let (start, mut end) = (span.start, span.end);
+        if end != off {
+            return 0;
+        }
+        let Some(words) = r.words.as_deref() else {
+            return 0;
+        };
+        let engines = match (&r.names, self.token_keys) {
+            (_, false) => None,
+            (Some(names), true) => Some(&names.engines),
+            (None, true) => return 0,
+        };
+        for &h in hashes {
+            if end <= start + 1 {
+                break;
+            }
+            let o = end - 1;
+            let named = match engines {
+                None => o < r.len && words.hash(o as usize) == h,
+                Some(n) => n.get(o as usize) == Some(&h),
+            };
+            if !named {
+                break;
+            }
+            r.holders_of[o as usize] -= 1;
+            end = o;
+        }
+        if end == off {
+            return 0;
+        }
+        r.holdings[i].spans.last_mut().expect("a span").end = end;
+        let dead_tail = r.holders_of.last() == Some(&0);
+        self.touch(run);
+        if dead_tail {
+            self.cut_dead_tail(heads, run);
+        }
+        off - end
     }
 
     /// `holder`'s pod let go of `n` entries on `holder`'s tier.
