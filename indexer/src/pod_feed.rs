@@ -312,7 +312,23 @@ impl PodFeed {
                         }
                     },
                 };
-                let blocks: Vec<(u64, u64)> = keying.keys(prev).map(|(h, k)| (h.0, k.0)).collect();
+                // The blocks the index has by these hashes under the same
+                // parent have the keys it has: not computed again (most of
+                // a store is a prefix other pods stored). Only where the
+                // hashes cover all the keys are made of.
+                let mut blocks: Vec<(u64, u64)> = Vec::with_capacity(ev.block_hashes.len());
+                if keying.names_fix_keys() {
+                    let engines: Vec<u64> = ev.block_hashes.iter().map(|h| h.0).collect();
+                    let mut known = Vec::with_capacity(engines.len());
+                    runs.token.keys_along(parent, &engines, &mut known);
+                    blocks.extend(engines.iter().copied().zip(known));
+                }
+                let from = blocks.last().map_or(prev, |&(_, k)| k);
+                blocks.extend(
+                    keying
+                        .keys_from(blocks.len(), from)
+                        .map(|(h, k)| (h.0, k.0)),
+                );
                 self.store_chain(runs, Keying::Token, tier, parent, &blocks, stats);
             }
         }

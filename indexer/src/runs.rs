@@ -321,6 +321,19 @@ impl RunIndex {
         self.writer.lock().key_held_by(pod, e)
     }
 
+    /// Token keys: the keys of the leading blocks of a store (under the
+    /// block engine hash `parent` names, if any) that the index has under
+    /// the same engine hashes (`engines`, in chain order), appended to
+    /// `out` (none if the parent is unknown). What a store whose keys its
+    /// engine hashes fix (see `pod_feed`) need not compute from its tokens
+    /// again: most of a store is a prefix other pods stored.
+    pub fn keys_along(&self, parent: Option<u64>, engines: &[u64], out: &mut Vec<u64>) {
+        let w = self.writer.lock();
+        if w.token_keys {
+            w.keys_along(parent, engines, out);
+        }
+    }
+
     /// Drops everything `pod` holds, on every tier (its cache was cleared).
     pub fn clear(&self, pod: u32) {
         let mut w = self.writer.lock();

@@ -1304,3 +1304,39 @@ fn a_clear_in_the_middle_of_a_batch_drops_only_what_came_before_it() {
     assert_eq!(score_m(&ix, &tokens).pods[0].matched.matched_blocks, 0);
     assert_eq!(ix.list_pods(Some("m"))[0].blocks_per_tier[0], 0);
 }
+
+#[test]
+fn a_store_with_an_adapter_keys_its_blocks_from_its_tokens_not_from_their_hashes() {
+    // Older vLLM hashes an adapter by a number each pod gives it: two pods
+    // of one model may name different adapters' blocks alike. A store
+    // without one takes the keys of the blocks the index has by its
+    // hashes; one with an adapter must not.
+    let ix = Indexer::new(IndexerConfig::default());
+    let tokens: Vec<u32> = (0..32).collect();
+    let (a, b) = (ix.pod("m", "a", None), ix.pod("m", "b", None));
+    let with_lora = |name: &str| {
+        let mut e = stored(&[1, 2], None, &tokens, 16);
+        if let KvEvent::Stored(s) = &mut e {
+            s.lora_name = Some(name.into());
+        }
+        e
+    };
+    ix.apply(&a, 0, &batch(vec![with_lora("x")]));
+    ix.apply(&b, 0, &batch(vec![with_lora("y")]));
+    let score = |lora: &str| {
+        let out = ix.score(&ScoreQuery {
+            model: "m",
+            tokens: &tokens,
+            lora_name: Some(lora),
+            cache_salt: None,
+            pods: &[],
+        });
+        out.pods
+            .iter()
+            .filter(|p| p.matched.matched_blocks > 0)
+            .map(|p| (p.pod.clone(), p.matched.matched_blocks))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(score("x"), vec![("a".to_string(), 2)]);
+    assert!(score("y").iter().all(|(pod, _)| pod != "a"));
+}

@@ -200,13 +200,24 @@ impl<'e> TokenKeying<'e> {
 
     /// Each block's (engine hash, key), chained from `prev`: the parent's
     /// key, or `root_seed` if the store has no parent.
-    pub fn keys(&self, mut prev: u64) -> impl Iterator<Item = (EngineHash, BlockKey)> + '_ {
+    pub fn keys(&self, prev: u64) -> impl Iterator<Item = (EngineHash, BlockKey)> + '_ {
+        self.keys_from(0, prev)
+    }
+
+    /// `keys` from block `first` on, `prev` being the key of the block
+    /// before it.
+    pub fn keys_from(
+        &self,
+        first: usize,
+        mut prev: u64,
+    ) -> impl Iterator<Item = (EngineHash, BlockKey)> + '_ {
         let under_parent = self.ev.parent_block_hash.is_some();
         self.ev
             .block_hashes
             .iter()
             .zip(self.ev.token_ids.chunks_exact(self.block_size))
             .enumerate()
+            .skip(first)
             .map(move |(i, (hash, tokens))| {
                 let mut key = chain(prev, tokens);
                 // Block 0 of a prompt had its extras folded into the root seed.
@@ -216,6 +227,16 @@ impl<'e> TokenKeying<'e> {
                 prev = key.0;
                 (*hash, key)
             })
+    }
+
+    /// Whether the blocks' keys are made of nothing their engine hashes
+    /// do not cover: no adapter (older vLLM hashes an adapter by its id,
+    /// which two pods may give different adapters) and no extra keys. A
+    /// block such a store names by a hash the index has under the same
+    /// parent then has the key the index has for it: a hash covers the
+    /// parent's and the tokens, as the key does.
+    pub fn names_fix_keys(&self) -> bool {
+        self.lora.is_none() && !self.extras
     }
 
     fn extras_of(&self, i: usize) -> Vec<ExtraKey> {

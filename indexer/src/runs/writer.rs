@@ -642,7 +642,7 @@ impl Writer {
             let Some(&(e, k)) = blocks.peek() else {
                 break;
             };
-            let named = engines.map_or(true, |n| n.get(end as usize) == Some(&e));
+            let named = engines.is_none_or(|n| n.get(end as usize) == Some(&e));
             if words.hash(end as usize) != k || !named {
                 break;
             }
@@ -930,6 +930,50 @@ impl Writer {
     }
 
     /// The key of the block `e` names, if `pod` holds it on some tier.
+    /// The keys of the leading `engines` (a chain under the block `parent`
+    /// names, if any) that name blocks the index has by these first names:
+    /// the next block of the run the chain is in, read in order, or any
+    /// block the table has (a run's head, most often). Appended to `out`;
+    /// stops at the first it does not have.
+    pub fn keys_along(&self, parent: Option<u64>, engines: &[u64], out: &mut Vec<u64>) {
+        let mut at = match parent.map(|p| self.table.find(p)) {
+            Some(None) => return,
+            Some(found) => found,
+            None => None,
+        };
+        let mut rest = engines;
+        while let Some(&e) = rest.first() {
+            // Along the run: its names side by side with the chain's.
+            if let Some(l) = at {
+                let r = &self.runs[l.run as usize];
+                if let (Some(names), Some(words)) = (r.names.as_deref(), r.words.as_deref()) {
+                    let from = l.off as usize + 1;
+                    let ahead = names.engines.get(from..r.len as usize).unwrap_or(&[]);
+                    let n = ahead.iter().zip(rest).take_while(|(a, b)| a == b).count();
+                    if n > 0 {
+                        out.extend((from..from + n).map(|off| words.hash(off)));
+                        rest = &rest[n..];
+                        at = Some(Loc {
+                            run: l.run,
+                            off: (from + n - 1) as u32,
+                        });
+                        continue;
+                    }
+                }
+            }
+            // Anywhere else (a run's head, most often).
+            let Some(found) = self.table.find(e).filter(|l| self.is_named(e, *l)) else {
+                return;
+            };
+            let Some(k) = self.runs[found.run as usize].hash(found.off) else {
+                return;
+            };
+            out.push(k);
+            rest = &rest[1..];
+            at = Some(found);
+        }
+    }
+
     pub fn key_held_by(&self, pod: u32, e: u64) -> Option<u64> {
         let loc = self.table.find(e)?;
         let r = &self.runs[loc.run as usize];
