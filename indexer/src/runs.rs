@@ -67,7 +67,7 @@ pub use dump::{Dump, DumpError, HoldingRecord, RepeatRecord, RunRecord};
 use parking_lot::Mutex;
 
 use crate::event::{Tier, TIERS};
-use shared::{tier_of, Arena, Counts, Heads, Held, PodSpans, View, TIER_BITS};
+use shared::{tier_of, Arena, Counts, Heads, Held, View, TIER_BITS};
 use writer::Writer;
 
 thread_local! {
@@ -506,9 +506,36 @@ impl RunIndex {
                 }
                 let len = matched_in_run(run, rest);
                 let more = len < rest.len();
-                // A pod goes on into the next run (`next`), or its match
-                // ends here: (blocks, where they are).
-                let mut decide = |m: Matching, spans: Option<&PodSpans<'_>>| {
+                // Each pod of the first run, or each still matching with
+                // its holding of this run (if any), in pod order: it goes
+                // on into the next run (`next`), or its match ends here.
+                let mut pods = run.pods().peekable();
+                let mut matching = alive.iter();
+                loop {
+                    let (m, spans) = if i == 0 {
+                        let Some(p) = pods.next() else {
+                            break;
+                        };
+                        // Its answer goes at its rank.
+                        let rank = ends.len() as u32;
+                        ends.push(Ended {
+                            pod: p.pod,
+                            blocks: 0,
+                            tiers: Tiers::NONE,
+                        });
+                        let m = Matching {
+                            pod: p.pod,
+                            rank,
+                            tiers: Tiers::NONE,
+                        };
+                        (m, Some(p))
+                    } else {
+                        let Some(&m) = matching.next() else {
+                            break;
+                        };
+                        while pods.next_if(|p| p.pod < m.pod).is_some() {}
+                        (m, pods.next_if(|p| p.pod == m.pod))
+                    };
                     let (n, held) = spans.map_or((0, Held::Many(Counts::default())), |s| {
                         s.matched(len as u32, better)
                     });
@@ -533,40 +560,12 @@ impl RunIndex {
                     };
                     if n as usize == len && more {
                         next.push(Matching { tiers, ..m });
-                        None
                     } else {
-                        Some(((i as u32).saturating_add(n), tiers))
-                    }
-                };
-                if i == 0 {
-                    // The first run's holders, in pod order, are every pod
-                    // that can match: each one's answer goes at its rank.
-                    for p in run.pods() {
-                        let m = Matching {
-                            pod: p.pod,
-                            rank: ends.len() as u32,
-                            tiers: Tiers::NONE,
-                        };
-                        let (blocks, tiers) = decide(m, Some(&p)).unwrap_or((0, Tiers::NONE));
-                        ends.push(Ended {
-                            pod: p.pod,
-                            blocks,
+                        ends[m.rank as usize] = Ended {
+                            pod: m.pod,
+                            blocks: (i as u32).saturating_add(n),
                             tiers,
-                        });
-                    }
-                } else {
-                    // Merge the pods still matching with the run's holders.
-                    let mut pods = run.pods().peekable();
-                    for &m in alive.iter() {
-                        while pods.next_if(|p| p.pod < m.pod).is_some() {}
-                        let here = pods.next_if(|p| p.pod == m.pod);
-                        if let Some((blocks, tiers)) = decide(m, here.as_ref()) {
-                            ends[m.rank as usize] = Ended {
-                                pod: m.pod,
-                                blocks,
-                                tiers,
-                            };
-                        }
+                        };
                     }
                 }
                 Some(len)
