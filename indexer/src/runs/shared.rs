@@ -200,8 +200,8 @@ fn atomics(n: usize) -> Box<[AtomicU64]> {
 }
 
 impl Words {
-    /// Room for `hashes` hashes and `holding_words` holding words, and
-    /// `from`'s first `len` hashes.
+    /// Room for `hashes` hashes (exactly) and `holding_words` holding
+    /// words, and `from`'s first `len` hashes.
     pub fn grown(
         from: Option<&Words>,
         len: usize,
@@ -211,7 +211,7 @@ impl Words {
         let w = Words {
             len: AtomicU32::new(0),
             holding_words: AtomicU32::new(0),
-            hashes: atomics(hashes.next_power_of_two()),
+            hashes: atomics(hashes),
             holdings: atomics(holding_words.next_power_of_two().max(2)),
         };
         if let Some(from) = from {
