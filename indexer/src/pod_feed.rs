@@ -312,10 +312,10 @@ impl PodFeed {
                         }
                     },
                 };
-                // The blocks the index has by these hashes under the same
-                // parent have the keys it has: not computed again (most of
-                // a store is a prefix other pods stored). Only where the
-                // hashes cover all the keys are made of.
+                // The blocks the index has by these hashes have the keys
+                // it has: not computed again (most of a store is a prefix
+                // other pods stored). Only where the hashes cover all the
+                // keys are made of.
                 let mut blocks: Vec<(u64, u64)> = Vec::with_capacity(ev.block_hashes.len());
                 if keying.names_fix_keys() {
                     let engines: Vec<u64> = ev.block_hashes.iter().map(|h| h.0).collect();

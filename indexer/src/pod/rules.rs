@@ -232,9 +232,9 @@ impl<'e> TokenKeying<'e> {
     /// Whether the blocks' keys are made of nothing their engine hashes
     /// do not cover: no adapter (older vLLM hashes an adapter by its id,
     /// which two pods may give different adapters) and no extra keys. A
-    /// block such a store names by a hash the index has under the same
-    /// parent then has the key the index has for it: a hash covers the
-    /// parent's and the tokens, as the key does.
+    /// block such a store names by a hash the index has is then the block
+    /// the index has, with its key: the hash covers the parent's hash and
+    /// the tokens, as the key covers the parent's key and the tokens.
     pub fn names_fix_keys(&self) -> bool {
         self.lora.is_none() && !self.extras
     }

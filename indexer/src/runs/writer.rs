@@ -532,6 +532,7 @@ impl Writer {
         let mut blocks = blocks.peekable();
         // (run, index of the pod's holding in it).
         let mut holding: Option<(u32, usize)> = None;
+        // Blocks stored or counted as repeats so far.
         let mut done = 0;
         loop {
             // Along the run whose held end the pod just stored: the blocks
@@ -553,7 +554,6 @@ impl Writer {
             let Some((e, k)) = blocks.next() else {
                 break;
             };
-            done += 1;
             let next = at.map(|l| Loc {
                 run: l.run,
                 off: l.off + 1,
@@ -565,7 +565,7 @@ impl Writer {
                             None => self.alias(e, n),
                             Some(named) if named == n => {}
                             // `e` names another block: the claims disagree.
-                            Some(_) => return (total - done + 1, repeated),
+                            Some(_) => return (total - done, repeated),
                         }
                     }
                     n
@@ -573,7 +573,7 @@ impl Writer {
                 _ => match self.table.find(e) {
                     // Engine keys: the table is by key, nothing to check.
                     Some(loc) if !self.token_keys || self.is_at(k, loc) => loc,
-                    Some(_) => return (total - done + 1, repeated),
+                    Some(_) => return (total - done, repeated),
                     // Under another engine hash, a block that is not where
                     // its parent's run goes on starts a run (see
                     // `shared::Heads`).
@@ -624,6 +624,7 @@ impl Writer {
                 repeated += 1;
             }
             at = Some(loc);
+            done += 1;
         }
         (0, repeated)
     }
@@ -947,7 +948,6 @@ impl Writer {
         self.pods.get(&pod).map_or(0, |p| p.holdings)
     }
 
-    /// The key of the block `e` names, if `pod` holds it on some tier.
     /// The keys of the leading `engines` (a chain under the block `parent`
     /// names, if any) that name blocks the index has by these first names:
     /// the next block of the run the chain is in, read in order, or any
@@ -992,6 +992,7 @@ impl Writer {
         }
     }
 
+    /// The key of the block `e` names, if `pod` holds it on some tier.
     pub fn key_held_by(&self, pod: u32, e: u64) -> Option<u64> {
         let loc = self.table.find(e)?;
         let r = &self.runs[loc.run as usize];
