@@ -166,6 +166,22 @@ fn push_growing<T>(v: &mut Vec<T>, x: T) {
     v.push(x);
 }
 
+/// A run's hashes and, with token keys, the engine names of its blocks
+/// (from a run's fields, so that its other fields stay free to change);
+/// `None` if it has no blocks (or, with token keys, no names).
+fn hashes_and_names<'a>(
+    words: &'a Option<Arc<Words>>,
+    names: &'a Option<Box<Names>>,
+    token_keys: bool,
+) -> Option<(&'a Words, Option<&'a [u64]>)> {
+    let words = words.as_deref()?;
+    match (names, token_keys) {
+        (_, false) => Some((words, None)),
+        (Some(names), true) => Some((words, Some(&names.engines))),
+        (None, true) => None,
+    }
+}
+
 /// A stretch of one chain: block `k + 1` was stored under block `k`.
 #[derive(Default)]
 pub(super) struct Run {
@@ -648,13 +664,8 @@ impl Writer {
         if last.end != off {
             return 0;
         }
-        let Some(words) = r.words.as_deref() else {
+        let Some((words, engines)) = hashes_and_names(&r.words, &r.names, self.token_keys) else {
             return 0;
-        };
-        let engines = match (&r.names, self.token_keys) {
-            (_, false) => None,
-            (Some(names), true) => Some(&names.engines),
-            (None, true) => return 0,
         };
         let mut end = off;
         while end < r.len {
@@ -753,13 +764,8 @@ impl Writer {
         if end != off {
             return 0;
         }
-        let Some(words) = r.words.as_deref() else {
+        let Some((words, engines)) = hashes_and_names(&r.words, &r.names, self.token_keys) else {
             return 0;
-        };
-        let engines = match (&r.names, self.token_keys) {
-            (_, false) => None,
-            (Some(names), true) => Some(&names.engines),
-            (None, true) => return 0,
         };
         for &h in hashes {
             if end <= start + 1 {
