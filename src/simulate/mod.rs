@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+pub use pod_cache::{replay as replay_op_log, Answer};
 pub use policy::Spec as PolicySpec;
 pub use report::{PolicyResult, Report};
 
@@ -57,6 +58,11 @@ pub struct Options {
     /// Most requests running (holding KV blocks) per pod at once; the rest wait.
     #[arg(long, default_value_t = 32)]
     pub max_running: usize,
+    /// Most tokens one step of a pod computes (vLLM's
+    /// `--max-num-batched-tokens`, 8192 on an H100-class GPU): a longer
+    /// prefill is computed in chunks, alongside the running decodes.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
     /// Prefill time per uncached prompt token, seconds (3.7 s for 32K
     /// tokens on H200-class hardware).
     #[arg(long, default_value_t = 0.000113)]
@@ -165,6 +171,7 @@ fn plan(o: &Options, block_size: usize) -> anyhow::Result<Plan> {
     positive("pods", o.pods)?;
     positive("pod-blocks", o.pod_blocks)?;
     positive("max-running", o.max_running)?;
+    positive("max-num-batched-tokens", o.max_num_batched_tokens)?;
     positive("block-size", block_size)?;
     positive("requests", o.requests)?;
     for (name, v) in [
@@ -219,6 +226,7 @@ fn plan(o: &Options, block_size: usize) -> anyhow::Result<Plan> {
             pod_blocks: o.pod_blocks,
             block_size,
             max_running: o.max_running,
+            max_batched_tokens: o.max_num_batched_tokens,
             prefill_per_token: o.prefill_per_token,
             decode_per_token: o.decode_per_token,
         },
@@ -299,13 +307,15 @@ pub fn race(o: &Options, block_size: usize, progress_bar: bool) -> anyhow::Resul
     let plan = plan(o, block_size)?;
     let root_seed = indexer::keys::request_root_seed(&plan.model, None, None);
     // Every pod hashes a prompt the same way: once per request, not per pick.
-    let hasher = pod_cache::PodCache::new(0, block_size, root_seed, false);
     let prepared: Vec<Prepared<'_>> = plan
         .requests
         .iter()
         .map(|r| Prepared {
             request: r,
-            hashes: hasher.block_hashes(&r.prompt),
+            hashes: indexer::keys::prompt_keys(root_seed, &r.prompt, block_size)
+                .into_iter()
+                .map(|k| k.0)
+                .collect(),
         })
         .collect();
     let arrivals: Vec<f64> = plan.requests.iter().map(|r| r.arrival).collect();
@@ -433,6 +443,7 @@ fn parameters(o: &Options, plan: &Plan, block_size: usize) -> serde_json::Value 
         "pod_blocks": o.pod_blocks,
         "block_size": block_size,
         "max_running": o.max_running,
+        "max_num_batched_tokens": o.max_num_batched_tokens,
         "prefill_per_token": o.prefill_per_token,
         "decode_per_token": o.decode_per_token,
         "speculative_ttl": o.speculative_ttl,

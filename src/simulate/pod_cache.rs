@@ -1,33 +1,34 @@
-//! One pod's prefix cache, kept the way vLLM's v1 `KVCacheManager` and
-//! `BlockPool` keep it (`vllm/v1/core/kv_cache_manager.py`, `block_pool.py`,
-//! `kv_cache_utils.py`), so the simulator's hit counts are vLLM's:
+//! One pod's prefix cache: vLLM 0.33's `KVCacheManager` over one
+//! full-attention group with prefix caching on (`kv_cache_manager.py`,
+//! `single_type_kv_cache_manager.py`, `block_pool.py`,
+//! `kv_cache_utils.py`), call for call, so the simulator's hits are vLLM's:
 //!
-//! - a pool of `capacity` physical blocks; a free queue (vLLM's
-//!   `FreeKVCacheBlockQueue`) that starts in block-id order, takes freed
-//!   blocks at its tail and gives new blocks from its head;
-//! - a block that fills up gets its chained hash and enters the hash map;
-//!   it stays there, still hit-able, while it sits in the free queue, and
-//!   leaves only when the head of the queue hands it out again (eviction:
-//!   one `BlockRemoved`);
-//! - a prompt's cached prefix is the first-miss walk over its block hashes;
-//!   vLLM caps the hit at `len - 1` tokens (the last token is always
-//!   recomputed for its logits), which can leave a whole cached block to be
-//!   recomputed in a new block with the same hash (vLLM does not
-//!   de-duplicate, and neither do we);
-//! - hit blocks are touched first (taken out of the free queue if nobody
-//!   held them), then new blocks are allocated, then every full block not
-//!   yet cached is cached (one `BlockStored`, chained to its parent);
-//! - a finished request frees its blocks tail first, so its last block is
-//!   the first of them to be evicted.
+//! - a pool of `capacity` usable blocks (vLLM has one more, its null
+//!   block) and a free queue (`FreeKVCacheBlockQueue`) that starts in
+//!   block-id order and hands out blocks from its head;
+//! - [`PodCache::computed`] is `get_computed_blocks`: the first-miss walk
+//!   over a request's block hashes, capped at `num_tokens - 1` tokens (the
+//!   last token is always recomputed for its logits);
+//! - [`PodCache::allocate`] is `allocate_slots`: refuse unless the blocks
+//!   fit (with `full_sequence_must_fit`, the scheduler's admission gate,
+//!   the whole sequence must), touch the hit blocks (out of the free queue
+//!   if nobody held them), take new blocks from the queue's head (evicting
+//!   a cached one: `BlockRemoved`), then cache every full block computed
+//!   by the end of the step (one `BlockStored`, chained to its parent);
+//! - [`PodCache::free`] is `free`: the request's blocks in reverse, those
+//!   with a hash to the free queue's tail (evicted last, LRU), those
+//!   without one (a partial last block) to its head, reused first ("LIFO
+//!   reuse of non-cached blocks", `BlockPool.free_blocks`).
 //!
-//! What is *not* vLLM: a request is admitted only when its prompt *and* the
-//! decode blocks it will need fit (vLLM admits on the prompt and preempts
-//! later); the reservation is bookkeeping only and touches no block, so the
-//! cache operations stay exactly the ones vLLM would run in this order.
+//! The request's tokens and how many of them are computed belong to the
+//! scheduler (`serving.rs`), as they belong to vLLM's `Request`; this file
+//! owns only blocks. [`replay`] drives a pod from an op log, as
+//! `tests/fixtures/simulator/vllm_answers.py` drives vLLM's own class.
 
 use std::collections::HashMap;
 
 use indexer::keys;
+use serde::{Deserialize, Serialize};
 
 /// The end of a list in `FreeQueue`.
 const NIL: u32 = u32::MAX;
@@ -60,17 +61,31 @@ impl FreeQueue {
         q
     }
 
-    fn append(&mut self, id: u32) {
+    fn link(&mut self, id: u32, prev: u32, next: u32) {
         debug_assert!(!self.queued[id as usize]);
-        self.prev[id as usize] = self.tail;
-        self.next[id as usize] = NIL;
-        match self.tail {
+        self.prev[id as usize] = prev;
+        self.next[id as usize] = next;
+        match prev {
             NIL => self.head = id,
-            t => self.next[t as usize] = id,
+            p => self.next[p as usize] = id,
         }
-        self.tail = id;
+        match next {
+            NIL => self.tail = id,
+            n => self.prev[n as usize] = id,
+        }
         self.queued[id as usize] = true;
         self.len += 1;
+    }
+
+    fn append(&mut self, id: u32) {
+        self.link(id, self.tail, NIL);
+    }
+
+    /// `prepend_n`: `ids` go to the front, keeping their order.
+    fn prepend(&mut self, ids: &[u32]) {
+        for &id in ids.iter().rev() {
+            self.link(id, NIL, self.head);
+        }
     }
 
     fn remove(&mut self, id: u32) {
@@ -118,25 +133,38 @@ pub enum CacheEvent {
     },
 }
 
-struct Running {
-    name: String,
-    tokens: Vec<u32>,
-    /// Hashes of every full block of `tokens`.
-    hashes: Vec<u64>,
-    blocks: Vec<u32>,
-    /// Leading blocks already cached (vLLM's `num_cached_block`).
-    cached: usize,
-    /// Blocks set aside for the decode still to come.
-    reserved: usize,
+/// A request as the cache sees it: its tokens and the hashes of their full
+/// blocks (vLLM's `Request.all_token_ids` and `block_hashes`).
+#[derive(Clone, Debug, Default)]
+pub struct Sequence {
+    pub tokens: Vec<u32>,
+    pub hashes: Vec<u64>,
 }
 
-/// The outcome of an admission.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Admission {
-    /// Leading full blocks the pod held just before, uncapped.
-    pub hit_blocks: usize,
-    /// Prompt tokens served from the cache (vLLM's capped hit).
-    pub cached_tokens: usize,
+impl Sequence {
+    pub fn new(tokens: Vec<u32>, hashes: Vec<u64>) -> Sequence {
+        Sequence { tokens, hashes }
+    }
+
+    /// `append_output_token_ids`: the tokens, and the hash of every block
+    /// they fill (chained from `root_seed`).
+    pub fn append(&mut self, tokens: &[u32], block_size: usize, root_seed: u64) {
+        self.tokens.extend_from_slice(tokens);
+        let mut prev = self.hashes.last().copied().unwrap_or(root_seed);
+        let full_before = self.hashes.len();
+        for block in self.tokens[full_before * block_size..].chunks_exact(block_size) {
+            prev = keys::chain(prev, block).0;
+            self.hashes.push(prev);
+        }
+    }
+}
+
+/// The blocks a request holds (`req_to_blocks`, `num_cached_block`).
+#[derive(Default)]
+struct Held {
+    blocks: Vec<u32>,
+    /// Leading blocks already cached.
+    cached: usize,
 }
 
 /// Why a request can never be admitted by this pod.
@@ -147,53 +175,41 @@ pub struct TooLarge {
     pub capacity: usize,
 }
 
+/// One call of `allocate_slots`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Tokens of the request already computed (`num_computed_tokens`).
+    pub computed: usize,
+    /// Tokens to compute in this step (`num_new_tokens`).
+    pub new_tokens: usize,
+    /// Leading blocks found cached just now (`new_computed_blocks`, from
+    /// [`PodCache::computed`]); 0 for a running request.
+    pub hit_blocks: usize,
+    /// `full_sequence_must_fit`: the whole sequence must fit, not only
+    /// this step's tokens (the scheduler admits with it).
+    pub whole_sequence: bool,
+}
+
 pub struct PodCache {
     block_size: usize,
-    /// Where every hash chain starts (the model's root seed).
-    root_seed: u64,
     blocks: Vec<Block>,
     free: FreeQueue,
     /// Hash -> cached blocks holding it, first cached first (vLLM's
     /// `BlockHashToBlockMap`; a lookup takes the first).
     cached: HashMap<u64, Vec<u32>>,
-    running: HashMap<u32, Running>,
-    /// Sum of the running requests' `reserved`.
-    reserved: usize,
+    held: HashMap<u32, Held>,
     events: Vec<CacheEvent>,
-    /// The op log (JSONL without the pod name), when asked for.
-    ops: Option<Vec<OpLine>>,
-}
-
-/// One line of the op log; `report` adds the pod's name.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum OpLine {
-    Admit {
-        req: String,
-        token_ids: Vec<u32>,
-        hit_blocks: usize,
-    },
-    Extend {
-        req: String,
-        token_ids: Vec<u32>,
-    },
-    Finish {
-        req: String,
-    },
 }
 
 impl PodCache {
-    pub fn new(capacity: usize, block_size: usize, root_seed: u64, log_ops: bool) -> PodCache {
+    pub fn new(capacity: usize, block_size: usize) -> PodCache {
         PodCache {
             block_size,
-            root_seed,
             blocks: vec![Block::default(); capacity],
             free: FreeQueue::new(capacity),
             cached: HashMap::new(),
-            running: HashMap::new(),
-            reserved: 0,
+            held: HashMap::new(),
             events: Vec::new(),
-            ops: log_ops.then(Vec::new),
         }
     }
 
@@ -209,14 +225,6 @@ impl PodCache {
         }
     }
 
-    /// The chained hashes of every full block of `tokens`.
-    pub fn block_hashes(&self, tokens: &[u32]) -> Vec<u64> {
-        keys::prompt_keys(self.root_seed, tokens, self.block_size)
-            .into_iter()
-            .map(|k| k.0)
-            .collect()
-    }
-
     /// Leading blocks of `hashes` cached here (the first-miss walk, uncapped).
     pub fn holds(&self, hashes: &[u64]) -> usize {
         hashes
@@ -225,14 +233,22 @@ impl PodCache {
             .count()
     }
 
+    /// `get_computed_blocks`: the leading cached blocks of `seq`, capped so
+    /// that at least its last token is computed.
+    pub fn computed(&self, seq: &Sequence) -> usize {
+        let cap = seq.tokens.len().saturating_sub(1) / self.block_size;
+        self.holds(&seq.hashes[..cap.min(seq.hashes.len())])
+    }
+
     /// Blocks that hold `tokens` tokens.
     fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
 
-    /// Whether the request could ever fit this pod, even empty.
-    pub fn check_fits(&self, prompt: usize, decode: usize) -> Result<(), TooLarge> {
-        let needed = self.blocks_for(prompt + decode);
+    /// Whether a sequence of `tokens` tokens could ever fit this pod, even
+    /// empty.
+    pub fn check_fits(&self, tokens: usize) -> Result<(), TooLarge> {
+        let needed = self.blocks_for(tokens);
         if needed > self.capacity() {
             return Err(TooLarge {
                 needed,
@@ -242,34 +258,31 @@ impl PodCache {
         Ok(())
     }
 
-    /// Looks `tokens` (whose full blocks hash to `hashes`, see
-    /// [`PodCache::block_hashes`]) up and, if it fits with `decode` more
-    /// tokens to come, allocates and caches its blocks as vLLM's
-    /// `get_computed_blocks` + `allocate_slots` do. `None`: it does not fit
-    /// now, and nothing changed.
-    pub fn admit(
-        &mut self,
-        id: u32,
-        name: &str,
-        tokens: &[u32],
-        hashes: &[u64],
-        decode: usize,
-    ) -> Option<Admission> {
-        debug_assert_eq!(hashes.len(), tokens.len() / self.block_size);
-        let hit_blocks = self.holds(hashes);
-        // The last prompt token is recomputed for its logits.
-        let capped = hit_blocks.min(tokens.len().saturating_sub(1) / self.block_size);
-        let hit: Vec<u32> = hashes[..capped].iter().map(|h| self.cached[h][0]).collect();
-        let required = self.blocks_for(tokens.len());
-        let new = required - capped;
-        // Hit blocks in the free queue leave it when touched.
+    /// `get_num_blocks_to_allocate` for `tokens` slots: the blocks the
+    /// request lacks, plus the hit blocks that must leave the free queue.
+    fn to_allocate(&self, id: u32, tokens: usize, hit: &[u32]) -> usize {
+        let have = self.held.get(&id).map_or(0, |h| h.blocks.len());
         let evictable = hit
             .iter()
             .filter(|&&b| self.blocks[b as usize].ref_cnt == 0)
             .count();
-        let reserve = self.blocks_for(tokens.len() + decode) - required;
-        if new + evictable + reserve + self.reserved > self.free.len {
-            return None;
+        self.blocks_for(tokens).saturating_sub(have + hit.len()) + evictable
+    }
+
+    /// `allocate_slots`: `false` if the blocks do not fit, and then nothing
+    /// changed.
+    pub fn allocate(&mut self, id: u32, seq: &Sequence, a: Allocation) -> bool {
+        let hit: Vec<u32> = seq.hashes[..a.hit_blocks]
+            .iter()
+            .map(|h| self.cached[h][0])
+            .collect();
+        let computed = a.computed + a.hit_blocks * self.block_size;
+        if a.whole_sequence && self.to_allocate(id, seq.tokens.len(), &hit) > self.free.len {
+            return false;
+        }
+        let slots = computed + a.new_tokens;
+        if self.to_allocate(id, slots, &hit) > self.free.len {
+            return false;
         }
         for &b in &hit {
             if self.blocks[b as usize].ref_cnt == 0 {
@@ -277,91 +290,43 @@ impl PodCache {
             }
             self.blocks[b as usize].ref_cnt += 1;
         }
-        let mut blocks = hit;
-        for _ in 0..new {
-            blocks.push(self.new_block());
+        let mut held = self.held.remove(&id).unwrap_or_default();
+        if !hit.is_empty() {
+            held.blocks.extend(&hit);
+            held.cached = held.blocks.len();
         }
-        let mut req = Running {
-            name: name.to_owned(),
-            tokens: tokens.to_vec(),
-            hashes: hashes.to_vec(),
-            blocks,
-            cached: capped,
-            reserved: reserve,
-        };
-        self.reserved += reserve;
-        self.cache_full_blocks(&mut req);
-        if let Some(ops) = &mut self.ops {
-            ops.push(OpLine::Admit {
-                req: name.to_owned(),
-                token_ids: tokens.to_vec(),
-                hit_blocks,
-            });
+        while held.blocks.len() < self.blocks_for(slots) {
+            held.blocks.push(self.new_block());
         }
-        self.running.insert(id, req);
-        Some(Admission {
-            hit_blocks,
-            cached_tokens: capped * self.block_size,
-        })
+        let full = (slots.min(seq.tokens.len()) / self.block_size).min(seq.hashes.len());
+        self.cache_full_blocks(&mut held, seq, full);
+        self.held.insert(id, held);
+        true
     }
 
-    /// Appends generated tokens to a running request: blocks for them come
-    /// out of its reservation, and every block then full is cached, as vLLM
-    /// caches decode blocks.
-    pub fn extend(&mut self, id: u32, tokens: &[u32]) {
-        let Some(mut req) = self.running.remove(&id) else {
+    /// `free`: the request's blocks, tail first; cached ones to the free
+    /// queue's tail, the others to its head.
+    pub fn free(&mut self, id: u32) {
+        let Some(held) = self.held.remove(&id) else {
             return;
         };
-        if let Some(ops) = &mut self.ops {
-            ops.push(OpLine::Extend {
-                req: req.name.clone(),
-                token_ids: tokens.to_vec(),
-            });
-        }
-        let full_before = req.hashes.len();
-        req.tokens.extend_from_slice(tokens);
-        let mut prev = req.hashes.last().copied().unwrap_or(self.root_seed);
-        for block in req.tokens[full_before * self.block_size..].chunks_exact(self.block_size) {
-            prev = keys::chain(prev, block).0;
-            req.hashes.push(prev);
-        }
-        let required = self.blocks_for(req.tokens.len());
-        while req.blocks.len() < required {
-            let taken = req.reserved.min(1);
-            req.reserved -= taken;
-            self.reserved -= taken;
-            req.blocks.push(self.new_block());
-        }
-        self.cache_full_blocks(&mut req);
-        self.running.insert(id, req);
-    }
-
-    /// Frees a request's blocks, tail first (vLLM's `free`).
-    pub fn finish(&mut self, id: u32) {
-        let Some(req) = self.running.remove(&id) else {
-            return;
-        };
-        if let Some(ops) = &mut self.ops {
-            ops.push(OpLine::Finish { req: req.name });
-        }
-        self.reserved -= req.reserved;
-        for &b in req.blocks.iter().rev() {
+        let mut first = Vec::new();
+        for &b in held.blocks.iter().rev() {
             let block = &mut self.blocks[b as usize];
             block.ref_cnt -= 1;
             if block.ref_cnt == 0 {
-                self.free.append(b);
+                match block.hash {
+                    None => first.push(b),
+                    Some(_) => self.free.append(b),
+                }
             }
         }
+        self.free.prepend(&first);
     }
 
     /// The events since the last call, in the order vLLM queues them.
     pub fn take_events(&mut self) -> Vec<CacheEvent> {
         std::mem::take(&mut self.events)
-    }
-
-    /// The op log so far, emptied.
-    pub fn take_ops(&mut self) -> Vec<OpLine> {
-        self.ops.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The free queue's head, evicted if it was cached (vLLM's
@@ -371,7 +336,7 @@ impl PodCache {
         let id = self
             .free
             .pop_front()
-            .expect("admission checked the free blocks");
+            .expect("allocate checked the free blocks");
         let block = &mut self.blocks[id as usize];
         if let Some(hash) = block.hash.take() {
             if let Some(ids) = self.cached.get_mut(&hash) {
@@ -386,25 +351,193 @@ impl PodCache {
         id
     }
 
-    /// vLLM's `cache_full_blocks`: every full block past `req.cached` gets
-    /// its hash and enters the map; one `BlockStored` names them all.
-    fn cache_full_blocks(&mut self, req: &mut Running) {
-        let full = req.tokens.len() / self.block_size;
-        if req.cached >= full {
+    /// vLLM's `cache_full_blocks`: every block past `held.cached` up to
+    /// `full` gets its hash and enters the map; one `BlockStored` names them.
+    fn cache_full_blocks(&mut self, held: &mut Held, seq: &Sequence, full: usize) {
+        if held.cached >= full {
             return;
         }
-        for i in req.cached..full {
-            let b = req.blocks[i];
-            self.blocks[b as usize].hash = Some(req.hashes[i]);
-            self.cached.entry(req.hashes[i]).or_default().push(b);
+        for i in held.cached..full {
+            let b = held.blocks[i];
+            self.blocks[b as usize].hash = Some(seq.hashes[i]);
+            self.cached.entry(seq.hashes[i]).or_default().push(b);
         }
+        let bs = self.block_size;
         self.events.push(CacheEvent::Stored {
-            hashes: req.hashes[req.cached..full].to_vec(),
-            parent: req.cached.checked_sub(1).map(|i| req.hashes[i]),
-            tokens: req.tokens[req.cached * self.block_size..full * self.block_size].to_vec(),
+            hashes: seq.hashes[held.cached..full].to_vec(),
+            parent: held.cached.checked_sub(1).map(|i| seq.hashes[i]),
+            tokens: seq.tokens[held.cached * bs..full * bs].to_vec(),
         });
-        req.cached = full;
+        held.cached = full;
     }
+}
+
+/// One line of the op log (`--ops-out`): a pod's `KVCacheManager` calls and
+/// the request changes between them, in the order the pod ran them. The
+/// file starts each pod with a [`Header`]; every line names its pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum OpLine {
+    /// A request reaches the pod's waiting queue (a new `Request`).
+    Add { req: String, token_ids: Vec<u32> },
+    /// `get_computed_blocks` (its answer, `hit_blocks`), then
+    /// `allocate_slots` with them and `full_sequence_must_fit`: a waiting
+    /// request's admission attempt, `ok` whether it was admitted.
+    Admit {
+        req: String,
+        hit_blocks: usize,
+        new_tokens: usize,
+        ok: bool,
+    },
+    /// `allocate_slots` for a running request's next `new_tokens`.
+    Allocate {
+        req: String,
+        new_tokens: usize,
+        ok: bool,
+    },
+    /// `append_output_token_ids`: a token sampled at the end of a step.
+    Append { req: String, token_ids: Vec<u32> },
+    /// `free`: the request finished, or was preempted (then its computed
+    /// tokens go back to 0 and it waits again).
+    Free { req: String, preempted: bool },
+}
+
+/// The first line of a pod in the op log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Header {
+    pub pod: String,
+    /// Usable blocks (vLLM's `num_gpu_blocks` less its null block).
+    pub capacity_blocks: usize,
+    pub block_size: usize,
+}
+
+/// What a pod answered to one `admit` or `allocate` line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Answer {
+    /// 1-based line of the op log.
+    pub line: usize,
+    /// `get_computed_blocks` in blocks (`admit` only, else 0).
+    pub hit_blocks: usize,
+    /// Whether `allocate_slots` gave the blocks.
+    pub ok: bool,
+}
+
+/// Runs an op log through simulated pods, as the pods that wrote it ran
+/// it, and gives every `admit` and `allocate` line's answer. The log's own
+/// `hit_blocks` and `ok` are not read: they are what is being checked.
+/// Blocks are told apart by their tokens' chained hashes, so any root seed
+/// gives the same answers.
+pub fn replay(log: &str) -> anyhow::Result<Vec<Answer>> {
+    let root_seed = 0;
+    use anyhow::Context;
+
+    struct Replayed {
+        cache: PodCache,
+        block_size: usize,
+        /// Request name -> (id, tokens, computed tokens).
+        reqs: HashMap<String, (u32, Sequence, usize)>,
+        next_id: u32,
+    }
+    let mut pods: HashMap<String, Replayed> = HashMap::new();
+    let mut answers = Vec::new();
+    for (n, line) in log.lines().enumerate().map(|(i, l)| (i + 1, l)) {
+        let value: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("line {n}: not JSON"))?;
+        let pod = value["pod"]
+            .as_str()
+            .with_context(|| format!("line {n}: no pod"))?
+            .to_owned();
+        if value.get("capacity_blocks").is_some() {
+            let h: Header = serde_json::from_value(value)?;
+            let replayed = Replayed {
+                cache: PodCache::new(h.capacity_blocks, h.block_size),
+                block_size: h.block_size,
+                reqs: HashMap::new(),
+                next_id: 0,
+            };
+            pods.insert(pod, replayed);
+            continue;
+        }
+        let p = pods
+            .get_mut(&pod)
+            .with_context(|| format!("line {n}: pod {pod} has no header"))?;
+        let op: OpLine =
+            serde_json::from_value(value).with_context(|| format!("line {n}: not an op"))?;
+        match op {
+            OpLine::Add { req, token_ids } => {
+                let mut seq = Sequence::default();
+                seq.append(&token_ids, p.block_size, root_seed);
+                p.next_id += 1;
+                p.reqs.insert(req, (p.next_id, seq, 0));
+            }
+            OpLine::Append { req, token_ids } => {
+                let (_, seq, _) = p
+                    .reqs
+                    .get_mut(&req)
+                    .with_context(|| format!("line {n}: unknown request {req}"))?;
+                seq.append(&token_ids, p.block_size, root_seed);
+            }
+            OpLine::Admit {
+                req, new_tokens, ..
+            } => {
+                let (id, seq, computed) = p
+                    .reqs
+                    .get_mut(&req)
+                    .with_context(|| format!("line {n}: unknown request {req}"))?;
+                let hit_blocks = p.cache.computed(seq);
+                let alloc = Allocation {
+                    computed: 0,
+                    new_tokens,
+                    hit_blocks,
+                    whole_sequence: true,
+                };
+                let ok = p.cache.allocate(*id, seq, alloc);
+                if ok {
+                    *computed = hit_blocks * p.block_size + new_tokens;
+                }
+                answers.push(Answer {
+                    line: n,
+                    hit_blocks,
+                    ok,
+                });
+            }
+            OpLine::Allocate {
+                req, new_tokens, ..
+            } => {
+                let (id, seq, computed) = p
+                    .reqs
+                    .get_mut(&req)
+                    .with_context(|| format!("line {n}: unknown request {req}"))?;
+                let alloc = Allocation {
+                    computed: *computed,
+                    new_tokens,
+                    hit_blocks: 0,
+                    whole_sequence: false,
+                };
+                let ok = p.cache.allocate(*id, seq, alloc);
+                if ok {
+                    *computed += new_tokens;
+                }
+                answers.push(Answer {
+                    line: n,
+                    hit_blocks: 0,
+                    ok,
+                });
+            }
+            OpLine::Free { req, preempted } => {
+                let (id, _, computed) = p
+                    .reqs
+                    .get_mut(&req)
+                    .with_context(|| format!("line {n}: unknown request {req}"))?;
+                p.cache.free(*id);
+                *computed = 0;
+                if !preempted {
+                    p.reqs.remove(&req);
+                }
+            }
+        }
+    }
+    Ok(answers)
 }
 
 #[cfg(test)]
@@ -412,21 +545,27 @@ mod tests {
     use super::*;
 
     const B: usize = 4;
+    const SEED: u64 = 7;
 
-    fn pod(capacity: usize) -> PodCache {
-        PodCache::new(capacity, B, 7, true)
+    /// `blocks` full blocks of distinct tokens, starting at token `from`,
+    /// plus `extra` tokens.
+    fn seq(from: u32, blocks: usize, extra: usize) -> Sequence {
+        let mut s = Sequence::default();
+        let tokens: Vec<u32> = (from..from + (blocks * B + extra) as u32).collect();
+        s.append(&tokens, B, SEED);
+        s
     }
 
-    impl PodCache {
-        fn put(&mut self, id: u32, tokens: &[u32], decode: usize) -> Option<Admission> {
-            let hashes = self.block_hashes(tokens);
-            self.admit(id, &format!("r{id}"), tokens, &hashes, decode)
-        }
-    }
-
-    /// `blocks` full blocks of distinct tokens, starting at token `from`.
-    fn prompt(from: u32, blocks: usize) -> Vec<u32> {
-        (from..from + (blocks * B) as u32).collect()
+    /// Admits `s` whole, as the scheduler does with a budget to spare.
+    fn admit(p: &mut PodCache, id: u32, s: &Sequence) -> Option<usize> {
+        let hit = p.computed(s);
+        let a = Allocation {
+            computed: 0,
+            new_tokens: s.tokens.len() - hit * B,
+            hit_blocks: hit,
+            whole_sequence: true,
+        };
+        p.allocate(id, s, a).then_some(hit)
     }
 
     fn removed(events: &[CacheEvent]) -> Vec<u64> {
@@ -441,92 +580,118 @@ mod tests {
 
     #[test]
     fn a_finished_requests_blocks_stay_hit_able_in_the_free_queue() {
-        let mut p = pod(8);
-        let a = prompt(0, 3);
-        let first = p.put(1, &a, 0).unwrap();
-        assert_eq!(first.hit_blocks, 0);
-        p.finish(1);
-        // Same prompt plus one token: all three blocks hit, none capped.
+        let mut p = PodCache::new(8, B);
+        let a = seq(0, 3, 0);
+        assert_eq!(admit(&mut p, 1, &a), Some(0));
+        p.free(1);
+        // Same prompt plus one token: all three blocks hit.
         let mut again = a.clone();
-        again.push(99);
-        let second = p.put(2, &again, 0).unwrap();
-        assert_eq!(second.hit_blocks, 3);
-        assert_eq!(second.cached_tokens, 12);
+        again.append(&[99], B, SEED);
+        assert_eq!(admit(&mut p, 2, &again), Some(3));
     }
 
     #[test]
     fn a_fully_cached_prompt_recomputes_its_last_block_in_a_duplicate() {
-        let mut p = pod(8);
-        let a = prompt(0, 2);
-        p.put(1, &a, 0).unwrap();
-        p.finish(1);
+        let mut p = PodCache::new(8, B);
+        let a = seq(0, 2, 0);
+        admit(&mut p, 1, &a).unwrap();
+        p.free(1);
         p.take_events();
-        let hit = p.put(2, &a, 0).unwrap();
-        // Both blocks are held, but vLLM caps the hit at len - 1 tokens.
-        assert_eq!(hit.hit_blocks, 2);
-        assert_eq!(hit.cached_tokens, 4);
-        let hashes = p.block_hashes(&a);
+        // Both blocks are held, but the hit is capped at len - 1 tokens.
+        assert_eq!(p.holds(&a.hashes), 2);
+        assert_eq!(admit(&mut p, 2, &a), Some(1));
         assert_eq!(
             p.take_events(),
             vec![CacheEvent::Stored {
-                hashes: vec![hashes[1]],
-                parent: Some(hashes[0]),
-                tokens: a[4..].to_vec(),
+                hashes: vec![a.hashes[1]],
+                parent: Some(a.hashes[0]),
+                tokens: a.tokens[4..].to_vec(),
             }]
         );
-        assert_eq!(p.cached[&hashes[1]].len(), 2);
+        assert_eq!(p.cached[&a.hashes[1]].len(), 2);
     }
 
     #[test]
     fn eviction_takes_the_least_recently_freed_block_tail_first() {
-        let mut p = pod(4);
-        let a = prompt(0, 2);
-        let b = prompt(100, 2);
-        p.put(1, &a, 0).unwrap();
-        p.put(2, &b, 0).unwrap();
-        p.finish(1);
-        p.finish(2);
+        let mut p = PodCache::new(4, B);
+        let (a, b) = (seq(0, 2, 0), seq(100, 2, 0));
+        admit(&mut p, 1, &a).unwrap();
+        admit(&mut p, 2, &b).unwrap();
+        p.free(1);
+        p.free(2);
         p.take_events();
-        let (ha, hb) = (p.block_hashes(&a), p.block_hashes(&b));
         // Free queue now: a1 a0 b1 b0 (each request's tail first).
-        p.put(3, &prompt(200, 1), 0).unwrap();
-        assert_eq!(removed(&p.take_events()), vec![ha[1]]);
-        p.put(4, &prompt(300, 2), 0).unwrap();
-        assert_eq!(removed(&p.take_events()), vec![ha[0], hb[1]]);
-        assert_eq!(p.holds(&hb), 1);
-        assert_eq!(p.holds(&ha), 0);
+        admit(&mut p, 3, &seq(200, 1, 0)).unwrap();
+        assert_eq!(removed(&p.take_events()), vec![a.hashes[1]]);
+        admit(&mut p, 4, &seq(300, 2, 0)).unwrap();
+        assert_eq!(removed(&p.take_events()), vec![a.hashes[0], b.hashes[1]]);
+        assert_eq!(p.holds(&b.hashes), 1);
+        assert_eq!(p.holds(&a.hashes), 0);
+    }
+
+    #[test]
+    fn a_partial_block_is_freed_to_the_head_and_reused_before_any_cached_one() {
+        let mut p = PodCache::new(4, B);
+        let b = seq(100, 1, 0);
+        // Two full blocks and a partial third.
+        let a = seq(0, 2, 1);
+        admit(&mut p, 1, &b).unwrap();
+        admit(&mut p, 2, &a).unwrap();
+        p.free(1);
+        p.free(2);
+        p.take_events();
+        // Free queue: [a's partial block] b0 a1 a0. A one-block request
+        // takes the partial block back and evicts nothing (appended to the
+        // tail, the partial block would come after b0, which it would evict).
+        admit(&mut p, 3, &seq(200, 0, 3)).unwrap();
+        assert_eq!(removed(&p.take_events()), Vec::<u64>::new());
+        assert_eq!(p.holds(&b.hashes), 1);
+        admit(&mut p, 4, &seq(300, 0, 3)).unwrap();
+        assert_eq!(removed(&p.take_events()), vec![b.hashes[0]]);
     }
 
     #[test]
     fn a_hit_takes_its_block_back_out_of_the_free_queue() {
-        let mut p = pod(4);
-        let a = prompt(0, 2);
-        p.put(1, &a, 0).unwrap();
-        p.finish(1);
+        let mut p = PodCache::new(4, B);
+        let a = seq(0, 2, 0);
+        admit(&mut p, 1, &a).unwrap();
+        p.free(1);
         // a's first block is hit and leaves the free queue, so the three
         // new blocks come from the two never-used ones and a's tail.
-        let mut x = a[..B].to_vec();
-        x.extend(prompt(500, 2));
-        x.push(1);
-        let ha = p.block_hashes(&a);
-        let hit = p.put(2, &x, 0).unwrap();
-        assert_eq!(hit.hit_blocks, 1);
-        assert_eq!(removed(&p.take_events()), vec![ha[1]]);
-        assert_eq!(p.holds(&ha), 1);
+        let mut x = Sequence::default();
+        let mut tokens = a.tokens[..B].to_vec();
+        tokens.extend(100..108);
+        tokens.push(1);
+        x.append(&tokens, B, SEED);
+        assert_eq!(admit(&mut p, 2, &x), Some(1));
+        assert_eq!(removed(&p.take_events()), vec![a.hashes[1]]);
+        assert_eq!(p.holds(&a.hashes), 1);
         assert_eq!(p.usage(), 1.0);
     }
 
     #[test]
-    fn a_request_waits_while_running_ones_hold_the_pool() {
-        let mut p = pod(4);
-        p.put(1, &prompt(0, 3), 0).unwrap();
-        assert_eq!(p.put(2, &prompt(100, 2), 0), None);
-        // Nothing changed: no event, no op.
-        assert_eq!(p.take_ops().len(), 1);
-        p.finish(1);
-        assert!(p.put(2, &prompt(100, 2), 0).is_some());
+    fn admission_needs_room_for_the_whole_sequence_a_chunk_only_its_own() {
+        let mut p = PodCache::new(4, B);
+        let big = seq(0, 3, 0);
+        let a = Allocation {
+            computed: 0,
+            new_tokens: 4,
+            hit_blocks: 0,
+            whole_sequence: true,
+        };
+        admit(&mut p, 1, &seq(100, 2, 0)).unwrap();
+        // 3 blocks, 2 free: the first chunk alone would fit.
+        assert!(!p.allocate(2, &big, a));
+        assert!(p.allocate(
+            2,
+            &big,
+            Allocation {
+                whole_sequence: false,
+                ..a
+            }
+        ));
         assert_eq!(
-            p.check_fits(17, 0),
+            p.check_fits(17),
             Err(TooLarge {
                 needed: 5,
                 capacity: 4
@@ -535,30 +700,28 @@ mod tests {
     }
 
     #[test]
-    fn decode_blocks_are_reserved_at_admission_and_cached_when_full() {
-        let mut p = pod(4);
-        let a = prompt(0, 1);
-        // 4 prompt tokens + 5 decode tokens = 3 blocks.
-        p.put(1, &a, 5).unwrap();
-        assert_eq!(p.put(2, &prompt(100, 2), 0), None);
+    fn decode_blocks_are_cached_once_full() {
+        let mut p = PodCache::new(4, B);
+        let mut a = seq(0, 1, 0);
+        admit(&mut p, 1, &a).unwrap();
         p.take_events();
-        let out: Vec<u32> = (900..905).collect();
-        p.extend(1, &out);
-        let mut all = a.clone();
-        all.extend(&out);
-        let h = p.block_hashes(&all);
-        assert_eq!(h.len(), 2);
+        for (computed, t) in (4..).zip(900..905) {
+            a.append(&[t], B, SEED);
+            let alloc = Allocation {
+                computed,
+                new_tokens: 1,
+                hit_blocks: 0,
+                whole_sequence: false,
+            };
+            assert!(p.allocate(1, &a, alloc));
+        }
         assert_eq!(
             p.take_events(),
             vec![CacheEvent::Stored {
-                hashes: vec![h[1]],
-                parent: Some(h[0]),
-                tokens: out[..4].to_vec(),
+                hashes: vec![a.hashes[1]],
+                parent: Some(a.hashes[0]),
+                tokens: (900..904).collect(),
             }]
         );
-        p.finish(1);
-        let mut next = all.clone();
-        next.push(7);
-        assert_eq!(p.put(3, &next, 0).unwrap().hit_blocks, 2);
     }
 }

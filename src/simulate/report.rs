@@ -6,7 +6,7 @@ use std::io::Write;
 use serde::Serialize;
 
 use super::feed::{FeedStats, ScoreCost};
-use super::pod_cache::OpLine;
+use super::pod_cache::{Header, OpLine};
 use super::serving::Outcome;
 
 /// How many points the race-over-time series have.
@@ -29,6 +29,9 @@ pub struct PolicyResult {
     /// `cached_tokens / prompt_tokens`.
     pub hit_rate: f64,
     pub reprefilled_tokens: u64,
+    /// Preemptions (a running request's blocks freed for another's, its
+    /// tokens recomputed later).
+    pub preemptions: u64,
     pub ttft_mean: f64,
     pub ttft_p50: f64,
     pub ttft_p90: f64,
@@ -93,6 +96,7 @@ pub fn summarize(
         cached_tokens: cached,
         hit_rate: ratio(cached as f64, prompt as f64),
         reprefilled_tokens: served.iter().map(|o| o.reprefilled_tokens as u64).sum(),
+        preemptions: served.iter().map(|o| u64::from(o.preemptions)).sum(),
         ttft_mean: mean(&ttft),
         ttft_p50: quantile(&ttft, 0.50),
         ttft_p90: quantile(&ttft, 0.90),
@@ -221,12 +225,6 @@ pub fn write_ops(
     block_size: usize,
 ) -> std::io::Result<()> {
     #[derive(Serialize)]
-    struct Capacity<'a> {
-        pod: &'a str,
-        capacity_blocks: usize,
-        block_size: usize,
-    }
-    #[derive(Serialize)]
     struct Line<'a> {
         pod: &'a str,
         #[serde(flatten)]
@@ -234,14 +232,12 @@ pub fn write_ops(
     }
     for (i, ops) in pods.iter().enumerate() {
         let pod = format!("{prefix}pod-{i}");
-        serde_json::to_writer(
-            &mut *out,
-            &Capacity {
-                pod: &pod,
-                capacity_blocks: capacity,
-                block_size,
-            },
-        )?;
+        let header = Header {
+            pod: pod.clone(),
+            capacity_blocks: capacity,
+            block_size,
+        };
+        serde_json::to_writer(&mut *out, &header)?;
         out.write_all(b"\n")?;
         for op in ops {
             serde_json::to_writer(&mut *out, &Line { pod: &pod, op })?;
@@ -268,20 +264,29 @@ mod tests {
     fn op_lines_carry_the_pod_and_the_issues_field_names() {
         let mut buf = Vec::new();
         let ops = vec![vec![
-            OpLine::Admit {
+            OpLine::Add {
                 req: "r1".into(),
                 token_ids: vec![1, 2],
-                hit_blocks: 0,
             },
-            OpLine::Finish { req: "r1".into() },
+            OpLine::Admit {
+                req: "r1".into(),
+                hit_blocks: 0,
+                new_tokens: 2,
+                ok: true,
+            },
+            OpLine::Free {
+                req: "r1".into(),
+                preempted: false,
+            },
         ]];
         write_ops(&mut buf, "x/", &ops, 10, 16).unwrap();
         let text = String::from_utf8(buf).unwrap();
         assert_eq!(
             text,
             "{\"pod\":\"x/pod-0\",\"capacity_blocks\":10,\"block_size\":16}\n\
-             {\"pod\":\"x/pod-0\",\"op\":\"admit\",\"req\":\"r1\",\"token_ids\":[1,2],\"hit_blocks\":0}\n\
-             {\"pod\":\"x/pod-0\",\"op\":\"finish\",\"req\":\"r1\"}\n"
+             {\"pod\":\"x/pod-0\",\"op\":\"add\",\"req\":\"r1\",\"token_ids\":[1,2]}\n\
+             {\"pod\":\"x/pod-0\",\"op\":\"admit\",\"req\":\"r1\",\"hit_blocks\":0,\"new_tokens\":2,\"ok\":true}\n\
+             {\"pod\":\"x/pod-0\",\"op\":\"free\",\"req\":\"r1\",\"preempted\":false}\n"
         );
     }
 }

@@ -1,21 +1,38 @@
-//! The serving model, as a discrete-event simulation in virtual time (no
-//! sleeps: a run is as fast as the CPU and the same on every run).
+//! The serving model: each pod runs vLLM 0.33's scheduler loop
+//! (`vllm/v1/core/sched/scheduler.py`, `Scheduler.schedule` and
+//! `update_from_output`) over its own [`PodCache`], as a discrete-event
+//! simulation in virtual time (no sleeps: a run is as fast as the CPU and
+//! the same on every run).
 //!
-//! Per pod: at most `max_running` requests hold KV blocks at once; the rest
-//! wait in arrival order, and the head of the queue blocks the others
-//! (vLLM's FCFS scheduler). An admitted request is prefilled by the pod's
-//! one prefill engine, one prompt at a time, for `prefill_per_token` per
-//! uncached prompt token; its first token comes when its prefill ends
-//! (TTFT = waiting for admission + waiting for the engine + its own
-//! prefill); then it decodes its other output tokens at
-//! `decode_per_token` each, alongside the other running requests, and
-//! finishes.
+//! One step of a pod, as vLLM's scheduler runs it with chunked prefill on:
+//!
+//! 1. A token budget of `max_batched_tokens`.
+//! 2. The running requests, in order: each gets its remaining tokens (a
+//!    decode's one, or the next chunk of a prefill) up to the budget. If
+//!    its blocks do not fit, the last running request is preempted (its
+//!    blocks freed, back to the front of the queue, to be recomputed) and
+//!    the allocation tried again; a request that preempts itself ends the
+//!    pass.
+//! 3. Unless this step preempted, the waiting requests in order, while the
+//!    budget lasts and fewer than `max_running` run: the cached prefix
+//!    (`get_computed_blocks`), then the rest of the sequence up to the
+//!    budget, admitted only if the whole sequence fits
+//!    (`scheduler_reserve_full_isl`); the first that does not fit blocks
+//!    the ones behind it (FCFS).
+//! 4. The step takes `decode_per_token` plus `prefill_per_token` for each
+//!    token that is not a decode. At its end, every request whose whole
+//!    sequence is now computed samples a token: the first one is its TTFT;
+//!    the last one finishes it (and is never fed back, so its KV is never
+//!    computed); the others are appended and decoded in the next steps.
+//!
+//! Events are published when the step is scheduled, as vLLM publishes
+//! them; the router sees each pod's load at the moment of a pick.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::feed::Feed;
-use super::pod_cache::{OpLine, PodCache};
+use super::pod_cache::{Allocation, OpLine, PodCache, Sequence};
 use super::policy::{Load, Policy};
 use super::workload::Request;
 
@@ -24,7 +41,10 @@ pub struct Serving {
     pub pods: usize,
     pub pod_blocks: usize,
     pub block_size: usize,
+    /// vLLM's `max_num_seqs`.
     pub max_running: usize,
+    /// vLLM's `max_num_batched_tokens`: the token budget of one step.
+    pub max_batched_tokens: usize,
     pub prefill_per_token: f64,
     pub decode_per_token: f64,
 }
@@ -34,10 +54,13 @@ pub struct Serving {
 pub struct Outcome {
     pub pod: usize,
     pub prompt_tokens: usize,
-    /// Prompt tokens served from the pod's cache.
+    /// Prompt tokens served from the pod's cache at its admission.
     pub cached_tokens: usize,
-    /// Prompt tokens prefilled here that another pod held at admission.
+    /// Prompt tokens prefilled here that another pod held at admission
+    /// (capped as vLLM caps a hit).
     pub reprefilled_tokens: usize,
+    /// Times it was preempted (its blocks freed and its tokens recomputed).
+    pub preemptions: u32,
     pub admitted_at: f64,
     pub ttft: f64,
     pub finished_at: f64,
@@ -62,9 +85,8 @@ pub struct Run {
 enum Event {
     /// Sorted before arrivals at the same instant: a finish frees blocks
     /// the arrival may need.
-    Finish {
+    StepEnd {
         pod: usize,
-        req: u32,
     },
     Arrive {
         req: u32,
@@ -77,18 +99,39 @@ fn key(t: f64) -> u64 {
     t.max(0.0).to_bits()
 }
 
+/// A request on its pod (vLLM's `Request`).
+struct Live {
+    seq: Sequence,
+    /// `num_computed_tokens`.
+    computed: usize,
+    /// Tokens sampled so far.
+    sampled: usize,
+}
+
 struct PodState {
     cache: PodCache,
     waiting: VecDeque<u32>,
-    running: usize,
-    /// When the prefill engine is next free.
-    engine_free_at: f64,
+    running: Vec<u32>,
+    /// The step in flight: (request, tokens scheduled).
+    step: Vec<(u32, usize)>,
+    busy: bool,
+    ops: Option<Vec<OpLine>>,
+}
+
+impl PodState {
+    fn log(&mut self, op: impl FnOnce() -> OpLine) {
+        if let Some(ops) = &mut self.ops {
+            ops.push(op());
+        }
+    }
 }
 
 pub struct Simulation<'a> {
     cfg: Serving,
     requests: &'a [Prepared<'a>],
+    root_seed: u64,
     pods: Vec<PodState>,
+    live: Vec<Option<Live>>,
     in_flight: Vec<usize>,
     events: BinaryHeap<Reverse<(u64, Event)>>,
     outcomes: Vec<Outcome>,
@@ -107,10 +150,12 @@ impl<'a> Simulation<'a> {
     ) -> Simulation<'a> {
         let pods = (0..cfg.pods)
             .map(|_| PodState {
-                cache: PodCache::new(cfg.pod_blocks, cfg.block_size, root_seed, log_ops),
+                cache: PodCache::new(cfg.pod_blocks, cfg.block_size),
                 waiting: VecDeque::new(),
-                running: 0,
-                engine_free_at: 0.0,
+                running: Vec::new(),
+                step: Vec::new(),
+                busy: false,
+                ops: log_ops.then(Vec::new),
             })
             .collect();
         let events = requests
@@ -120,7 +165,9 @@ impl<'a> Simulation<'a> {
         Simulation {
             cfg,
             requests,
+            root_seed,
             pods,
+            live: requests.iter().map(|_| None).collect(),
             in_flight: vec![0; cfg.pods],
             events,
             outcomes: vec![Outcome::default(); requests.len()],
@@ -136,11 +183,15 @@ impl<'a> Simulation<'a> {
             let now = f64::from_bits(t);
             match event {
                 Event::Arrive { req } => self.arrive(req, now, policy, feed)?,
-                Event::Finish { pod, req } => self.finish(pod, req, now, feed)?,
+                Event::StepEnd { pod } => self.step_end(pod, now, feed)?,
             }
         }
         feed.deliver(f64::INFINITY);
-        let ops = self.pods.iter_mut().map(|p| p.cache.take_ops()).collect();
+        let ops = self
+            .pods
+            .iter_mut()
+            .map(|p| p.ops.take().unwrap_or_default())
+            .collect();
         Ok(Run {
             outcomes: self.outcomes,
             ops,
@@ -166,88 +217,213 @@ impl<'a> Simulation<'a> {
         let out = &mut self.outcomes[req as usize];
         out.pod = pod;
         out.prompt_tokens = p.request.prompt.len();
-        if self.pods[pod]
-            .cache
-            .check_fits(p.request.prompt.len(), decode_tokens(p.request))
-            .is_err()
-        {
+        let longest = p.request.prompt.len() + fed_back(p.request);
+        if self.pods[pod].cache.check_fits(longest).is_err() {
             out.rejected = true;
             self.done += 1;
             (self.progress)(self.done);
             return Ok(());
         }
+        self.live[req as usize] = Some(Live {
+            seq: Sequence::new(p.request.prompt.clone(), p.hashes.clone()),
+            computed: 0,
+            sampled: 0,
+        });
         self.in_flight[pod] += 1;
-        self.pods[pod].waiting.push_back(req);
-        self.admit(pod, now, feed)
-    }
-
-    fn finish(&mut self, pod: usize, req: u32, now: f64, feed: &mut Feed) -> anyhow::Result<()> {
-        let r = self.requests[req as usize].request;
         let state = &mut self.pods[pod];
-        // The last output token is sampled but never fed back: its KV is
-        // never computed.
-        let fed_back = &r.output[..decode_tokens(r)];
-        if !fed_back.is_empty() {
-            state.cache.extend(req, fed_back);
-        }
-        state.cache.finish(req);
-        state.running -= 1;
-        let events = state.cache.take_events();
-        feed.publish(pod, now, &events)?;
-        self.in_flight[pod] -= 1;
-        self.outcomes[req as usize].finished_at = now;
-        self.done += 1;
-        (self.progress)(self.done);
-        self.admit(pod, now, feed)
-    }
-
-    /// Admits from the head of `pod`'s queue while requests fit.
-    fn admit(&mut self, pod: usize, now: f64, feed: &mut Feed) -> anyhow::Result<()> {
-        while self.pods[pod].running < self.cfg.max_running {
-            let Some(&req) = self.pods[pod].waiting.front() else {
-                break;
-            };
-            let p = &self.requests[req as usize];
-            let r = p.request;
-            // What the best other pod holds now, capped as vLLM caps a hit.
-            let cap = r.prompt.len().saturating_sub(1) / self.cfg.block_size;
-            let elsewhere = (0..self.pods.len())
-                .filter(|&q| q != pod)
-                .map(|q| self.pods[q].cache.holds(&p.hashes).min(cap))
-                .max()
-                .unwrap_or(0);
-            let state = &mut self.pods[pod];
-            let Some(adm) = state
-                .cache
-                .admit(req, &r.name, &r.prompt, &p.hashes, decode_tokens(r))
-            else {
-                break;
-            };
-            state.waiting.pop_front();
-            state.running += 1;
-            let events = state.cache.take_events();
-            let uncached = r.prompt.len() - adm.cached_tokens;
-            let start = now.max(state.engine_free_at);
-            let first_token = start + uncached as f64 * self.cfg.prefill_per_token;
-            state.engine_free_at = first_token;
-            let decode = r.output.len().saturating_sub(1) as f64 * self.cfg.decode_per_token;
-            let out = &mut self.outcomes[req as usize];
-            out.cached_tokens = adm.cached_tokens;
-            out.reprefilled_tokens =
-                (elsewhere * self.cfg.block_size).saturating_sub(adm.cached_tokens);
-            out.admitted_at = now;
-            out.ttft = first_token - r.arrival;
-            self.events.push(Reverse((
-                key(first_token + decode),
-                Event::Finish { pod, req },
-            )));
-            feed.publish(pod, now, &events)?;
+        state.waiting.push_back(req);
+        state.log(|| OpLine::Add {
+            req: p.request.name.clone(),
+            token_ids: p.request.prompt.clone(),
+        });
+        if !state.busy {
+            self.schedule(pod, now, feed)?;
         }
         Ok(())
     }
+
+    fn name(&self, req: u32) -> String {
+        self.requests[req as usize].request.name.clone()
+    }
+
+    /// One `Scheduler.schedule` on `pod` at `now`; starts the step.
+    fn schedule(&mut self, pod: usize, now: f64, feed: &mut Feed) -> anyhow::Result<()> {
+        let mut budget = self.cfg.max_batched_tokens;
+        let mut step = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        // Running requests first.
+        'running: while i < self.pods[pod].running.len() && budget > 0 {
+            let req = self.pods[pod].running[i];
+            let live = self.live[req as usize].as_ref().expect("running is live");
+            let new_tokens = (live.seq.tokens.len() - live.computed).min(budget);
+            loop {
+                let live = self.live[req as usize].as_ref().expect("running is live");
+                let alloc = Allocation {
+                    computed: live.computed,
+                    new_tokens,
+                    hit_blocks: 0,
+                    whole_sequence: false,
+                };
+                let state = &mut self.pods[pod];
+                let ok = state.cache.allocate(req, &live.seq, alloc);
+                let name = self.name(req);
+                let state = &mut self.pods[pod];
+                state.log(|| OpLine::Allocate {
+                    req: name,
+                    new_tokens,
+                    ok,
+                });
+                if ok {
+                    break;
+                }
+                let victim = state.running.pop().expect("req itself is running");
+                state.cache.free(victim);
+                state.waiting.push_front(victim);
+                preempted = true;
+                let victim_name = self.name(victim);
+                self.pods[pod].log(|| OpLine::Free {
+                    req: victim_name,
+                    preempted: true,
+                });
+                self.live[victim as usize]
+                    .as_mut()
+                    .expect("running is live")
+                    .computed = 0;
+                self.outcomes[victim as usize].preemptions += 1;
+                if victim == req {
+                    break 'running;
+                }
+            }
+            step.push((req, new_tokens));
+            budget -= new_tokens;
+            i += 1;
+        }
+        // Then the waiting ones, unless this step preempted.
+        while !preempted && budget > 0 && self.pods[pod].running.len() < self.cfg.max_running {
+            let Some(&req) = self.pods[pod].waiting.front() else {
+                break;
+            };
+            let state = &mut self.pods[pod];
+            let live = self.live[req as usize].as_ref().expect("waiting is live");
+            let hit_blocks = state.cache.computed(&live.seq);
+            let hit_tokens = hit_blocks * self.cfg.block_size;
+            let new_tokens = (live.seq.tokens.len() - hit_tokens).min(budget);
+            let alloc = Allocation {
+                computed: 0,
+                new_tokens,
+                hit_blocks,
+                whole_sequence: true,
+            };
+            let ok = state.cache.allocate(req, &live.seq, alloc);
+            let name = self.name(req);
+            self.pods[pod].log(|| OpLine::Admit {
+                req: name,
+                hit_blocks,
+                new_tokens,
+                ok,
+            });
+            if !ok {
+                break;
+            }
+            let state = &mut self.pods[pod];
+            state.waiting.pop_front();
+            state.running.push(req);
+            self.live[req as usize]
+                .as_mut()
+                .expect("waiting is live")
+                .computed = hit_tokens;
+            if self.outcomes[req as usize].preemptions == 0 {
+                self.first_admission(pod, req, hit_tokens, now);
+            }
+            step.push((req, new_tokens));
+            budget -= new_tokens;
+        }
+        // What the step computes, and how long it takes.
+        let mut prefill = 0;
+        for &(req, n) in &step {
+            let live = self.live[req as usize].as_mut().expect("scheduled is live");
+            let decode = n == 1 && live.computed + 1 == live.seq.tokens.len() && live.sampled > 0;
+            if !decode {
+                prefill += n;
+            }
+            live.computed += n;
+        }
+        let state = &mut self.pods[pod];
+        let events = state.cache.take_events();
+        feed.publish(pod, now, &events)?;
+        if step.is_empty() {
+            state.busy = false;
+            return Ok(());
+        }
+        let took = self.cfg.decode_per_token + prefill as f64 * self.cfg.prefill_per_token;
+        state.step = step;
+        state.busy = true;
+        self.events
+            .push(Reverse((key(now + took), Event::StepEnd { pod })));
+        Ok(())
+    }
+
+    /// The outcome's figures at a request's first admission.
+    fn first_admission(&mut self, pod: usize, req: u32, hit_tokens: usize, now: f64) {
+        let p = &self.requests[req as usize];
+        // What the best other pod holds now, capped as vLLM caps a hit.
+        let cap = p.request.prompt.len().saturating_sub(1) / self.cfg.block_size;
+        let elsewhere = (0..self.pods.len())
+            .filter(|&q| q != pod)
+            .map(|q| self.pods[q].cache.holds(&p.hashes).min(cap))
+            .max()
+            .unwrap_or(0);
+        let out = &mut self.outcomes[req as usize];
+        out.cached_tokens = hit_tokens;
+        out.reprefilled_tokens = (elsewhere * self.cfg.block_size).saturating_sub(hit_tokens);
+        out.admitted_at = now;
+    }
+
+    /// `update_from_output`: the step's tokens are computed; sample, append,
+    /// finish; then the next step.
+    fn step_end(&mut self, pod: usize, now: f64, feed: &mut Feed) -> anyhow::Result<()> {
+        let step = std::mem::take(&mut self.pods[pod].step);
+        for (req, _) in step {
+            let r = self.requests[req as usize].request;
+            let live = self.live[req as usize].as_mut().expect("scheduled is live");
+            if live.computed < live.seq.tokens.len() {
+                // A prefill chunk: no token yet.
+                continue;
+            }
+            live.sampled += 1;
+            if live.sampled == 1 {
+                self.outcomes[req as usize].ttft = now - r.arrival;
+            }
+            if live.sampled > fed_back(r) {
+                let state = &mut self.pods[pod];
+                state.cache.free(req);
+                state.running.retain(|&q| q != req);
+                state.log(|| OpLine::Free {
+                    req: r.name.clone(),
+                    preempted: false,
+                });
+                self.live[req as usize] = None;
+                self.in_flight[pod] -= 1;
+                self.outcomes[req as usize].finished_at = now;
+                self.done += 1;
+                (self.progress)(self.done);
+                continue;
+            }
+            let token = r.output[live.sampled - 1];
+            live.seq
+                .append(&[token], self.cfg.block_size, self.root_seed);
+            self.pods[pod].log(|| OpLine::Append {
+                req: r.name.clone(),
+                token_ids: vec![token],
+            });
+        }
+        self.schedule(pod, now, feed)
+    }
 }
 
-/// Output tokens whose KV is computed (all but the last).
-fn decode_tokens(r: &Request) -> usize {
+/// Output tokens whose KV is computed: all but the last, which is sampled
+/// and never fed back.
+fn fed_back(r: &Request) -> usize {
     r.output.len().saturating_sub(1)
 }
