@@ -257,3 +257,81 @@ async fn missing_tokenizers_are_downloaded_once_into_the_hf_cache() {
     assert_eq!(out.token_ids, vec![9707]);
     assert_eq!(hub.requests.lock().unwrap().len(), requested.len());
 }
+
+/// A planted `HF_TOKEN` and a password in `HF_ENDPOINT` appear in no
+/// output: `kv-indexer check`, the service's debug logs (text and JSON),
+/// `/metrics`, and the errors of a download that reached the Hub and of one
+/// that could not connect (whose transport error quotes the URL).
+#[tokio::test]
+async fn planted_secrets_appear_in_no_output() {
+    // Lower case: the fake Hub compares the header in lower case.
+    const TOKEN: &str = "hf_plantedt0ken4242";
+    const PASSWORD: &str = "plantedPa55w0rd";
+    let hub = FakeHub::serve(
+        "Qwen/Qwen3-8B",
+        fixtures_dir().join("tokenizers/qwen3"),
+        TOKEN,
+    );
+    let with_password =
+        |endpoint: &str| endpoint.replacen("http://", &format!("http://hfuser:{PASSWORD}@"), 1);
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    let mut seen = String::new();
+
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .arg("check")
+        .env("HF_TOKEN", TOKEN)
+        .env("HF_ENDPOINT", with_password(&hub.endpoint))
+        .env("HF_HUB_OFFLINE", "0")
+        .output()
+        .expect("run check");
+    assert!(check.status.success());
+    let check_out = String::from_utf8_lossy(&check.stdout).into_owned();
+    assert!(check_out.contains("token: \"set\""), "{check_out}");
+    assert!(
+        check_out.contains("hfuser") || check_out.contains("***@"),
+        "{check_out}"
+    );
+    seen += &check_out;
+    seen += &String::from_utf8_lossy(&check.stderr);
+
+    let frames = &load_frames("qwen3-sha256-int");
+    let req = pb::TokenizeRequest {
+        model: "Qwen/Qwen3-8B".into(),
+        input: Some(pb::tokenize_request::Input::Prompt("Hello".into())),
+        ..Default::default()
+    };
+    // The fake Hub takes the token (a password in the URL would make the
+    // client send Basic credentials instead); the closed port gets both.
+    for (endpoint, format) in [
+        (hub.endpoint.clone(), "text"),
+        (with_password(&closed), "json"),
+    ] {
+        let hf_home = tempfile::tempdir().unwrap();
+        let env = [
+            ("HF_HUB_OFFLINE", "0".to_string()),
+            ("HF_ENDPOINT", endpoint.clone()),
+            ("HF_TOKEN", TOKEN.to_string()),
+            ("HF_HOME", hf_home.path().display().to_string()),
+            ("KV_INDEXER_LOG_LEVEL", "debug".to_string()),
+            ("KV_INDEXER_LOG_FORMAT", format.to_string()),
+        ];
+        let zmq = format!("tcp://127.0.0.1:{}", free_port());
+        let service = Service::start_with_env(&["--zmq-bind", &zmq], Some(zmq.clone()), &env).await;
+        let _publisher = service.publish_recorded("Qwen/Qwen3-8B", frames).await;
+        let answer = service.client().await.tokenize(req.clone()).await;
+        match (endpoint == hub.endpoint, answer) {
+            (true, Ok(ok)) => assert_eq!(ok.into_inner().token_ids, vec![9707]),
+            (false, Err(status)) => {
+                assert!(status.message().contains("Hub download"), "{status:?}");
+                seen += status.message();
+            }
+            (_, other) => panic!("{endpoint}: {other:?}"),
+        }
+        seen += &service.http_get("/metrics").1;
+        seen += &service.logs();
+    }
+    assert!(seen.contains("downloading from the Hugging Face Hub"));
+    for secret in [TOKEN, PASSWORD] {
+        assert!(!seen.contains(secret), "{secret} printed:\n{seen}");
+    }
+}

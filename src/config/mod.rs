@@ -65,7 +65,47 @@ impl Args {
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        Args::try_parse_from(argv).map_err(name_the_setting)
+        use clap::FromArgMatches;
+        let mut matches = Args::cli()
+            .try_get_matches_from(argv)
+            .map_err(name_the_setting)?;
+        Args::from_arg_matches_mut(&mut matches).map_err(name_the_setting)
+    }
+
+    /// The command line as parsed and as `--help` shows it. The service's
+    /// settings are global (`kv-indexer check --config FILE` works), so
+    /// clap would list all of them again in every subcommand's help,
+    /// interleaved with its own flags: there they are hidden, still
+    /// accepted, and the help names where they are described.
+    pub fn cli() -> clap::Command {
+        use clap::CommandFactory;
+        let mut cmd = Args::command();
+        // Each subcommand gets its own hidden copy of every setting, which
+        // clap's propagation of the global ones then leaves alone; a value
+        // given after the subcommand still reaches `Args::settings`.
+        let settings: Vec<clap::Arg> = cmd
+            .get_arguments()
+            .filter(|a| a.is_global_set())
+            .cloned()
+            .collect();
+        let subcommands: Vec<String> = cmd
+            .get_subcommands()
+            .map(|s| s.get_name().to_owned())
+            .collect();
+        for name in subcommands {
+            cmd = cmd.mut_subcommand(&name, |mut sub| {
+                for arg in &settings {
+                    // simulate reads one setting: the pods' block size.
+                    let shown = name == "simulate" && arg.get_id() == "block_size";
+                    sub = sub.arg(arg.clone().hide(!shown));
+                }
+                sub.after_help(
+                    "The service's settings (--config, --grpc-addr, ... and their \
+                     KV_INDEXER_* variables) apply here too: see `kv-indexer --help`.",
+                )
+            });
+        }
+        cmd
     }
 }
 

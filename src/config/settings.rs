@@ -405,6 +405,30 @@ mod tests {
     }
 
     #[test]
+    fn a_subcommands_help_shows_its_own_flags_and_points_at_the_services() {
+        let help = |args: &[&str]| match Args::cli().try_get_matches_from(args) {
+            Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => e.to_string(),
+            other => panic!("{args:?}: {other:?}"),
+        };
+        let simulate = help(&["kv-indexer", "simulate", "--help"]);
+        assert!(simulate.contains("--pod-blocks") && simulate.contains("--block-size"));
+        let check = help(&["kv-indexer", "check", "--help"]);
+        for sub in [&simulate, &check] {
+            assert!(
+                !sub.contains("--grpc-addr <") && !sub.contains("--config <"),
+                "{sub}"
+            );
+            assert!(sub.contains("see `kv-indexer --help`"), "{sub}");
+        }
+        let top = help(&["kv-indexer", "--help"]);
+        assert!(top.contains("--grpc-addr <") && !top.contains("--pod-blocks"));
+        // Hidden, still taken, wherever they are given.
+        let args =
+            Args::try_parse_named(["kv-indexer", "check", "--grpc-addr", "1.2.3.4:5"]).unwrap();
+        assert_eq!(args.settings.grpc_addr, Some("1.2.3.4:5".parse().unwrap()));
+    }
+
+    #[test]
     fn help_shows_the_defaults() {
         let help = Args::command().render_help().to_string();
         assert!(help.contains("[default: 0.0.0.0:50051]"), "{help}");

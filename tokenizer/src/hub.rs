@@ -55,9 +55,10 @@ pub fn download(model: &str, hub: &Hub, cache: &Path) -> Result<TokenizerFiles, 
         .user_agent(concat!("kv-indexer/", env!("CARGO_PKG_VERSION")))
         .build();
     let started = Instant::now();
+    let shown = hub.shown_endpoint(endpoint);
     tracing::info!(
         model,
-        endpoint,
+        endpoint = shown,
         timeout_s = hub.timeout.as_secs_f64(),
         "downloading from the Hugging Face Hub (tokenizer files only)"
     );
@@ -87,7 +88,7 @@ pub fn download(model: &str, hub: &Hub, cache: &Path) -> Result<TokenizerFiles, 
         tokenizer_json,
         config_json,
         chat_template_jinja,
-        origin: format!("Hub {endpoint}/{model}"),
+        origin: format!("Hub {shown}/{model}"),
     })
 }
 

@@ -24,14 +24,74 @@ pub struct Sources {
     pub hub: Option<Hub>,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Hub {
-    /// `HF_ENDPOINT`, default `https://huggingface.co`.
+    /// `HF_ENDPOINT`, default `https://huggingface.co`. It may carry
+    /// credentials (`https://user:password@host`): show it with
+    /// [`Hub::shown_endpoint`].
     pub endpoint: Option<String>,
-    /// `HF_TOKEN`, for gated models.
+    /// `HF_TOKEN`, for gated models. A secret: never printed.
     pub token: Option<String>,
     /// Connect and read timeout of every Hub request (`--hub-timeout`).
     pub timeout: Duration,
+}
+
+impl std::fmt::Debug for Hub {
+    /// The token as set or not set, the endpoint without its credentials:
+    /// `kv-indexer check` prints this, and its output goes into tickets.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub")
+            .field("endpoint", &self.endpoint.as_deref().map(without_userinfo))
+            .field(
+                "token",
+                &if self.token.is_some() {
+                    "set"
+                } else {
+                    "not set"
+                },
+            )
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl Hub {
+    /// The endpoint as it may be shown: without a `user:password@` part.
+    pub fn shown_endpoint(&self, endpoint: &str) -> String {
+        without_userinfo(endpoint)
+    }
+
+    /// `text` with every secret of this Hub (the token, the endpoint's
+    /// user and password) replaced by `***`: for errors and log lines that
+    /// quote a URL or a header.
+    pub fn redact(&self, text: &str) -> String {
+        let mut out = text.to_owned();
+        let userinfo = self.endpoint.as_deref().and_then(userinfo);
+        for secret in self.token.iter().map(String::as_str).chain(userinfo) {
+            if !secret.is_empty() {
+                out = out.replace(secret, "***");
+            }
+        }
+        out
+    }
+}
+
+/// The `user:password` of `scheme://user:password@host/...`, if any.
+fn userinfo(url: &str) -> Option<&str> {
+    let after_scheme = url.find("://").map_or(0, |i| i + 3);
+    let authority = url[after_scheme..]
+        .split(['/', '?', '#'])
+        .next()
+        .unwrap_or_default();
+    authority.rsplit_once('@').map(|(info, _)| info)
+}
+
+/// `url` with its `user:password@` replaced by `***@`.
+fn without_userinfo(url: &str) -> String {
+    match userinfo(url) {
+        Some(info) => url.replacen(&format!("{info}@"), "***@", 1),
+        None => url.to_owned(),
+    }
 }
 
 /// `--hub-timeout`'s default. Python's `huggingface_hub` waits 10 s per
@@ -173,10 +233,12 @@ pub fn locate(model: &str, sources: &Sources) -> Result<TokenizerFiles, LoadErro
         Err(tried) => tried,
     };
     match (&sources.hub, &sources.hf_cache) {
-        (Some(hub), Some(cache)) => match crate::hub::download(model, hub, cache) {
-            Ok(f) => return Ok(f),
-            Err(e) => tried.push(format!("Hub download: {e}")),
-        },
+        (Some(hub), Some(cache)) => {
+            match crate::hub::download(model, hub, cache).map_err(|e| hub.redact(&e)) {
+                Ok(f) => return Ok(f),
+                Err(e) => tried.push(format!("Hub download: {e}")),
+            }
+        }
         (Some(_), None) => {
             tried.push("Hub download (no cache directory to download into: set HF_HOME)".into())
         }
@@ -252,4 +314,41 @@ fn from_hf_cache(repo: &Path) -> Option<TokenizerFiles> {
     dirs.sort();
     dirs.into_iter()
         .find_map(|d| TokenizerFiles::in_dir(&d, format!("Hugging Face cache {}", d.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hub(endpoint: Option<&str>, token: Option<&str>) -> Hub {
+        Hub {
+            endpoint: endpoint.map(str::to_owned),
+            token: token.map(str::to_owned),
+            timeout: DEFAULT_HUB_TIMEOUT,
+        }
+    }
+
+    #[test]
+    fn a_hub_shows_its_token_as_set_and_its_endpoint_without_credentials() {
+        let h = hub(Some("https://me:pw@hub.example/x"), Some("hf_abc"));
+        let shown = format!("{h:?}");
+        assert!(shown.contains("token: \"set\""), "{shown}");
+        assert!(shown.contains("https://***@hub.example/x"), "{shown}");
+        assert!(
+            !shown.contains("hf_abc") && !shown.contains("pw"),
+            "{shown}"
+        );
+        assert!(format!("{:?}", hub(None, None)).contains("token: \"not set\""));
+        assert_eq!(h.shown_endpoint("http://a.b/c@d"), "http://a.b/c@d");
+    }
+
+    #[test]
+    fn redact_removes_the_token_and_the_endpoints_credentials() {
+        let h = hub(Some("http://me:pw@127.0.0.1:1"), Some("hf_abc"));
+        assert_eq!(
+            h.redact("http://me:pw@127.0.0.1:1/m: refused; Bearer hf_abc"),
+            "http://***@127.0.0.1:1/m: refused; Bearer ***"
+        );
+        assert_eq!(hub(None, None).redact("as it is"), "as it is");
+    }
 }
