@@ -328,3 +328,124 @@ async fn against_a_running_service_the_race_comes_out_as_in_process() {
     assert_eq!(pods.len(), 3);
     assert!(pods.iter().all(|p| p.batches > 1));
 }
+
+/// A trace of `(arrival, token ids, output tokens)` and the race over it:
+/// 10 ms a step plus 1 ms per prefilled token, events applied at once.
+fn hand_checked(requests: &[(f64, Vec<u32>, usize)], extra: &[&str]) -> Vec<PolicyResult> {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let lines: Vec<String> = requests
+        .iter()
+        .map(|(at, ids, out)| {
+            let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+            format!(
+                "{{\"arrival\": {at}, \"token_ids\": [{}], \"output_tokens\": {out}}}\n",
+                ids.join(",")
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.concat()).unwrap();
+    let mut argv = vec!["kv-indexer", "simulate", "--trace", trace.to_str().unwrap()];
+    argv.extend(["--prefill-per-token", "0.001", "--decode-per-token", "0.01"]);
+    argv.extend(["--event-delay", "0", "--pod-blocks", "400"]);
+    argv.extend_from_slice(extra);
+    let Some(Command::Simulate(o)) = Args::try_parse_named(argv).unwrap().command else {
+        panic!("not simulate");
+    };
+    simulate::race(&o, 16, false).unwrap().results
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9
+}
+
+#[test]
+fn hit_rate_and_ttft_on_a_hand_checked_pair() {
+    // r1: 64 tokens at 0, 3 out. Step 1 prefills 64 tokens: 10 + 64 ms,
+    // its first token at 74 ms; two decode steps end it at 94 ms.
+    // r2: the same 64 tokens and 16 more at 10 s: 4 blocks hit (64 of its
+    // 80 tokens), a 16-token prefill, first token at 10 + 26 ms.
+    let r1: Vec<u32> = (1..=64).collect();
+    let r2: Vec<u32> = (1..=80).collect();
+    let results = hand_checked(
+        &[(0.0, r1, 3), (10.0, r2, 2)],
+        &["--pods", "1", "--policies", "round-robin"],
+    );
+    let r = &results[0];
+    assert_eq!((r.cached_tokens, r.prompt_tokens), (64, 144));
+    assert!(close(r.hit_rate, 64.0 / 144.0), "{}", r.hit_rate);
+    assert!(close(r.ttft_mean, (0.074 + 0.026) / 2.0), "{}", r.ttft_mean);
+    // Nearest rank of two: p50 is the first, p90 and p99 the second.
+    assert!(close(r.ttft_p50, 0.026) && close(r.ttft_p90, 0.074) && close(r.ttft_p99, 0.074));
+    // Finished by the last arrival: r1 only (r2 ends at 10.036 s).
+    assert_eq!((r.completed, r.finished), (1, 2));
+    assert!(close(r.all_done_at, 10.036), "{}", r.all_done_at);
+    assert_eq!(
+        (r.reprefilled_tokens, r.cold_tokens, r.preemptions),
+        (0, 80, 0)
+    );
+    assert!(close(r.wait_mean, 0.0));
+}
+
+#[test]
+fn re_prefilled_counts_what_another_pod_held_at_admission() {
+    // Round robin sends r2 to the other pod, which prefills the 64 tokens
+    // pod 0 holds (capped at 79 tokens: 4 blocks); precise sends it to pod 0.
+    let r1: Vec<u32> = (1..=64).collect();
+    let r2: Vec<u32> = (1..=80).collect();
+    let results = hand_checked(
+        &[(0.0, r1, 3), (10.0, r2, 2)],
+        &["--pods", "2", "--policies", "round-robin,precise"],
+    );
+    let (rr, precise) = (
+        by_name(&results, "round-robin"),
+        by_name(&results, "precise"),
+    );
+    assert_eq!(
+        (rr.cached_tokens, rr.reprefilled_tokens, rr.cold_tokens),
+        (0, 64, 80)
+    );
+    assert_eq!((precise.cached_tokens, precise.reprefilled_tokens), (64, 0));
+    assert!(
+        simulate::explain(rr).contains("44% another pod held"),
+        "{}",
+        simulate::explain(rr)
+    );
+}
+
+#[test]
+fn approximate_re_prefills_a_prefix_another_pod_holds_once_its_history_forgot_it() {
+    // Approximate remembers 2 of its 64-token blocks per pod. P (128 tokens)
+    // goes to pod 0; X (128 other tokens, a 20 s answer) to pod 0 too (a
+    // tie, both idle), which pushes P out of approximate's memory, not out of
+    // pod 0's cache. P + 16 tokens then matches nowhere in its history, and
+    // the tie goes to the idle pod 1, which prefills all 144 tokens while
+    // pod 0 holds 128 of them. Precise asks the index: pod 0.
+    let p: Vec<u32> = (1..=128).collect();
+    let x: Vec<u32> = (1001..=1128).collect();
+    let p_more: Vec<u32> = (1..=144).collect();
+    let results = hand_checked(
+        &[(0.0, p, 2), (1.0, x, 2000), (5.0, p_more, 2)],
+        &[
+            "--pods",
+            "2",
+            "--policies",
+            "approximate,precise",
+            "--approx-capacity",
+            "2",
+        ],
+    );
+    let (approx, precise) = (
+        by_name(&results, "approximate"),
+        by_name(&results, "precise"),
+    );
+    assert_eq!((approx.cached_tokens, approx.reprefilled_tokens), (0, 128));
+    assert_eq!(
+        (precise.cached_tokens, precise.reprefilled_tokens),
+        (128, 0)
+    );
+    let line = simulate::explain(approx);
+    assert!(line.contains("32% another pod held"), "{line}");
+    assert!(line.contains("routing is the cost"), "{line}");
+    assert!(simulate::explain(precise).contains("the misses are cold"));
+}

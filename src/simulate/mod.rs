@@ -31,7 +31,7 @@ use anyhow::Context;
 
 pub use pod_cache::{replay as replay_op_log, Answer};
 pub use policy::Spec as PolicySpec;
-pub use report::{PolicyResult, Report};
+pub use report::{explain, PolicyResult, Report};
 
 use feed::Feed;
 use serving::{Prepared, Serving, Simulation};
@@ -52,10 +52,15 @@ pub struct Options {
     /// Pods serving the model.
     #[arg(long, default_value_t = 8)]
     pub pods: usize,
-    /// KV-cache blocks per pod (vLLM's usable GPU blocks).
-    #[arg(long, default_value_t = 4096)]
+    /// KV-cache blocks per pod (vLLM's usable GPU blocks). The default is
+    /// an eighth of a real pod: one 80 GB GPU serving an 8B model (128 KiB
+    /// of KV per token) holds about 25,000 blocks of 16 tokens; the
+    /// workload's concurrency is scaled down with it.
+    #[arg(long, default_value_t = 3125)]
     pub pod_blocks: usize,
-    /// Most requests running (holding KV blocks) per pod at once; the rest wait.
+    /// Most requests running (holding KV blocks) per pod at once; the rest
+    /// wait (vLLM's `--max-num-seqs`, 256 on most GPUs: an eighth here, as
+    /// the pod).
     #[arg(long, default_value_t = 32)]
     pub max_running: usize,
     /// Most tokens one step of a pod computes (vLLM's
@@ -71,13 +76,13 @@ pub struct Options {
     #[arg(long, default_value_t = 0.02)]
     pub decode_per_token: f64,
     /// Requests in all.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 3000)]
     pub requests: usize,
     /// Mean arrivals per second.
     #[arg(long, default_value_t = 16.0)]
     pub rate: f64,
     /// Session kinds and weights: chat, agent, doc, oneshot, unshared.
-    #[arg(long, default_value = "chat=4,agent=2,doc=1,oneshot=2,unshared=1")]
+    #[arg(long, default_value = "chat=3,agent=3,doc=2,oneshot=2")]
     pub mix: String,
     /// Seed of everything random in a run (same seed, same results).
     #[arg(long, default_value_t = 1)]
@@ -86,9 +91,9 @@ pub struct Options {
     #[arg(long, default_value_t = 200)]
     pub output_tokens: usize,
     /// Shared system prompts (chat, agent and one-shot sessions use one).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     pub system_prompts: usize,
-    #[arg(long, default_value_t = 1500)]
+    #[arg(long, default_value_t = 2000)]
     pub system_tokens: usize,
     /// Turns per conversation.
     #[arg(long, default_value_t = 6)]
@@ -103,13 +108,13 @@ pub struct Options {
     #[arg(long, default_value_t = 8)]
     pub agent_fanout: usize,
     /// Mean tokens of an agent session's shared context.
-    #[arg(long, default_value_t = 4000)]
+    #[arg(long, default_value_t = 6000)]
     pub agent_context_tokens: usize,
     /// Long documents (each doc session asks about one).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 8)]
     pub docs: usize,
     /// Mean tokens of a long document.
-    #[arg(long, default_value_t = 32768)]
+    #[arg(long, default_value_t = 16384)]
     pub doc_tokens: usize,
     /// Questions per doc session.
     #[arg(long, default_value_t = 6)]
@@ -266,6 +271,10 @@ pub fn main(o: &Options, block_size: usize) -> anyhow::Result<()> {
     let started = Instant::now();
     let report = race(o, block_size, true)?;
     print!("{}", report::table(&report.results));
+    println!();
+    for r in &report.results {
+        println!("{}", report::explain(r));
+    }
     for r in &report.results {
         anyhow::ensure!(
             r.feed.decode_errors == 0 && r.feed.events_decoded == r.feed.events_encoded
@@ -279,12 +288,18 @@ pub fn main(o: &Options, block_size: usize) -> anyhow::Result<()> {
     if rejected > 0 {
         println!("({rejected} requests were larger than a whole pod and were not served)");
     }
+    let working_set = report.parameters["working_set_blocks"]
+        .as_u64()
+        .unwrap_or(0);
     println!(
-        "\n{} requests, {} pods x {} blocks of {} tokens; simulated in {:.1} s",
+        "\n{} requests, {} pods x {} blocks of {} tokens; their prompts name {} distinct \
+         blocks ({:.1} pods' worth); simulated in {:.1} s",
         report.results.first().map_or(0, |r| r.requests),
         o.pods,
         o.pod_blocks,
         block_size,
+        working_set,
+        working_set as f64 / o.pod_blocks as f64,
         started.elapsed().as_secs_f64()
     );
     if let Some(path) = &o.json {
@@ -318,6 +333,12 @@ pub fn race(o: &Options, block_size: usize, progress_bar: bool) -> anyhow::Resul
                 .collect(),
         })
         .collect();
+    // The working set: every distinct full block the prompts name.
+    let working_set = prepared
+        .iter()
+        .flat_map(|p| p.hashes.iter().copied())
+        .collect::<std::collections::HashSet<u64>>()
+        .len();
     let arrivals: Vec<f64> = plan.requests.iter().map(|r| r.arrival).collect();
     let total = prepared.len() * plan.policies.len();
     let done = AtomicUsize::new(0);
@@ -425,8 +446,10 @@ pub fn race(o: &Options, block_size: usize, progress_bar: bool) -> anyhow::Resul
             .context("a policy's run did not finish")?;
         results.push(r?);
     }
+    let mut parameters = parameters(o, &plan, block_size);
+    parameters["working_set_blocks"] = working_set.into();
     Ok(Report {
-        parameters: parameters(o, &plan, block_size),
+        parameters,
         results,
     })
 }

@@ -29,9 +29,14 @@ pub struct PolicyResult {
     /// `cached_tokens / prompt_tokens`.
     pub hit_rate: f64,
     pub reprefilled_tokens: u64,
+    /// Prompt tokens no pod held at admission (first sight, or evicted
+    /// everywhere): the misses no router could have avoided.
+    pub cold_tokens: u64,
     /// Preemptions (a running request's blocks freed for another's, its
     /// tokens recomputed later).
     pub preemptions: u64,
+    /// Mean seconds from arrival to admission (queueing, not prefill).
+    pub wait_mean: f64,
     pub ttft_mean: f64,
     pub ttft_p50: f64,
     pub ttft_p90: f64,
@@ -96,7 +101,12 @@ pub fn summarize(
         cached_tokens: cached,
         hit_rate: ratio(cached as f64, prompt as f64),
         reprefilled_tokens: served.iter().map(|o| o.reprefilled_tokens as u64).sum(),
+        cold_tokens: served
+            .iter()
+            .map(|o| (o.prompt_tokens - o.cached_tokens - o.reprefilled_tokens) as u64)
+            .sum(),
         preemptions: served.iter().map(|o| u64::from(o.preemptions)).sum(),
+        wait_mean: mean(&served.iter().map(|o| o.wait).collect::<Vec<f64>>()),
         ttft_mean: mean(&ttft),
         ttft_p50: quantile(&ttft, 0.50),
         ttft_p90: quantile(&ttft, 0.90),
@@ -203,6 +213,39 @@ pub fn table(results: &[PolicyResult]) -> String {
         ));
     }
     s
+}
+
+/// One line on a policy's result and its main cause, read from its own
+/// figures: where the uncached prompt tokens were (another pod, or none),
+/// how the requests spread, how long they queued.
+pub fn explain(r: &PolicyResult) -> String {
+    let pct = |a: u64, b: u64| 100.0 * ratio(a as f64, b as f64);
+    let missed = r.prompt_tokens - r.cached_tokens;
+    let spread = ratio(r.requests_per_pod_max as f64, r.requests_per_pod_mean);
+    // TTFT is waiting for admission plus prefill: which one is it?
+    let queueing = match (r.wait_mean >= r.ttft_mean / 2.0, spread >= 1.5) {
+        (true, true) => "a hot spot queues: prefix affinity piles shared prompts onto few pods",
+        (true, false) => "the fleet falls behind: requests queue for a slot",
+        (false, _) => "requests barely queue",
+    };
+    let misses = if r.reprefilled_tokens * 5 >= missed.max(1) {
+        "routing is the cost: it sent requests away from pods that held their prefix"
+    } else {
+        "the misses are cold: prompts no pod held, which no router could have found"
+    };
+    format!(
+        "{}: {:.1}% of prompt tokens from cache; of the rest {:.0}% another pod held, \
+         {:.0}% none; busiest pod {} requests ({:.1}x the mean), {} mean wait for \
+         admission, {} preemptions: {queueing}; {misses}",
+        r.policy,
+        r.hit_rate * 100.0,
+        pct(r.reprefilled_tokens, missed),
+        pct(r.cold_tokens, missed),
+        r.requests_per_pod_max,
+        spread,
+        secs(r.wait_mean),
+        r.preemptions,
+    )
 }
 
 /// Seconds, to three significant places.

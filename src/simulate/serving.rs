@@ -62,6 +62,8 @@ pub struct Outcome {
     /// Times it was preempted (its blocks freed and its tokens recomputed).
     pub preemptions: u32,
     pub admitted_at: f64,
+    /// Seconds from arrival to its first admission.
+    pub wait: f64,
     pub ttft: f64,
     pub finished_at: f64,
     /// The request can never fit a pod (more blocks than it has).
@@ -378,6 +380,7 @@ impl<'a> Simulation<'a> {
         out.cached_tokens = hit_tokens;
         out.reprefilled_tokens = (elsewhere * self.cfg.block_size).saturating_sub(hit_tokens);
         out.admitted_at = now;
+        out.wait = now - p.request.arrival;
     }
 
     /// `update_from_output`: the step's tokens are computed; sample, append,
