@@ -2,11 +2,14 @@
 //! simulated vLLM pods under each routing policy, and the results compared.
 //!
 //! - `workload`: the requests (generated from a seed, or a `--trace`);
-//! - `pod_cache`: one pod's prefix cache, as vLLM's block pool keeps it;
-//! - `serving`: queues, prefill and decode in virtual time;
+//! - `pod_cache`: one pod's prefix cache, vLLM 0.33's `KVCacheManager`
+//!   call for call, and the replay of an op log through it;
+//! - `serving`: each pod's vLLM scheduler loop (chunked prefill, decode
+//!   steps, preemption) in virtual time;
 //! - `policy` (and `approximate`): how a router picks a pod;
 //! - `feed`: the pods' events, in vLLM's wire form, into our index;
-//! - `report` and `html`: the numbers, the table, the page.
+//! - `report` and `html`: the numbers, the table, a line on each policy's
+//!   causes, the page.
 //!
 //! Data flows one way: requests -> policy pick -> pod queue -> pod cache
 //! ops -> events -> wire -> decoder -> index -> the next pick's Score.
