@@ -9,7 +9,7 @@
 //! exactly such blocks, so after the first one is freed the next ones
 //! land in the heaps among small live blocks, and every rebuild leaves a
 //! hole there that only small blocks fill again. At capacity, under
-//! endless stores (`tests/memory.rs`), the process grew by 70-109 bytes
+//! endless stores (`tests/it/memory.rs`), the process grew by 70-109 bytes
 //! per capacity unit after it was first full (14-21 MiB), and settled at
 //! 200-238 bytes per unit, of the 256 `--max-memory` assumes. With the
 //! threshold pinned (which also turns the dynamic rule off) it grows by

@@ -287,7 +287,7 @@ impl PodState {
     /// most half full and otherwise double, so under churn at capacity the
     /// table would keep doubling; it was kept half full for that, and a
     /// share that ran ahead late still doubled it once (a 2-3 MB step in
-    /// `tests/memory.rs`). Here it is rebuilt at the same size, which
+    /// `tests/it/memory.rs`). Here it is rebuilt at the same size, which
     /// clears the tombstones, unless the live entries fill more than
     /// `GROW_AT` of it: then it doubles. Either way its memory is resident
     /// at once (see `regrow`).

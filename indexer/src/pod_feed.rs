@@ -60,7 +60,7 @@ use crate::score::TierWeights;
 /// for a run of one block, glibc's arenas included), against 30-60 per
 /// block. Every run has a holding, so a capacity's budget per entry
 /// (`BYTES_PER_ENTRY` in the service: 256) covers a run of one block at
-/// 1 + 3 entries (`tests/memory.rs`: 137 bytes per unit; 202-238 before
+/// 1 + 3 entries (`tests/it/memory.rs`: 137 bytes per unit; 202-238 before
 /// the service fixed glibc's mmap threshold, `kv_indexer::malloc`), and
 /// adds little where runs are long (a 1,000-block store is one holding).
 pub const HOLDING_ENTRIES: u64 = 3;

@@ -341,7 +341,7 @@ fn invalid(
 }
 
 /// Memory one (pod, block) entry costs at capacity, all structures and
-/// allocator overhead included: tests/memory.rs measures what 200,000
+/// allocator overhead included: tests/it/memory.rs measures what 200,000
 /// entries add to the process's resident memory at capacity, 93 bytes each
 /// in a release build (107-111 before the shared table's slot went from 32
 /// bytes to 24; one holder per key, the index's worst case), and checks it
@@ -354,7 +354,7 @@ fn invalid(
 pub const BYTES_PER_ENTRY: usize = 256;
 
 /// Memory a cache domain costs before it holds any block (its pod record,
-/// names, stream state, map headers, allocator overhead): tests/hostile.rs
+/// names, stream state, map headers, allocator overhead): tests/it/hostile.rs
 /// measures ~1.9 KB per pod holding a few blocks; twice that keeps
 /// --max-memory on the safe side.
 pub const BYTES_PER_POD: usize = 4096;

@@ -82,7 +82,7 @@ impl VllmPod {
         let (p, r) = self.ports;
         drop(self);
         // libzmq closes listeners asynchronously: the ports free up soon.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = std::time::Instant::now() + crate::common::budget(10);
         loop {
             match VllmPod::on_ports(frames.clone(), options, p, r) {
                 Some(pod) => return pod,

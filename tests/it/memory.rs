@@ -5,12 +5,10 @@
 //! as offloads do: each block is its own run, the index's worst case per
 //! block (a run's bookkeeping is paid per run), which the capacity counts.
 
-mod common;
-
 use std::collections::BTreeMap;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 
 const PODS: u64 = 4;
 const PER_BATCH: u64 = 1000;
@@ -95,7 +93,7 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
     }
     // Eviction runs just after the batch that crossed the capacity is
     // counted: let it finish.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + crate::common::budget(20);
     let m = loop {
         let (_, m) = service.http_get("/metrics");
         let settled = m

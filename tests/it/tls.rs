@@ -1,9 +1,7 @@
 //! gRPC over TLS, and mTLS with client certificates, with certificates
 //! generated for the test (rcgen).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 use pb::kv_indexer_client::KvIndexerClient;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};

@@ -3,14 +3,12 @@
 //! is an attack that crashed, froze or grew the service before these
 //! bounds existed.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 
 const BLOCK: u32 = 16;
@@ -144,8 +142,8 @@ async fn a_frame_declaring_a_terabyte_drops_that_connection_not_the_process() {
     shaken.write_all(&zmtp_greeting()).unwrap();
     shaken.write_all(&zmtp_ready()).unwrap();
     shaken.write_all(&frame_header(1 << 40)).unwrap();
-    assert!(closed_by_peer(&mut raw, Duration::from_secs(10)));
-    assert!(closed_by_peer(&mut shaken, Duration::from_secs(10)));
+    assert!(closed_by_peer(&mut raw, crate::common::budget(10)));
+    assert!(closed_by_peer(&mut shaken, crate::common::budget(10)));
     assert!(service.is_running(), "the process died");
     still_serves(&service, "after-terabyte").await;
     let peak = service.peak_rss_kib();
@@ -170,7 +168,7 @@ async fn messages_over_the_event_limit_are_refused_without_holding_memory() {
             .expect("send");
     }
     // Until libzmq refused the first one (or the process took it in).
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + crate::common::budget(30);
     while service.metric("kv_indexer_zmq_disconnects_total") < 1.0
         && service.peak_rss_kib() < 200 * 1024
     {
@@ -439,7 +437,7 @@ async fn full_queue_drops(args: &[&str]) {
         .wait_metric("kv_indexer_messages_dropped_total", |v| v > 0.0)
         .await;
     // Every valid message received was either applied or counted dropped.
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + crate::common::budget(30);
     loop {
         let applied = service.metric("kv_indexer_batches_applied_total") - applied_before;
         let dropped = service.metric("kv_indexer_messages_dropped_total");
@@ -467,15 +465,15 @@ async fn idle_connections_cannot_lock_out_grpc_or_health_checks() {
     assert!(idle.len() >= 1100, "only {} connections", idle.len());
     // gRPC has descriptors and connection slots of its own.
     tokio::time::timeout(
-        Duration::from_secs(20),
+        crate::common::budget(20),
         still_serves(&service, "beside-idle"),
     )
     .await
     .expect("gRPC did not answer beside the idle connections");
     // The idle ones are closed once they sent nothing for the header
     // timeout, and health checks answer again.
-    assert!(closed_by_peer(&mut idle[0], Duration::from_secs(20)));
-    let deadline = Instant::now() + Duration::from_secs(20);
+    assert!(closed_by_peer(&mut idle[0], crate::common::budget(20)));
+    let deadline = Instant::now() + crate::common::budget(20);
     loop {
         let port = service.metrics_port;
         let answered = tokio::task::spawn_blocking(move || {

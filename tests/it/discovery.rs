@@ -1,13 +1,11 @@
 //! Pod discovery: a pods file re-read on change, and DNS names re-resolved
 //! against a real (tiny) DNS server on loopback.
 
-mod common;
-
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, UdpSocket};
 use std::sync::{Arc, Mutex};
 
-use common::*;
+use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 
 const CONNECTIONS: &str = "kv_indexer_zmq_connections";

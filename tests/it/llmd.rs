@@ -1,9 +1,7 @@
 //! llm-d's `indexer.v1.IndexerService/GetPodScores`, with a client generated
 //! from that proto: same answers as our Score, in llm-d's score units.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kv_indexer::proto::llmd::v1 as llmd;
 use llmd::indexer_service_client::IndexerServiceClient;
 

@@ -1,8 +1,6 @@
 //! `/metrics`, `/healthz` and `/readyz` over real HTTP.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 
 /// The value of the first sample line starting with `prefix`.
@@ -60,7 +58,7 @@ async fn metrics_count_ingestion_scoring_and_tokenization() {
 
     // Worker counters are bumped just after a batch is counted as applied:
     // wait until the last one is in.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + crate::common::budget(20);
     let (status, m) = loop {
         let (status, m) = service.http_get("/metrics");
         if m.contains("kv_indexer_blocks_stored_total 124\n")

@@ -4,11 +4,9 @@
 //! mode's counterpart (a target discovery stops listing) is in
 //! `discovery.rs`.
 
-mod common;
-
 use std::collections::BTreeSet;
 
-use common::*;
+use crate::common::*;
 
 async fn listed(service: &Service) -> BTreeSet<String> {
     service
@@ -86,7 +84,7 @@ async fn a_pod_that_reconnects_in_time_is_kept() {
     let mut again = Publisher::connect(&endpoint).await;
     // Markers until the new connection's arrive (PUB drops them until the
     // subscription is through).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + crate::common::budget(20);
     loop {
         again.reaches(&service, "flaky").await;
         let pods = service.list_pods(WARMUP_MODEL).await;

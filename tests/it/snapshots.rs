@@ -1,8 +1,6 @@
 //! Snapshots: the index survives a restart; a corrupt snapshot is ignored.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 /// Bind mode, no replay endpoints: only the snapshot carries the first half
 /// of the stream across the restart.

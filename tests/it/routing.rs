@@ -3,11 +3,9 @@
 //! learned), real stores superseding them, the parity diagnosis, and the
 //! approximate index for models whose pods publish nothing.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 use kv_indexer::vllm_wire::{encode_batch, frames, WireEvent};
 use pb::kv_indexer_client::KvIndexerClient;

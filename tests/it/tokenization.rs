@@ -1,9 +1,7 @@
 //! Text and chat prompts, tokenized in-process with the model's real
 //! tokenizer, score exactly like their token ids.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 use tonic::Code;
 

@@ -1,9 +1,7 @@
 //! Hostile and heavy requests: limits, overload and deadlines answer with
 //! clear codes, and queries never slow or lose event ingestion.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 use tonic::Code;
 

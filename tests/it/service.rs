@@ -1,12 +1,10 @@
 //! The service end to end: recorded vLLM streams published over real ZeroMQ,
 //! answers checked over real gRPC against what vLLM itself computed.
 
-mod common;
-
 use std::collections::BTreeMap;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
 use tonic::Code;
 

@@ -1,9 +1,21 @@
 //! Shared helpers for the service tests: start the real `kv-indexer` binary on
 //! free ports, publish recorded vLLM streams over a real ZeroMQ PUB socket,
 //! query over real gRPC.
-#![allow(dead_code)] // Each test binary uses a different subset.
 
 pub mod vllm_pod;
+
+/// How long a test waits for the service to do what it must: `secs` on a
+/// quiet machine, times `KV_INDEXER_TEST_SLOWDOWN` (a number, default 1).
+/// Every wait budget of the suite goes through here, so a slow or shared
+/// machine raises all of them at once instead of one test at a time.
+pub fn budget(secs: u64) -> std::time::Duration {
+    let slowdown = std::env::var("KV_INDEXER_TEST_SLOWDOWN")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|f| f.is_finite() && *f >= 1.0)
+        .unwrap_or(1.0);
+    std::time::Duration::from_secs_f64(secs as f64 * slowdown)
+}
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::TcpListener;
@@ -153,7 +165,7 @@ impl Service {
         // a CI machine) they crawl. With four busy processes on two cores a
         // 560-batch stream was 88% applied after 30 s.
         let idle_ingest = args.windows(2).any(|w| w == ["--ingest-priority", "idle"]);
-        let ingest_wait = Duration::from_secs(if idle_ingest { 120 } else { 30 });
+        let ingest_wait = budget(if idle_ingest { 120 } else { 30 });
         let service = Service {
             child,
             grpc_port,
@@ -180,8 +192,7 @@ impl Service {
         let mut s =
             std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).expect("connect http");
         // A frozen service must fail the test, not hang it.
-        s.set_read_timeout(Some(Duration::from_secs(10)))
-            .expect("timeout");
+        s.set_read_timeout(Some(budget(10))).expect("timeout");
         write!(
             s,
             "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
@@ -204,7 +215,7 @@ impl Service {
     /// Waits until the log contains `needle` (lines can be written just
     /// after the state they describe becomes visible).
     pub async fn wait_log(&self, needle: &str) {
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + budget(20);
         while !self.logs().contains(needle) {
             assert!(
                 Instant::now() < deadline,
@@ -241,7 +252,7 @@ impl Service {
 
     /// Readiness over plain HTTP (`/readyz`), for services that speak TLS.
     pub async fn wait_ready_http(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + budget(30);
         loop {
             let port = self.metrics_port;
             let ready = tokio::task::spawn_blocking(move || {
@@ -264,7 +275,7 @@ impl Service {
     async fn wait_serving(&self) {
         use tonic_health::pb::health_client::HealthClient;
         use tonic_health::pb::HealthCheckRequest;
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + budget(30);
         loop {
             let channel = Channel::from_shared(format!("http://{}", self.grpc_addr()))
                 .expect("uri")
@@ -389,7 +400,7 @@ impl Service {
 
     /// Polls `series` until `done(value)` holds (bounded).
     pub async fn wait_metric(&self, series: &str, done: impl Fn(f64) -> bool) -> f64 {
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + budget(30);
         loop {
             let v = self.metric(series);
             if done(v) {
@@ -408,7 +419,7 @@ impl Service {
     /// `what` and the service's log: a wait for a condition, where a fixed
     /// sleep would either waste time or be too short on a loaded machine.
     pub async fn wait_until(&self, what: &str, mut done: impl AsyncFnMut() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + budget(20);
         while !done().await {
             assert!(
                 Instant::now() < deadline,
@@ -431,7 +442,7 @@ impl Service {
             .arg("-TERM")
             .arg(self.child.id().to_string())
             .status();
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + budget(20);
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return status;

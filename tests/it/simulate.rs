@@ -4,9 +4,7 @@
 //! replays through an independent model of vLLM's block pool with the same
 //! hit counts.
 
-mod common;
-
-use common::Service;
+use crate::common::Service;
 use kv_indexer::config::{Args, Command};
 use kv_indexer::simulate::{self, Options, PolicyResult};
 

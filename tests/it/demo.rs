@@ -2,9 +2,7 @@
 //! begin, evictions show, and late turns still find their history cached
 //! (not only the shared system prompt).
 
-mod common;
-
-use common::free_port;
+use crate::common::free_port;
 
 #[test]
 fn late_turns_still_match_more_than_the_system_prompt() {

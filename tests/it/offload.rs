@@ -4,9 +4,7 @@
 //! block) with `block_size` 0. `--offload-block-size 64` makes Score count
 //! what vLLM would load: whole chunks past the GPU hit.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 fn frame(seq: u64, payload: Vec<u8>) -> RecordedFrame {
     RecordedFrame {

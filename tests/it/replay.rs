@@ -1,14 +1,12 @@
 //! Gaps and late starts repaired through vLLM's replay protocol, against a
 //! libzmq stand-in for vLLM's publisher: PUB for live batches, ROUTER
-//! answering replay requests from its buffer (`tests/common/vllm_pod.rs`),
+//! answering replay requests from its buffer (`tests/it/common/vllm_pod.rs`),
 //! publishing the recorded streams' real payloads.
-
-mod common;
 
 use std::collections::{BTreeMap, HashSet};
 
-use common::vllm_pod::{PodOptions, VllmPod};
-use common::*;
+use crate::common::vllm_pod::{PodOptions, VllmPod};
+use crate::common::*;
 
 /// A recorded stream served by one publisher per pod.
 struct Fleet {
@@ -59,7 +57,7 @@ impl Fleet {
 
 /// `new_name`'s recorded batches under `old`'s topic: a new run for
 /// `old`'s engine after a restart.
-fn new_run_for(stream: &str, old: &VllmPod, new_name: &str) -> Vec<common::vllm_pod::Batch> {
+fn new_run_for(stream: &str, old: &VllmPod, new_name: &str) -> Vec<crate::common::vllm_pod::Batch> {
     let topic = old.frames()[0].0.clone();
     VllmPod::start(stream, new_name, PodOptions::default())
         .frames()
@@ -325,7 +323,7 @@ async fn a_snapshot_restart_replays_only_what_came_after_it() {
     second.wait_applied(&model, &caught_up).await;
     // The counter is bumped just after the replayed batches are applied.
     let want = format!("kv_indexer_replay_batches_total {while_down}\n");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + crate::common::budget(20);
     let m = loop {
         let (_, m) = second.http_get("/metrics");
         if m.contains(&want) || std::time::Instant::now() > deadline {

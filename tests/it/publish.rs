@@ -1,9 +1,7 @@
 //! `kv-indexer publish`: a recorded vLLM stream into a running service, its
 //! first probe scored next to vLLM's answer, and the service left as it was.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 fn publish(service: Option<&Service>, zmq: &str) -> std::process::Output {
     let grpc = match service {
