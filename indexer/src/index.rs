@@ -45,8 +45,8 @@ impl TierMask {
 /// Hasher for 64-bit keys: one finalizer round (murmur3's fmix64) instead
 /// of SipHash. Our keys are xxh3 values, but engine hashes come from the
 /// pods: whatever their distribution, every bit of the result must depend on
-/// every bit of the key (DashMap picks shards and hashbrown tags slots from
-/// the top bits; sequential ints would otherwise all land in one shard).
+/// every bit of the key (hashbrown tags slots from the top bits; sequential
+/// ints would otherwise crowd into a few groups).
 #[derive(Default)]
 pub struct KeyHasher(u64);
 
