@@ -17,6 +17,8 @@
 
 mod endpoints;
 mod file;
+#[cfg(test)]
+mod reference;
 mod settings;
 mod validate;
 mod values;

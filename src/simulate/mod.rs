@@ -96,6 +96,7 @@ pub struct Options {
     /// Shared system prompts (chat, agent and one-shot sessions use one).
     #[arg(long, default_value_t = 8)]
     pub system_prompts: usize,
+    /// Mean tokens of a shared system prompt.
     #[arg(long, default_value_t = 2000)]
     pub system_tokens: usize,
     /// Turns per conversation.
@@ -158,7 +159,8 @@ pub struct Options {
     /// Write one self-contained HTML page of the race.
     #[arg(long)]
     pub html: Option<PathBuf>,
-    /// Write every pod's cache operations (JSONL) for replay through vLLM.
+    /// Write every pod's KV-cache manager calls (JSONL), for
+    /// `tests/fixtures/simulator/vllm_answers.py` to run through vLLM's own.
     #[arg(long)]
     pub ops_out: Option<PathBuf>,
 }
