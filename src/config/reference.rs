@@ -1,9 +1,10 @@
-//! `docs/configuration.md`, written (by a test: nothing else needs it) from the command line's own definition
+//! `docs/configuration.md`, written from the command line's own definition
 //! ([`Args::cli`]): every setting with its flag, environment variable,
 //! config-file key, default and help, every subcommand's own flags, and the
 //! other environment variables the service reads. A unit test compares the
 //! file with what this renders, so the page cannot drift from the code;
 //! `KV_INDEXER_BLESS=1 cargo test --lib config::reference` rewrites it.
+//! Only that test uses this module.
 
 use super::Args;
 
