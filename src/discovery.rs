@@ -6,35 +6,10 @@
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
-use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::config::DialTarget;
-
-/// `--discover-dns NAME:PORT[,replay-port=P]`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DnsTarget {
-    pub name: String,
-    pub port: u16,
-    pub replay_port: Option<u16>,
-}
-
-#[derive(Clone, Debug, Default)]
-pub struct DiscoveryConfig {
-    pub pods_file: Option<PathBuf>,
-    pub dns: Vec<DnsTarget>,
-    /// Resolve with this DNS server instead of the system resolver.
-    pub dns_server: Option<SocketAddr>,
-    pub interval: Duration,
-}
-
-impl DiscoveryConfig {
-    pub fn is_enabled(&self) -> bool {
-        self.pods_file.is_some() || !self.dns.is_empty()
-    }
-}
+use crate::config::{DialTarget, DiscoveryConfig, DnsTarget};
 
 /// A pods file: a list (or `{pods: [...]}`) of endpoints, each a string
 /// `tcp://host:port[,replay=tcp://host:port]` or `{endpoint, replay}`.

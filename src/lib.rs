@@ -21,6 +21,7 @@ pub mod proto {
 }
 
 pub mod app;
+pub mod cli;
 pub mod codec;
 pub mod config;
 mod conn_limit;

@@ -1,6 +1,7 @@
 //! `kv-indexer`: the service binary.
 
-use kv_indexer::config::{Args, Command, Config, LogFormat};
+use kv_indexer::cli::{Args, Command};
+use kv_indexer::config::{Config, LogFormat};
 use kv_indexer::malloc::Pinned;
 use tracing_subscriber::EnvFilter;
 
@@ -26,7 +27,7 @@ fn main() -> std::process::ExitCode {
         s.metrics_addr
             .get_or_insert_with(|| "127.0.0.1:9090".parse().expect("an address"));
     }
-    let config = match Config::load(args) {
+    let config = match Config::load(args.settings, args.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kv-indexer: {e}");

@@ -7,7 +7,6 @@
 use std::str::FromStr;
 
 use super::{invalid, ConfigError, DialTarget};
-use crate::discovery::DnsTarget;
 
 /// `tcp://HOST:PORT`, checked; `*` is every interface. The ZeroMQ crate
 /// speaks TCP only, so anything else would fail later and less clearly.
@@ -72,6 +71,14 @@ pub(crate) fn dial_target(raw: &str) -> Result<DialTarget, ConfigError> {
 }
 
 /// `--discover-dns NAME:PORT[,replay-port=PORT]`.
+/// `--discover-dns NAME:PORT[,replay-port=P]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DnsTarget {
+    pub name: String,
+    pub port: u16,
+    pub replay_port: Option<u16>,
+}
+
 impl FromStr for DnsTarget {
     type Err = String;
     fn from_str(raw: &str) -> Result<Self, String> {

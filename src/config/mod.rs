@@ -17,167 +17,40 @@
 
 mod endpoints;
 mod file;
-#[cfg(test)]
-mod reference;
 mod settings;
 mod validate;
 mod values;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use clap::Parser;
 use indexer::IndexerConfig;
 
 pub(crate) use endpoints::dial_target;
+pub use endpoints::DnsTarget;
 pub use settings::Settings;
 pub use values::{parse_bytes, IngestPriority, LogFormat};
-
-/// The command line: a subcommand, the `--config` file, and every setting
-/// (`settings.rs`), each also settable by `KV_INDEXER_<FLAG>` (upper case,
-/// `_` for `-`) or in the file (snake_case key, the flag's name).
-#[derive(Parser, Debug, Default)]
-#[command(name = "kv-indexer", version, about, long_about = None)]
-pub struct Args {
-    #[command(subcommand)]
-    pub command: Option<Command>,
-
-    /// YAML file with any of the settings below (snake_case keys).
-    #[arg(long, env = "KV_INDEXER_CONFIG", global = true)]
-    pub config: Option<PathBuf>,
-
-    #[command(flatten)]
-    pub settings: Settings,
-}
-
-impl Args {
-    /// `Args::parse()`, exiting with status 2 on a bad flag or variable, as
-    /// clap does; see [`Args::try_parse_named`] for the message.
-    pub fn parse_or_exit() -> Args {
-        Args::try_parse_named(std::env::args_os()).unwrap_or_else(|e| e.exit())
-    }
-
-    /// `Args::try_parse_from`, with a malformed value's error also naming
-    /// the setting and its environment variable: clap names the flag only,
-    /// even when the value came from `KV_INDEXER_<FLAG>`, and the file's
-    /// errors (and `validate.rs`'s) name the setting in snake_case.
-    pub fn try_parse_named<I, T>(argv: I) -> Result<Args, clap::Error>
-    where
-        I: IntoIterator<Item = T>,
-        T: Into<std::ffi::OsString> + Clone,
-    {
-        use clap::FromArgMatches;
-        let mut matches = Args::cli()
-            .try_get_matches_from(argv)
-            .map_err(name_the_setting)?;
-        Args::from_arg_matches_mut(&mut matches).map_err(name_the_setting)
-    }
-
-    /// The command line as parsed and as `--help` shows it. The service's
-    /// settings are global (`kv-indexer check --config FILE` works), so
-    /// clap would list all of them again in every subcommand's help,
-    /// interleaved with its own flags: there they are hidden, still
-    /// accepted, and the help names where they are described.
-    pub fn cli() -> clap::Command {
-        use clap::CommandFactory;
-        let mut cmd = Args::command();
-        // Each subcommand gets its own hidden copy of every setting, which
-        // clap's propagation of the global ones then leaves alone; a value
-        // given after the subcommand still reaches `Args::settings`.
-        let settings: Vec<clap::Arg> = cmd
-            .get_arguments()
-            .filter(|a| a.is_global_set())
-            .cloned()
-            .collect();
-        let subcommands: Vec<String> = cmd
-            .get_subcommands()
-            .map(|s| s.get_name().to_owned())
-            .collect();
-        for name in subcommands {
-            cmd = cmd.mut_subcommand(&name, |mut sub| {
-                for arg in &settings {
-                    // simulate reads one setting: the pods' block size.
-                    let shown = name == "simulate" && arg.get_id() == "block_size";
-                    sub = sub.arg(arg.clone().hide(!shown));
-                }
-                sub.after_help(
-                    "The service's settings (--config, --grpc-addr, ... and their \
-                     KV_INDEXER_* variables) apply here too: see `kv-indexer --help`.",
-                )
-            });
-        }
-        cmd
-    }
-}
-
-fn name_the_setting(mut e: clap::Error) -> clap::Error {
-    use clap::error::{ContextKind, ContextValue, ErrorKind};
-    if !matches!(
-        e.kind(),
-        ErrorKind::InvalidValue | ErrorKind::ValueValidation
-    ) {
-        return e;
-    }
-    // The context is the flag as usage shows it: `--max-memory <MAX_MEMORY>`.
-    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
-        return e;
-    };
-    let flag = arg.split(' ').next().unwrap_or_default();
-    let name = flag.trim_start_matches("--").replace('-', "_");
-    if !Settings::NAMES.contains(&name.as_str()) {
-        return e;
-    }
-    let tip = format!(
-        "this is the setting {name}, given by {flag} or KV_INDEXER_{}",
-        name.to_ascii_uppercase()
-    );
-    e.insert(
-        ContextKind::Suggested,
-        ContextValue::StyledStrs(vec![tip.into()]),
-    );
-    e
-}
 
 /// The `--config` file holds the same settings as the flags, in the same
 /// type: one parser per setting whatever the source.
 pub type FileConfig = Settings;
 
-#[derive(clap::Subcommand, Debug)]
-pub enum Command {
-    /// Validate the configuration (flags, environment, --config file),
-    /// print the effective settings and exit: 0 if valid, 2 if not.
-    Check,
-    /// Run the service with a built-in publisher that behaves like a few
-    /// vLLM pods serving conversations; prints how the scores move.
-    Demo {
-        /// Fake pods.
-        #[arg(long, default_value_t = 3)]
-        pods: usize,
-        /// Stop after this many turns (0 = until Ctrl-C).
-        #[arg(long, default_value_t = 0)]
-        turns: u32,
-        /// Pause between turns, e.g. `1s`, `0ms`.
-        #[arg(long, default_value = "1s")]
-        interval: humantime::Duration,
-    },
-    /// Publish a stream real vLLM recorded to a running kv-indexer, as a
-    /// pod would, score its first probe next to vLLM's answer, then remove
-    /// the pods it created (needs the service's --admin).
-    Publish {
-        /// Recorded stream (`*.frames.jsonl`, its `*.expected.json` beside it).
-        #[arg(default_value = "tests/fixtures/vllm-events/qwen3-lora-salt.frames.jsonl")]
-        frames: String,
-        /// The indexer's ZeroMQ SUB endpoint.
-        #[arg(long, default_value = "tcp://127.0.0.1:5557")]
-        zmq: String,
-        /// The indexer's gRPC address.
-        #[arg(long, default_value = "http://127.0.0.1:50051")]
-        grpc: String,
-    },
-    /// Race routing policies over simulated vLLM pods whose events feed
-    /// our index; prints a table (the pods' block size is --block-size).
-    Simulate(Box<crate::simulate::Options>),
+/// Where pods are discovered (`--pods-file`, `--discover-dns`):
+/// `discovery.rs` reads it.
+#[derive(Clone, Debug, Default)]
+pub struct DiscoveryConfig {
+    pub pods_file: Option<PathBuf>,
+    pub dns: Vec<DnsTarget>,
+    /// Resolve with this DNS server instead of the system resolver.
+    pub dns_server: Option<SocketAddr>,
+    pub interval: std::time::Duration,
+}
+
+impl DiscoveryConfig {
+    pub fn is_enabled(&self) -> bool {
+        self.pods_file.is_some() || !self.dns.is_empty()
+    }
 }
 
 /// PEM material for gRPC TLS, read at start.
@@ -224,7 +97,7 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     pub zmq_bind: Option<String>,
     pub zmq_connect: Vec<DialTarget>,
-    pub discovery: crate::discovery::DiscoveryConfig,
+    pub discovery: DiscoveryConfig,
     pub replay_endpoints: HashMap<String, String>,
     pub replay_timeout: std::time::Duration,
     /// Dial mode: expiry of silent, disconnected pods (`None`: never).
@@ -362,20 +235,20 @@ pub const BYTES_PER_ENTRY: usize = 256;
 pub const BYTES_PER_POD: usize = 4096;
 
 impl Config {
-    /// Merges flags/environment over the config file (if any) and validates.
-    pub fn load(mut args: Args) -> Result<Config, ConfigError> {
-        args.command = None;
-        let file = match &args.config {
+    /// Merges `settings` (flags and environment, joined by clap) over the
+    /// `--config` file (if any) and validates.
+    pub fn load(settings: Settings, file: Option<&Path>) -> Result<Config, ConfigError> {
+        let file = match file {
             Some(path) => file::read_file(path)?,
             None => FileConfig::default(),
         };
-        Config::merge(args, file)
+        Config::merge(settings, file)
     }
 
-    /// Flags and environment (already joined by clap) over the file, then
-    /// the defaults, then validation.
-    pub fn merge(args: Args, file: FileConfig) -> Result<Config, ConfigError> {
-        validate::validate(args.settings.or(file).resolve())
+    /// Flags and environment over the file, then the defaults, then
+    /// validation.
+    pub fn merge(settings: Settings, file: FileConfig) -> Result<Config, ConfigError> {
+        validate::validate(settings.or(file).resolve())
     }
 }
 
@@ -386,13 +259,23 @@ mod tests {
 
     use super::*;
 
-    fn args(list: &[&str]) -> Args {
-        Args::try_parse_from(std::iter::once("kv-indexer").chain(list.iter().copied())).unwrap()
+    /// The settings as the command line takes them.
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        settings: Settings,
+    }
+
+    fn args(list: &[&str]) -> Settings {
+        use clap::Parser;
+        Flags::try_parse_from(std::iter::once("kv-indexer").chain(list.iter().copied()))
+            .unwrap()
+            .settings
     }
 
     #[test]
     fn defaults_are_sensible() {
-        let c = Config::merge(Args::default(), FileConfig::default()).unwrap();
+        let c = Config::merge(Settings::default(), FileConfig::default()).unwrap();
         assert_eq!(c.grpc_addr, "0.0.0.0:50051".parse().unwrap());
         assert_eq!(c.zmq_bind.as_deref(), Some("tcp://0.0.0.0:5557"));
         assert!(c.zmq_connect.is_empty());
@@ -442,75 +325,8 @@ mod tests {
     }
 
     #[test]
-    fn errors_name_the_setting() {
-        let cases: &[(&[&str], &str)] = &[
-            (&["--grpc-addr", "nope"], "grpc_addr"),
-            (&["--metrics-addr", "nope"], "metrics_addr"),
-            (&["--tls-cert", "/etc/hostname"], "tls_key"),
-            (
-                &["--tls-cert", "/etc/hostname", "--tls-key", "/etc/hostname"],
-                "tls_cert",
-            ),
-            (&["--discover-dns", "svc"], "discover_dns"),
-            (&["--discover-dns", "svc:1,replay=2"], "discover_dns"),
-            (&["--dns-server", "x"], "dns_server"),
-            (&["--discovery-interval", "5"], "discovery_interval"),
-            (&["--replay-endpoint", "p"], "replay_endpoint"),
-            (&["--replay-endpoint", "p=udp://x:1"], "replay_endpoint"),
-            (&["--replay-timeout", "0s"], "replay_timeout"),
-            (&["--pod-expiry", "soon"], "pod_expiry"),
-            (&["--incomplete-pods", "ignore"], "incomplete_pods"),
-            (&["--zmq-bind", "udp://x:1"], "zmq_bind"),
-            (&["--zmq-connect", "tcp://a"], "zmq_connect"),
-            (&["--zmq-connect", "tcp://a:1,foo=bar"], "zmq_connect"),
-            (&["--block-size", "0"], "block_size"),
-            (&["--tier-weight", "gpu=2"], "tier_weight"),
-            (&["--tier-weight", "tpu=1"], "tier_weight"),
-            (&["--log-format", "xml"], "log_format"),
-            (&["--log-level", "info,=[bad"], "log_level"),
-            (&["--ingest-workers", "0"], "ingest_workers"),
-            (&["--key-mode", "hash"], "key_mode"),
-            (
-                &["--key-mode", "engine", "--engine-hash-algo", "md5"],
-                "engine_hash_algo",
-            ),
-            (
-                &["--key-mode", "engine", "--engine-hash-algo", "xxhash"],
-                "PYTHONHASHSEED",
-            ),
-            (
-                &["--key-mode", "engine", "--engine-extra-keys", "x"],
-                "engine_extra_keys",
-            ),
-            (&["--lora-path", "nopath"], "lora_path"),
-            (&["--model-key-mode", "m=fast"], "model_key_mode"),
-            (&["--model-key-mode", "m=engine:sha1"], "model_key_mode"),
-            (&["--tokenizer", "m"], "tokenizer"),
-            (&["--tokenizer", "m=/no/such/dir"], "tokenizer"),
-            (&["--tokenization-cache", "lots"], "tokenization_cache"),
-            (&["--max-message", "0"], "max_message"),
-            (&["--max-blocks", "0"], "max_blocks"),
-            (&["--snapshot-interval", "often"], "snapshot_interval"),
-            (&["--max-memory", "12"], "max_memory"),
-            (&["--max-inflight", "0"], "max_inflight"),
-            (&["--max-prompt-tokens", "0"], "max_prompt_tokens"),
-        ];
-        for (flags, setting) in cases {
-            // A malformed value stops at clap, the rest at validation.
-            let argv = std::iter::once("kv-indexer").chain(flags.iter().copied());
-            let err = match Args::try_parse_named(argv) {
-                Err(e) => e.to_string(),
-                Ok(a) => Config::merge(a, FileConfig::default())
-                    .unwrap_err()
-                    .to_string(),
-            };
-            assert!(err.contains(setting), "{flags:?}: {err}");
-        }
-    }
-
-    #[test]
     fn newer_settings_defaults_forms_and_bounds() {
-        let c = Config::merge(Args::default(), FileConfig::default()).unwrap();
+        let c = Config::merge(Settings::default(), FileConfig::default()).unwrap();
         assert_eq!(c.max_event_message_bytes, 4 << 20);
         assert_eq!((c.ingest_queue, c.ingest_queue_bytes), (65536, 64 << 20));
         assert!(c.zmq_allow.is_empty());
@@ -546,7 +362,7 @@ mod tests {
 
         // Every spelling of a bool, and the flag still wins over the file.
         let file = || -> FileConfig { serde_norway::from_str("admin: true\n").unwrap() };
-        assert!(Config::merge(Args::default(), file()).unwrap().admin);
+        assert!(Config::merge(Settings::default(), file()).unwrap().admin);
         for no in [&["--admin=false"][..], &["--admin", "false"]] {
             assert!(!Config::merge(args(no), file()).unwrap().admin, "{no:?}");
         }
@@ -568,10 +384,10 @@ mod tests {
             assert!(err.to_string().contains(setting), "{flags:?}: {err}");
         }
         for bad in [&["--zmq-allow", "10.0.0.0/40"][..], &["--admin", "maybe"]] {
-            assert!(
-                Args::try_parse_from(std::iter::once("kv-indexer").chain(bad.iter().copied()))
-                    .is_err()
-            );
+            assert!(<Flags as clap::Parser>::try_parse_from(
+                std::iter::once("kv-indexer").chain(bad.iter().copied())
+            )
+            .is_err());
         }
     }
 
@@ -608,7 +424,7 @@ mod tests {
             "key_mode: engine\nengine_hash_seed: '7'\nassume_prefix_closed: false\nmodel_key_modes: {x: token}\n",
         )
         .unwrap();
-        let c = Config::merge(Args::default(), file).unwrap();
+        let c = Config::merge(Settings::default(), file).unwrap();
         let e = c.indexer.keys.default.engine().unwrap();
         assert!(!e.assume_prefix_closed);
         assert!(c.indexer.keys.for_model("x").engine().is_none());

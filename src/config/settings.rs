@@ -22,7 +22,7 @@ use super::endpoints::{BindEndpoint, ReplayEndpoint};
 use super::file::from_file;
 use super::values::*;
 use super::DialTarget;
-use crate::discovery::DnsTarget;
+use super::DnsTarget;
 
 /// Writes the struct, its precedence and defaults from the table below.
 /// An entry is `doc, attributes, name: Type [= "default"],`. The type is
@@ -381,7 +381,13 @@ mod tests {
     use clap::CommandFactory;
 
     use super::*;
-    use crate::config::Args;
+
+    /// The settings as the command line takes them.
+    #[derive(clap::Parser)]
+    struct Args {
+        #[command(flatten)]
+        settings: Settings,
+    }
 
     #[test]
     fn every_setting_has_its_flag_and_environment_variable() {
@@ -402,30 +408,6 @@ mod tests {
     fn every_default_parses() {
         // `resolve` parses each default; a bad one panics naming it.
         let _ = Settings::default().resolve();
-    }
-
-    #[test]
-    fn a_subcommands_help_shows_its_own_flags_and_points_at_the_services() {
-        let help = |args: &[&str]| match Args::cli().try_get_matches_from(args) {
-            Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => e.to_string(),
-            other => panic!("{args:?}: {other:?}"),
-        };
-        let simulate = help(&["kv-indexer", "simulate", "--help"]);
-        assert!(simulate.contains("--pod-blocks") && simulate.contains("--block-size"));
-        let check = help(&["kv-indexer", "check", "--help"]);
-        for sub in [&simulate, &check] {
-            assert!(
-                !sub.contains("--grpc-addr <") && !sub.contains("--config <"),
-                "{sub}"
-            );
-            assert!(sub.contains("see `kv-indexer --help`"), "{sub}");
-        }
-        let top = help(&["kv-indexer", "--help"]);
-        assert!(top.contains("--grpc-addr <") && !top.contains("--pod-blocks"));
-        // Hidden, still taken, wherever they are given.
-        let args =
-            Args::try_parse_named(["kv-indexer", "check", "--grpc-addr", "1.2.3.4:5"]).unwrap();
-        assert_eq!(args.settings.grpc_addr, Some("1.2.3.4:5".parse().unwrap()));
     }
 
     #[test]

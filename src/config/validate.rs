@@ -36,7 +36,7 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
         ));
     }
 
-    let discovery = crate::discovery::DiscoveryConfig {
+    let discovery = super::DiscoveryConfig {
         pods_file: s.pods_file,
         dns: items(s.discover_dns),
         dns_server: s.dns_server,

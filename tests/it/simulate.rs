@@ -5,7 +5,7 @@
 //! hit counts.
 
 use crate::common::Service;
-use kv_indexer::config::{Args, Command};
+use kv_indexer::cli::{Args, Command};
 use kv_indexer::simulate::{self, Options, PolicyResult};
 
 /// Small sizes: a debug build runs each race in well under a second.
