@@ -62,13 +62,14 @@ pub struct Options {
     #[arg(long, default_value_t = 3125)]
     pub pod_blocks: usize,
     /// Most requests running (holding KV blocks) per pod at once; the rest
-    /// wait (vLLM's `--max-num-seqs`, 256 on most GPUs: an eighth here, as
-    /// the pod).
-    #[arg(long, default_value_t = 32)]
+    /// wait (vLLM's `--max-num-seqs`: 1024 on an 80 GB GPU, an eighth here,
+    /// as the pod's blocks).
+    #[arg(long, default_value_t = 128)]
     pub max_running: usize,
     /// Most tokens one step of a pod computes (vLLM's
-    /// `--max-num-batched-tokens`, 8192 on an H100-class GPU): a longer
-    /// prefill is computed in chunks, alongside the running decodes.
+    /// `--max-num-batched-tokens`, 8192 on an H100-class GPU; a compute
+    /// budget, not scaled with the pod): a longer prefill is computed in
+    /// chunks, alongside the running decodes.
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
     /// Prefill time per uncached prompt token, seconds (3.7 s for 32K

@@ -30,7 +30,9 @@ pub struct PolicyResult {
     pub hit_rate: f64,
     pub reprefilled_tokens: u64,
     /// Prompt tokens no pod held at admission (first sight, or evicted
-    /// everywhere): the misses no router could have avoided.
+    /// everywhere): the misses no router could have avoided. The rest of
+    /// the uncached tokens is each prompt's last block, which vLLM always
+    /// computes (a hit is capped at `len - 1` tokens).
     pub cold_tokens: u64,
     /// Preemptions (a running request's blocks freed for another's, its
     /// tokens recomputed later).
@@ -101,10 +103,7 @@ pub fn summarize(
         cached_tokens: cached,
         hit_rate: ratio(cached as f64, prompt as f64),
         reprefilled_tokens: served.iter().map(|o| o.reprefilled_tokens as u64).sum(),
-        cold_tokens: served
-            .iter()
-            .map(|o| (o.prompt_tokens - o.cached_tokens - o.reprefilled_tokens) as u64)
-            .sum(),
+        cold_tokens: served.iter().map(|o| o.cold_tokens as u64).sum(),
         preemptions: served.iter().map(|o| u64::from(o.preemptions)).sum(),
         wait_mean: mean(&served.iter().map(|o| o.wait).collect::<Vec<f64>>()),
         ttft_mean: mean(&ttft),
@@ -224,23 +223,26 @@ pub fn explain(r: &PolicyResult) -> String {
     let spread = ratio(r.requests_per_pod_max as f64, r.requests_per_pod_mean);
     // TTFT is waiting for admission plus prefill: which one is it?
     let queueing = match (r.wait_mean >= r.ttft_mean / 2.0, spread >= 1.5) {
-        (true, true) => "a hot spot queues: prefix affinity piles shared prompts onto few pods",
+        (true, true) => "a hot spot queues: the busiest pod gets far more than its share",
         (true, false) => "the fleet falls behind: requests queue for a slot",
         (false, _) => "requests barely queue",
     };
-    let misses = if r.reprefilled_tokens * 5 >= missed.max(1) {
+    let misses = if missed == 0 {
+        "nothing missed"
+    } else if r.reprefilled_tokens * 5 >= missed {
         "routing is the cost: it sent requests away from pods that held their prefix"
     } else {
         "the misses are cold: prompts no pod held, which no router could have found"
     };
     format!(
         "{}: {:.1}% of prompt tokens from cache; of the rest {:.0}% another pod held, \
-         {:.0}% none; busiest pod {} requests ({:.1}x the mean), {} mean wait for \
+         {:.0}% none, {:.0}% last blocks (always computed); busiest pod {} requests ({:.1}x the mean), {} mean wait for \
          admission, {} preemptions: {queueing}; {misses}",
         r.policy,
         r.hit_rate * 100.0,
         pct(r.reprefilled_tokens, missed),
         pct(r.cold_tokens, missed),
+        pct(missed - r.reprefilled_tokens - r.cold_tokens, missed),
         r.requests_per_pod_max,
         spread,
         secs(r.wait_mean),

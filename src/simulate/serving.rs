@@ -25,14 +25,18 @@
 //!    the last one finishes it (and is never fed back, so its KV is never
 //!    computed); the others are appended and decoded in the next steps.
 //!
-//! Events are published when the step is scheduled, as vLLM publishes
-//! them; the router sees each pod's load at the moment of a pick.
+//! This is vLLM's synchronous loop (`--no-async-scheduling`): with 0.33's
+//! default async scheduling, a decode's slots are allocated one step ahead
+//! and a finished request's blocks are freed one step later; the cache
+//! calls are otherwise the same. A step's events are published when the
+//! step ends (`update_from_output` takes them), and the router sees each
+//! pod's load at the moment of a pick.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::feed::Feed;
-use super::pod_cache::{Allocation, OpLine, PodCache, Sequence};
+use super::pod_cache::{Allocation, CacheEvent, OpLine, PodCache, Sequence};
 use super::policy::{Load, Policy};
 use super::workload::Request;
 
@@ -59,6 +63,9 @@ pub struct Outcome {
     /// Prompt tokens prefilled here that another pod held at admission
     /// (capped as vLLM caps a hit).
     pub reprefilled_tokens: usize,
+    /// Prompt tokens no pod held at admission, short of the last block
+    /// every pod computes anyway (the hit is capped at `len - 1` tokens).
+    pub cold_tokens: usize,
     /// Times it was preempted (its blocks freed and its tokens recomputed).
     pub preemptions: u32,
     pub admitted_at: f64,
@@ -116,6 +123,8 @@ struct PodState {
     running: Vec<u32>,
     /// The step in flight: (request, tokens scheduled).
     step: Vec<(u32, usize)>,
+    /// What the step's scheduling stored and evicted, published at its end.
+    step_events: Vec<CacheEvent>,
     busy: bool,
     ops: Option<Vec<OpLine>>,
 }
@@ -156,6 +165,7 @@ impl<'a> Simulation<'a> {
                 waiting: VecDeque::new(),
                 running: Vec::new(),
                 step: Vec::new(),
+                step_events: Vec::new(),
                 busy: false,
                 ops: log_ops.then(Vec::new),
             })
@@ -352,9 +362,10 @@ impl<'a> Simulation<'a> {
             live.computed += n;
         }
         let state = &mut self.pods[pod];
-        let events = state.cache.take_events();
-        feed.publish(pod, now, &events)?;
+        state.step_events = state.cache.take_events();
         if step.is_empty() {
+            // Nothing to run: nothing was allocated either.
+            debug_assert!(state.step_events.is_empty());
             state.busy = false;
             return Ok(());
         }
@@ -379,6 +390,7 @@ impl<'a> Simulation<'a> {
         let out = &mut self.outcomes[req as usize];
         out.cached_tokens = hit_tokens;
         out.reprefilled_tokens = (elsewhere * self.cfg.block_size).saturating_sub(hit_tokens);
+        out.cold_tokens = cap * self.cfg.block_size - hit_tokens - out.reprefilled_tokens;
         out.admitted_at = now;
         out.wait = now - p.request.arrival;
     }
@@ -387,6 +399,8 @@ impl<'a> Simulation<'a> {
     /// finish; then the next step.
     fn step_end(&mut self, pod: usize, now: f64, feed: &mut Feed) -> anyhow::Result<()> {
         let step = std::mem::take(&mut self.pods[pod].step);
+        let events = std::mem::take(&mut self.pods[pod].step_events);
+        feed.publish(pod, now, &events)?;
         for (req, _) in step {
             let r = self.requests[req as usize].request;
             let live = self.live[req as usize].as_mut().expect("scheduled is live");
