@@ -249,7 +249,7 @@ impl<'a> Simulation<'a> {
             token_ids: p.request.prompt.clone(),
         });
         if !state.busy {
-            self.schedule(pod, now, feed)?;
+            self.schedule(pod, now);
         }
         Ok(())
     }
@@ -259,7 +259,7 @@ impl<'a> Simulation<'a> {
     }
 
     /// One `Scheduler.schedule` on `pod` at `now`; starts the step.
-    fn schedule(&mut self, pod: usize, now: f64, feed: &mut Feed) -> anyhow::Result<()> {
+    fn schedule(&mut self, pod: usize, now: f64) {
         let mut budget = self.cfg.max_batched_tokens;
         let mut step = Vec::new();
         let mut preempted = false;
@@ -367,14 +367,13 @@ impl<'a> Simulation<'a> {
             // Nothing to run: nothing was allocated either.
             debug_assert!(state.step_events.is_empty());
             state.busy = false;
-            return Ok(());
+            return;
         }
         let took = self.cfg.decode_per_token + prefill as f64 * self.cfg.prefill_per_token;
         state.step = step;
         state.busy = true;
         self.events
             .push(Reverse((key(now + took), Event::StepEnd { pod })));
-        Ok(())
     }
 
     /// The outcome's figures at a request's first admission.
@@ -435,7 +434,8 @@ impl<'a> Simulation<'a> {
                 token_ids: vec![token],
             });
         }
-        self.schedule(pod, now, feed)
+        self.schedule(pod, now);
+        Ok(())
     }
 }
 
