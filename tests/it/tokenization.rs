@@ -298,10 +298,12 @@ async fn planted_secrets_appear_in_no_output() {
         input: Some(pb::tokenize_request::Input::Prompt("Hello".into())),
         ..Default::default()
     };
-    // The fake Hub takes the token (a password in the URL would make the
-    // client send Basic credentials instead); the closed port gets both.
+    // The token wins over the endpoint's credentials, and the fake Hub takes
+    // it: the download succeeds, logged at debug level (where the HTTP
+    // client logs every URL it requests). The closed port fails to connect,
+    // and its error quotes the URL.
     for (endpoint, format) in [
-        (hub.endpoint.clone(), "text"),
+        (with_password(&hub.endpoint), "text"),
         (with_password(&closed), "json"),
     ] {
         let hf_home = tempfile::tempdir().unwrap();
@@ -317,7 +319,7 @@ async fn planted_secrets_appear_in_no_output() {
         let service = Service::start_with_env(&["--zmq-bind", &zmq], Some(zmq.clone()), &env).await;
         let _publisher = service.publish_recorded("Qwen/Qwen3-8B", frames).await;
         let answer = service.client().await.tokenize(req.clone()).await;
-        match (endpoint == hub.endpoint, answer) {
+        match (endpoint == with_password(&hub.endpoint), answer) {
             (true, Ok(ok)) => assert_eq!(ok.into_inner().token_ids, vec![9707]),
             (false, Err(status)) => {
                 assert!(status.message().contains("Hub download"), "{status:?}");

@@ -40,11 +40,16 @@ pub fn download(model: &str, hub: &Hub, cache: &Path) -> Result<TokenizerFiles, 
     if !crate::names::is_hub_repo_id(model) {
         return Err(format!("{model:?} is not a Hub repository id"));
     }
-    let endpoint = hub
+    let given = hub
         .endpoint
         .as_deref()
         .unwrap_or(DEFAULT_ENDPOINT)
         .trim_end_matches('/');
+    // Credentials in the endpoint go into a header of ours, never into a
+    // URL: ureq logs the URLs it requests (at debug level) and quotes them
+    // in its errors.
+    let (endpoint, credentials) = crate::load::split_credentials(given);
+    let endpoint = endpoint.as_str();
     let agent = ureq::AgentBuilder::new()
         .timeout_connect(hub.timeout)
         .timeout_read(hub.timeout)
@@ -55,17 +60,16 @@ pub fn download(model: &str, hub: &Hub, cache: &Path) -> Result<TokenizerFiles, 
         .user_agent(concat!("kv-indexer/", env!("CARGO_PKG_VERSION")))
         .build();
     let started = Instant::now();
-    let shown = hub.shown_endpoint(endpoint);
     tracing::info!(
         model,
-        endpoint = shown,
+        endpoint,
         timeout_s = hub.timeout.as_secs_f64(),
         "downloading from the Hugging Face Hub (tokenizer files only)"
     );
     let repo = cache.join(hf_cache_repo(model));
     let get = |file: &str| -> Result<Option<PathBuf>, String> {
         let url = format!("{endpoint}/{model}/resolve/main/{file}");
-        let Some(got) = fetch(&agent, hub, endpoint, &url, file)? else {
+        let Some(got) = fetch(&agent, hub, credentials.as_deref(), endpoint, &url, file)? else {
             return Ok(None);
         };
         store(&repo, file, &got).map(Some).map_err(|e| {
@@ -88,7 +92,7 @@ pub fn download(model: &str, hub: &Hub, cache: &Path) -> Result<TokenizerFiles, 
         tokenizer_json,
         config_json,
         chat_template_jinja,
-        origin: format!("Hub {shown}/{model}"),
+        origin: format!("Hub {endpoint}/{model}"),
     })
 }
 
@@ -104,6 +108,7 @@ struct Fetched {
 fn fetch(
     agent: &ureq::Agent,
     hub: &Hub,
+    credentials: Option<&str>,
     endpoint: &str,
     url: &str,
     file: &str,
@@ -113,8 +118,15 @@ fn fetch(
     let (mut commit, mut etag) = (None, None);
     for _ in 0..=MAX_REDIRECTS {
         let mut req = agent.get(&url).timeout(budget);
-        if let (Some(token), true) = (&hub.token, origin(&url) == origin(endpoint)) {
-            req = req.set("Authorization", &format!("Bearer {token}"));
+        // Only to the Hub itself, never to where it redirects (its CDN).
+        if origin(&url) == origin(endpoint) {
+            if let Some(token) = &hub.token {
+                req = req.set("Authorization", &format!("Bearer {token}"));
+            } else if let Some(user_password) = credentials {
+                use base64::Engine;
+                let basic = base64::engine::general_purpose::STANDARD.encode(user_password);
+                req = req.set("Authorization", &format!("Basic {basic}"));
+            }
         }
         let resp = match req.call() {
             Ok(resp) => resp,

@@ -56,11 +56,6 @@ impl std::fmt::Debug for Hub {
 }
 
 impl Hub {
-    /// The endpoint as it may be shown: without a `user:password@` part.
-    pub fn shown_endpoint(&self, endpoint: &str) -> String {
-        without_userinfo(endpoint)
-    }
-
     /// `text` with every secret of this Hub (the token, the endpoint's
     /// user and password) replaced by `***`: for errors and log lines that
     /// quote a URL or a header.
@@ -84,6 +79,17 @@ fn userinfo(url: &str) -> Option<&str> {
         .next()
         .unwrap_or_default();
     authority.rsplit_once('@').map(|(info, _)| info)
+}
+
+/// `url` without its `user:password@`, and that `user:password`.
+pub(crate) fn split_credentials(url: &str) -> (String, Option<String>) {
+    match userinfo(url) {
+        Some(info) => (
+            url.replacen(&format!("{info}@"), "", 1),
+            Some(info.to_owned()),
+        ),
+        None => (url.to_owned(), None),
+    }
 }
 
 /// `url` with its `user:password@` replaced by `***@`.
@@ -339,7 +345,14 @@ mod tests {
             "{shown}"
         );
         assert!(format!("{:?}", hub(None, None)).contains("token: \"not set\""));
-        assert_eq!(h.shown_endpoint("http://a.b/c@d"), "http://a.b/c@d");
+        assert_eq!(
+            split_credentials("http://me:pw@a.b/c@d"),
+            ("http://a.b/c@d".to_owned(), Some("me:pw".to_owned()))
+        );
+        assert_eq!(
+            split_credentials("http://a.b/c@d"),
+            ("http://a.b/c@d".to_owned(), None)
+        );
     }
 
     #[test]
