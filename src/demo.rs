@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use crate::config::Config;
 use crate::proto::kvindexer::v1 as pb;
+use crate::publish::{announce_pods, listed};
 use crate::vllm_wire::{self, WireEvent};
 
 const MODEL: &str = "demo/model";
@@ -227,50 +228,6 @@ async fn announce(
         pod.seq = 1;
     }
     Ok(())
-}
-
-/// Publishes an empty batch (seq 0) for each of `pods` until the indexer
-/// lists them all: a fresh PUB socket drops messages until the
-/// subscription reached it ("slow joiner"). The pods' next seq is 1.
-pub(crate) async fn announce_pods(
-    publisher: &crate::zmq_io::Publisher,
-    model: &str,
-    pods: &[String],
-    client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
-) -> anyhow::Result<()> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        for pod in pods {
-            publisher.send(&vllm_wire::frames(
-                pod,
-                model,
-                0,
-                vllm_wire::encode_batch(&[]),
-            ))?;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        if listed(client, model).await?.len() >= pods.len() {
-            return Ok(());
-        }
-        anyhow::ensure!(
-            std::time::Instant::now() < deadline,
-            "the pods' events never reached the indexer"
-        );
-    }
-}
-
-/// `model`'s pods as the indexer lists them.
-pub(crate) async fn listed(
-    client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
-    model: &str,
-) -> anyhow::Result<Vec<pb::PodInfo>> {
-    Ok(client
-        .list_pods(pb::ListPodsRequest {
-            model: model.into(),
-        })
-        .await?
-        .into_inner()
-        .pods)
 }
 
 /// Waits (bounded) until the indexer applied every batch `pod` published.

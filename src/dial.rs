@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use indexer::topic::parse_topic;
 
 use crate::config::DialTarget;
-use crate::ingest::{Dispatcher, LastTopic, Source};
+use crate::dispatch::{Dispatcher, LastTopic, Source};
 use crate::ratelimit::RateLimited;
 use crate::worker::ConnId;
 use crate::zmq_io::{self, ReceiveLimits};
@@ -365,7 +365,7 @@ fn open(
         replay: target.replay.as_deref().map(Arc::from),
         seen: HashSet::new(),
         last_topic: LastTopic::default(),
-        conn: crate::ingest::new_conn_id(),
+        conn: crate::dispatch::new_conn_id(),
         connected: false,
         context_slot,
     })

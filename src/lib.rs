@@ -28,6 +28,7 @@ mod conn_limit;
 pub mod demo;
 mod dial;
 pub mod discovery;
+mod dispatch;
 pub mod error;
 pub mod feedback;
 pub mod grpc;

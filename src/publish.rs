@@ -215,3 +215,47 @@ fn message(topic: &str, seq: u64, payload: &[u8]) -> Vec<Bytes> {
         Bytes::copy_from_slice(payload),
     ]
 }
+
+/// Publishes an empty batch (seq 0) for each of `pods` until the indexer
+/// lists them all: a fresh PUB socket drops messages until the
+/// subscription reached it ("slow joiner"). The pods' next seq is 1.
+pub(crate) async fn announce_pods(
+    publisher: &crate::zmq_io::Publisher,
+    model: &str,
+    pods: &[String],
+    client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
+) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        for pod in pods {
+            publisher.send(&crate::vllm_wire::frames(
+                pod,
+                model,
+                0,
+                crate::vllm_wire::encode_batch(&[]),
+            ))?;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if listed(client, model).await?.len() >= pods.len() {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the pods' events never reached the indexer"
+        );
+    }
+}
+
+/// `model`'s pods as the indexer lists them.
+pub(crate) async fn listed(
+    client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
+    model: &str,
+) -> anyhow::Result<Vec<pb::PodInfo>> {
+    Ok(client
+        .list_pods(pb::ListPodsRequest {
+            model: model.into(),
+        })
+        .await?
+        .into_inner()
+        .pods)
+}

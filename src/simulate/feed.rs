@@ -119,7 +119,7 @@ impl Feed {
             .map_err(|e| anyhow::anyhow!("no kv-indexer answers at {grpc}: {e}"))?;
         let publisher = Publisher::connect(context, zmq)?;
         let names = pod_names(pods);
-        runtime.block_on(crate::demo::announce_pods(
+        runtime.block_on(crate::publish::announce_pods(
             &publisher,
             model,
             &names,
@@ -301,7 +301,7 @@ fn wait_applied(r: &mut Remote, model: &str, names: &[String], next: &[u64]) -> 
     loop {
         let pods = r
             .runtime
-            .block_on(crate::demo::listed(&mut r.client, model))?;
+            .block_on(crate::publish::listed(&mut r.client, model))?;
         let done = names.iter().zip(next).all(|(name, &next)| {
             pods.iter()
                 .any(|p| &p.pod == name && p.last_seq.is_some_and(|s| s + 1 >= next))
