@@ -12,8 +12,8 @@
 //! ones `score` and `offload` apply to the index's holders of each key.
 //!
 //! `held_along` probes the runs' heads at every position no run covers
-//! (about 30 ns each: BENCHMARKS.md, "fourteenth session"), so it is read
-//! only when a rule needs it.
+//! (about 30 ns each: BENCHMARKS.md, "The index against its peers", its
+//! profiling modes), so it is read only when a rule needs it.
 //!
 
 use crate::event::Tier;

@@ -54,8 +54,8 @@
 //!
 //! A run costs about 400 bytes of its own whatever its length, so each
 //! pod's holdings are counted (`usage`) for a capacity to charge: blocks
-//! stored one by one are each a run. BENCHMARKS.md ("twelfth" to
-//! "fifteenth session") has its numbers against the peers.
+//! stored one by one are each a run. BENCHMARKS.md ("The index against
+//! its peers") has its numbers against the peers.
 
 mod dump;
 mod pods;
