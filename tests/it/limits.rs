@@ -125,7 +125,7 @@ async fn overload_is_refused_at_once() {
         (None, other) => panic!("no request was refused while another held the permit: {other:?}"),
     };
     assert!(refused.message().contains("max-inflight"), "{refused:?}");
-    // (Expired deadlines: unit tests in src/grpc.rs; over the wire the
+    // (Expired deadlines: unit tests in src/grpc/mod.rs; over the wire the
     // client enforces its own grpc-timeout first.)
     let (_, metrics) = service.http_get("/metrics");
     assert!(
