@@ -3,7 +3,8 @@
 //!
 //! - `workload`: the requests (generated from a seed, or a `--trace`);
 //! - `pod_cache`: one pod's prefix cache, vLLM 0.33's `KVCacheManager`
-//!   call for call, and the replay of an op log through it;
+//!   call for call; `op_log`: its calls as `--ops-out` writes them, and
+//!   their replay;
 //! - `serving`: each pod's vLLM scheduler loop (chunked prefill, decode
 //!   steps, preemption) in virtual time;
 //! - `policy` (and `approximate`): how a router picks a pod;
@@ -17,6 +18,7 @@
 mod approximate;
 mod feed;
 mod html;
+mod op_log;
 mod pod_cache;
 mod policy;
 mod report;
@@ -32,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-pub use pod_cache::{replay as replay_op_log, Answer};
+pub use op_log::{replay as replay_op_log, Answer};
 pub use policy::Spec as PolicySpec;
 pub use report::{explain, PolicyResult, Report};
 

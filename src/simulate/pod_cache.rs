@@ -22,13 +22,12 @@
 //!
 //! The request's tokens and how many of them are computed belong to the
 //! scheduler (`serving.rs`), as they belong to vLLM's `Request`; this file
-//! owns only blocks. [`replay`] drives a pod from an op log, as
+//! owns only blocks. `op_log` drives a pod from an op log, as
 //! `tests/fixtures/simulator/vllm_answers.py` drives vLLM's own class.
 
 use std::collections::HashMap;
 
 use indexer::keys;
-use serde::{Deserialize, Serialize};
 
 /// The end of a list in `FreeQueue`.
 const NIL: u32 = u32::MAX;
@@ -370,174 +369,6 @@ impl PodCache {
         });
         held.cached = full;
     }
-}
-
-/// One line of the op log (`--ops-out`): a pod's `KVCacheManager` calls and
-/// the request changes between them, in the order the pod ran them. The
-/// file starts each pod with a [`Header`]; every line names its pod.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum OpLine {
-    /// A request reaches the pod's waiting queue (a new `Request`).
-    Add { req: String, token_ids: Vec<u32> },
-    /// `get_computed_blocks` (its answer, `hit_blocks`), then
-    /// `allocate_slots` with them and `full_sequence_must_fit`: a waiting
-    /// request's admission attempt, `ok` whether it was admitted.
-    Admit {
-        req: String,
-        hit_blocks: usize,
-        new_tokens: usize,
-        ok: bool,
-    },
-    /// `allocate_slots` for a running request's next `new_tokens`.
-    Allocate {
-        req: String,
-        new_tokens: usize,
-        ok: bool,
-    },
-    /// `append_output_token_ids`: a token sampled at the end of a step.
-    Append { req: String, token_ids: Vec<u32> },
-    /// `free`: the request finished, or was preempted (then its computed
-    /// tokens go back to 0 and it waits again).
-    Free { req: String, preempted: bool },
-}
-
-/// The first line of a pod in the op log.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Header {
-    pub pod: String,
-    /// Usable blocks (vLLM's `num_gpu_blocks` less its null block).
-    pub capacity_blocks: usize,
-    pub block_size: usize,
-}
-
-/// What a pod answered to one `admit` or `allocate` line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Answer {
-    /// 1-based line of the op log.
-    pub line: usize,
-    /// `get_computed_blocks` in blocks (`admit` only, else 0).
-    pub hit_blocks: usize,
-    /// Whether `allocate_slots` gave the blocks.
-    pub ok: bool,
-}
-
-/// Runs an op log through simulated pods, as the pods that wrote it ran
-/// it, and gives every `admit` and `allocate` line's answer. The log's own
-/// `hit_blocks` and `ok` are not read: they are what is being checked.
-/// Blocks are told apart by their tokens' chained hashes, so any root seed
-/// gives the same answers.
-pub fn replay(log: &str) -> anyhow::Result<Vec<Answer>> {
-    let root_seed = 0;
-    use anyhow::Context;
-
-    struct Replayed {
-        cache: PodCache,
-        block_size: usize,
-        /// Request name -> (id, tokens, computed tokens).
-        reqs: HashMap<String, (u32, Sequence, usize)>,
-        next_id: u32,
-    }
-    let mut pods: HashMap<String, Replayed> = HashMap::new();
-    let mut answers = Vec::new();
-    for (n, line) in log.lines().enumerate().map(|(i, l)| (i + 1, l)) {
-        let value: serde_json::Value =
-            serde_json::from_str(line).with_context(|| format!("line {n}: not JSON"))?;
-        let pod = value["pod"]
-            .as_str()
-            .with_context(|| format!("line {n}: no pod"))?
-            .to_owned();
-        if value.get("capacity_blocks").is_some() {
-            let h: Header = serde_json::from_value(value)?;
-            let replayed = Replayed {
-                cache: PodCache::new(h.capacity_blocks, h.block_size),
-                block_size: h.block_size,
-                reqs: HashMap::new(),
-                next_id: 0,
-            };
-            pods.insert(pod, replayed);
-            continue;
-        }
-        let p = pods
-            .get_mut(&pod)
-            .with_context(|| format!("line {n}: pod {pod} has no header"))?;
-        let op: OpLine =
-            serde_json::from_value(value).with_context(|| format!("line {n}: not an op"))?;
-        match op {
-            OpLine::Add { req, token_ids } => {
-                let mut seq = Sequence::default();
-                seq.append(&token_ids, p.block_size, root_seed);
-                p.next_id += 1;
-                p.reqs.insert(req, (p.next_id, seq, 0));
-            }
-            OpLine::Append { req, token_ids } => {
-                let (_, seq, _) = p
-                    .reqs
-                    .get_mut(&req)
-                    .with_context(|| format!("line {n}: unknown request {req}"))?;
-                seq.append(&token_ids, p.block_size, root_seed);
-            }
-            OpLine::Admit {
-                req, new_tokens, ..
-            } => {
-                let (id, seq, computed) = p
-                    .reqs
-                    .get_mut(&req)
-                    .with_context(|| format!("line {n}: unknown request {req}"))?;
-                let hit_blocks = p.cache.computed(seq);
-                let alloc = Allocation {
-                    computed: 0,
-                    new_tokens,
-                    hit_blocks,
-                    whole_sequence: true,
-                };
-                let ok = p.cache.allocate(*id, seq, alloc);
-                if ok {
-                    *computed = hit_blocks * p.block_size + new_tokens;
-                }
-                answers.push(Answer {
-                    line: n,
-                    hit_blocks,
-                    ok,
-                });
-            }
-            OpLine::Allocate {
-                req, new_tokens, ..
-            } => {
-                let (id, seq, computed) = p
-                    .reqs
-                    .get_mut(&req)
-                    .with_context(|| format!("line {n}: unknown request {req}"))?;
-                let alloc = Allocation {
-                    computed: *computed,
-                    new_tokens,
-                    hit_blocks: 0,
-                    whole_sequence: false,
-                };
-                let ok = p.cache.allocate(*id, seq, alloc);
-                if ok {
-                    *computed += new_tokens;
-                }
-                answers.push(Answer {
-                    line: n,
-                    hit_blocks: 0,
-                    ok,
-                });
-            }
-            OpLine::Free { req, preempted } => {
-                let (id, _, computed) = p
-                    .reqs
-                    .get_mut(&req)
-                    .with_context(|| format!("line {n}: unknown request {req}"))?;
-                p.cache.free(*id);
-                *computed = 0;
-                if !preempted {
-                    p.reqs.remove(&req);
-                }
-            }
-        }
-    }
-    Ok(answers)
 }
 
 #[cfg(test)]

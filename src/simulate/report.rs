@@ -6,7 +6,7 @@ use std::io::Write;
 use serde::Serialize;
 
 use super::feed::{FeedStats, ScoreCost};
-use super::pod_cache::{Header, OpLine};
+use super::op_log::{Header, OpLine};
 use super::serving::Outcome;
 
 /// How many points the race-over-time series have.

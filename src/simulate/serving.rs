@@ -36,7 +36,8 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
 use super::feed::Feed;
-use super::pod_cache::{Allocation, CacheEvent, OpLine, PodCache, Sequence};
+use super::op_log::OpLine;
+use super::pod_cache::{Allocation, CacheEvent, PodCache, Sequence};
 use super::policy::{Load, Policy};
 use super::workload::Request;
 
