@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-pub use op_log::{replay as replay_op_log, Answer};
+pub use op_log::{replay as replay_op_log, Answer, Seen};
 pub use policy::Spec as PolicySpec;
 pub use report::{explain, PolicyResult, Report};
 

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::pod_cache::{Allocation, PodCache, Sequence};
+use super::pod_cache::{Allocation, CacheEvent, PodCache, Sequence};
 
 /// One line of the op log (`--ops-out`): a pod's `KVCacheManager` calls and
 /// the request changes between them, in the order the pod ran them. The
@@ -50,7 +50,7 @@ pub struct Header {
 }
 
 /// What a pod answered to one `admit` or `allocate` line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Answer {
     /// 1-based line of the op log.
     pub line: usize,
@@ -58,6 +58,48 @@ pub struct Answer {
     pub hit_blocks: usize,
     /// Whether `allocate_slots` gave the blocks.
     pub ok: bool,
+    /// The events the call queued, in order.
+    pub events: Vec<Seen>,
+}
+
+/// An event as both sides can name it: a block by a digest of its tokens
+/// ([`digest`]), since vLLM's block hashes and ours differ.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Seen {
+    Stored(Vec<String>),
+    Removed(String),
+}
+
+/// FNV-1a 64 over the tokens as little-endian u32, in hex (the same
+/// function as `vllm_answers.py`'s).
+pub fn digest(tokens: &[u32]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in tokens.iter().flat_map(|t| t.to_le_bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// The cache's events since the last call, blocks named by their tokens;
+/// `digests` remembers each stored block's digest by our hash.
+fn seen(cache: &mut PodCache, block_size: usize, digests: &mut HashMap<u64, String>) -> Vec<Seen> {
+    cache
+        .take_events()
+        .into_iter()
+        .map(|e| match e {
+            CacheEvent::Stored { hashes, tokens, .. } => Seen::Stored(
+                hashes
+                    .iter()
+                    .zip(tokens.chunks_exact(block_size))
+                    .map(|(h, t)| digests.entry(*h).or_insert_with(|| digest(t)).clone())
+                    .collect(),
+            ),
+            CacheEvent::Removed { hash } => {
+                Seen::Removed(digests.get(&hash).cloned().unwrap_or_default())
+            }
+        })
+        .collect()
 }
 
 /// Runs an op log through simulated pods, as the pods that wrote it ran
@@ -75,6 +117,8 @@ pub fn replay(log: &str) -> anyhow::Result<Vec<Answer>> {
         /// Request name -> (id, tokens, computed tokens).
         reqs: HashMap<String, (u32, Sequence, usize)>,
         next_id: u32,
+        /// Our block hash -> its tokens' digest.
+        digests: HashMap<u64, String>,
     }
     let mut pods: HashMap<String, Replayed> = HashMap::new();
     let mut answers = Vec::new();
@@ -92,6 +136,7 @@ pub fn replay(log: &str) -> anyhow::Result<Vec<Answer>> {
                 block_size: h.block_size,
                 reqs: HashMap::new(),
                 next_id: 0,
+                digests: HashMap::new(),
             };
             pods.insert(pod, replayed);
             continue;
@@ -137,6 +182,7 @@ pub fn replay(log: &str) -> anyhow::Result<Vec<Answer>> {
                     line: n,
                     hit_blocks,
                     ok,
+                    events: seen(&mut p.cache, p.block_size, &mut p.digests),
                 });
             }
             OpLine::Allocate {
@@ -160,6 +206,7 @@ pub fn replay(log: &str) -> anyhow::Result<Vec<Answer>> {
                     line: n,
                     hit_blocks: 0,
                     ok,
+                    events: seen(&mut p.cache, p.block_size, &mut p.digests),
                 });
             }
             OpLine::Free { req, preempted } => {

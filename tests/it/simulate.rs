@@ -154,7 +154,8 @@ fn the_html_page_is_xml_with_one_svg_chart_per_measure() {
 
 /// Each recorded op log (`tests/fixtures/simulator/`, written by the
 /// simulator) through the simulator's pod, against what vLLM 0.33.0's own
-/// `KVCacheManager` answered to the same calls (`vllm_answers.py`).
+/// `KVCacheManager` answered to the same calls (`vllm_answers.py`): the
+/// hits, whether each allocation fit, and the events each call queued.
 #[test]
 fn the_simulated_pod_answers_every_cache_call_as_vllms_kv_cache_manager() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/simulator");
@@ -181,6 +182,17 @@ fn the_simulated_pod_answers_every_cache_call_as_vllms_kv_cache_manager() {
         let count = |needle: &str| log.matches(needle).count();
         let hits = theirs.iter().filter(|a| a.hit_blocks > 0).count();
         assert!(hits > 10, "{name}: {hits} admissions hit the cache");
+        let events = |removed: bool| {
+            theirs
+                .iter()
+                .flat_map(|a| &a.events)
+                .filter(|e| matches!(e, simulate::Seen::Removed(_)) == removed)
+                .count()
+        };
+        assert!(events(false) > 100, "{name}: few stores");
+        if name != "chunked" {
+            assert!(events(true) > 100, "{name}: few evictions");
+        }
         match name {
             "pressure" => assert!(count("\"ok\":false") > 10, "{name}: no admission waited"),
             "preemption" => assert!(count("\"preempted\":true") > 10, "{name}: few preemptions"),
