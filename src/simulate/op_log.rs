@@ -40,6 +40,19 @@ pub enum OpLine {
     Free { req: String, preempted: bool },
 }
 
+impl OpLine {
+    /// The request the line is about.
+    pub fn req(&self) -> &str {
+        match self {
+            OpLine::Add { req, .. }
+            | OpLine::Admit { req, .. }
+            | OpLine::Allocate { req, .. }
+            | OpLine::Append { req, .. }
+            | OpLine::Free { req, .. } => req,
+        }
+    }
+}
+
 /// The first line of a pod in the op log.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Header {
@@ -108,8 +121,8 @@ fn seen(cache: &mut PodCache, block_size: usize, digests: &mut HashMap<u64, Stri
 /// Blocks are told apart by their tokens' chained hashes, so any root seed
 /// gives the same answers.
 pub fn replay(log: &str) -> anyhow::Result<Vec<Answer>> {
-    let root_seed = 0;
     use anyhow::Context;
+    const ROOT_SEED: u64 = 0;
 
     struct Replayed {
         cache: PodCache,
@@ -146,27 +159,34 @@ pub fn replay(log: &str) -> anyhow::Result<Vec<Answer>> {
             .with_context(|| format!("line {n}: pod {pod} has no header"))?;
         let op: OpLine =
             serde_json::from_value(value).with_context(|| format!("line {n}: not an op"))?;
-        match op {
-            OpLine::Add { req, token_ids } => {
-                let mut seq = Sequence::default();
-                seq.append(&token_ids, p.block_size, root_seed);
-                p.next_id += 1;
-                p.reqs.insert(req, (p.next_id, seq, 0));
+        if let OpLine::Add { req, token_ids } = op {
+            let mut seq = Sequence::default();
+            seq.append(&token_ids, p.block_size, ROOT_SEED);
+            p.next_id += 1;
+            p.reqs.insert(req, (p.next_id, seq, 0));
+            continue;
+        }
+        let name = op.req().to_owned();
+        let (id, seq, computed) = p
+            .reqs
+            .get_mut(&name)
+            .with_context(|| format!("line {n}: unknown request {name}"))?;
+        let id = *id;
+        let (hit_blocks, alloc) = match op {
+            OpLine::Add { .. } => unreachable!("handled above"),
+            OpLine::Append { token_ids, .. } => {
+                seq.append(&token_ids, p.block_size, ROOT_SEED);
+                continue;
             }
-            OpLine::Append { req, token_ids } => {
-                let (_, seq, _) = p
-                    .reqs
-                    .get_mut(&req)
-                    .with_context(|| format!("line {n}: unknown request {req}"))?;
-                seq.append(&token_ids, p.block_size, root_seed);
+            OpLine::Free { preempted, .. } => {
+                p.cache.free(id);
+                *computed = 0;
+                if !preempted {
+                    p.reqs.remove(&name);
+                }
+                continue;
             }
-            OpLine::Admit {
-                req, new_tokens, ..
-            } => {
-                let (id, seq, computed) = p
-                    .reqs
-                    .get_mut(&req)
-                    .with_context(|| format!("line {n}: unknown request {req}"))?;
+            OpLine::Admit { new_tokens, .. } => {
                 let hit_blocks = p.cache.computed(seq);
                 let alloc = Allocation {
                     computed: 0,
@@ -174,53 +194,28 @@ pub fn replay(log: &str) -> anyhow::Result<Vec<Answer>> {
                     hit_blocks,
                     whole_sequence: true,
                 };
-                let ok = p.cache.allocate(*id, seq, alloc);
-                if ok {
-                    *computed = hit_blocks * p.block_size + new_tokens;
-                }
-                answers.push(Answer {
-                    line: n,
-                    hit_blocks,
-                    ok,
-                    events: seen(&mut p.cache, p.block_size, &mut p.digests),
-                });
+                (hit_blocks, alloc)
             }
-            OpLine::Allocate {
-                req, new_tokens, ..
-            } => {
-                let (id, seq, computed) = p
-                    .reqs
-                    .get_mut(&req)
-                    .with_context(|| format!("line {n}: unknown request {req}"))?;
+            OpLine::Allocate { new_tokens, .. } => {
                 let alloc = Allocation {
                     computed: *computed,
                     new_tokens,
                     hit_blocks: 0,
                     whole_sequence: false,
                 };
-                let ok = p.cache.allocate(*id, seq, alloc);
-                if ok {
-                    *computed += new_tokens;
-                }
-                answers.push(Answer {
-                    line: n,
-                    hit_blocks: 0,
-                    ok,
-                    events: seen(&mut p.cache, p.block_size, &mut p.digests),
-                });
+                (0, alloc)
             }
-            OpLine::Free { req, preempted } => {
-                let (id, _, computed) = p
-                    .reqs
-                    .get_mut(&req)
-                    .with_context(|| format!("line {n}: unknown request {req}"))?;
-                p.cache.free(*id);
-                *computed = 0;
-                if !preempted {
-                    p.reqs.remove(&req);
-                }
-            }
+        };
+        let ok = p.cache.allocate(id, seq, alloc);
+        if ok {
+            *computed = alloc.computed + hit_blocks * p.block_size + alloc.new_tokens;
         }
+        answers.push(Answer {
+            line: n,
+            hit_blocks,
+            ok,
+            events: seen(&mut p.cache, p.block_size, &mut p.digests),
+        });
     }
     Ok(answers)
 }
