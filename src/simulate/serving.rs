@@ -255,12 +255,11 @@ impl<'a> Simulation<'a> {
         Ok(())
     }
 
-    fn name(&self, req: u32) -> String {
-        self.requests[req as usize].request.name.clone()
-    }
-
     /// One `Scheduler.schedule` on `pod` at `now`; starts the step.
     fn schedule(&mut self, pod: usize, now: f64) {
+        // Names for the op log, cloned only when it is kept.
+        let requests = self.requests;
+        let name = move |req: u32| requests[req as usize].request.name.clone();
         let mut budget = self.cfg.max_batched_tokens;
         let mut step = Vec::new();
         let mut preempted = false;
@@ -280,10 +279,9 @@ impl<'a> Simulation<'a> {
                 };
                 let state = &mut self.pods[pod];
                 let ok = state.cache.allocate(req, &live.seq, alloc);
-                let name = self.name(req);
                 let state = &mut self.pods[pod];
                 state.log(|| OpLine::Allocate {
-                    req: name,
+                    req: name(req),
                     new_tokens,
                     ok,
                 });
@@ -294,9 +292,8 @@ impl<'a> Simulation<'a> {
                 state.cache.free(victim);
                 state.waiting.push_front(victim);
                 preempted = true;
-                let victim_name = self.name(victim);
                 self.pods[pod].log(|| OpLine::Free {
-                    req: victim_name,
+                    req: name(victim),
                     preempted: true,
                 });
                 self.live[victim as usize]
@@ -329,9 +326,8 @@ impl<'a> Simulation<'a> {
                 whole_sequence: true,
             };
             let ok = state.cache.allocate(req, &live.seq, alloc);
-            let name = self.name(req);
             self.pods[pod].log(|| OpLine::Admit {
-                req: name,
+                req: name(req),
                 hit_blocks,
                 new_tokens,
                 ok,
