@@ -357,7 +357,10 @@ fn hand_checked(requests: &[(f64, Vec<u32>, usize)], extra: &[&str]) -> Vec<Poli
     std::fs::write(&trace, lines.concat()).unwrap();
     let mut argv = vec!["kv-indexer", "simulate", "--trace", trace.to_str().unwrap()];
     argv.extend(["--prefill-per-token", "0.001", "--decode-per-token", "0.01"]);
-    argv.extend(["--event-delay", "0", "--pod-blocks", "400"]);
+    argv.extend(["--event-delay", "0"]);
+    if !extra.contains(&"--pod-blocks") {
+        argv.extend(["--pod-blocks", "400"]);
+    }
     argv.extend_from_slice(extra);
     let Some(Command::Simulate(o)) = Args::try_parse_named(argv).unwrap().command else {
         panic!("not simulate");
@@ -418,6 +421,15 @@ fn re_prefilled_counts_what_another_pod_held_at_admission() {
         (0, 64, 48)
     );
     assert_eq!((precise.cached_tokens, precise.reprefilled_tokens), (64, 0));
+    // One request on each pod, or both on pod 0.
+    assert_eq!(
+        (rr.requests_per_pod_max, rr.requests_per_pod_mean),
+        (1, 1.0)
+    );
+    assert_eq!(
+        (precise.requests_per_pod_max, precise.requests_per_pod_mean),
+        (2, 1.0)
+    );
     let line = simulate::explain(rr);
     assert!(
         line.contains("44% another pod held, 33% none, 22% last blocks"),
@@ -460,4 +472,30 @@ fn approximate_re_prefills_a_prefix_another_pod_holds_once_its_history_forgot_it
     assert!(line.contains("32% another pod held"), "{line}");
     assert!(line.contains("routing is the cost"), "{line}");
     assert!(simulate::explain(precise).contains("the misses are cold"));
+}
+
+#[test]
+fn a_decode_that_outgrows_the_pool_preempts_the_last_running_request() {
+    // A pod of 4 blocks of 16 tokens. r1 and r2: 16-token prompts, 40
+    // tokens out (39 fed back: 55 tokens, 4 blocks each at most). Both are
+    // admitted (their prompts fit: one block each) and decode side by side;
+    // at their 33rd token each wants a third block, with none left: r2, the
+    // last running, is preempted (its blocks freed) and r1 runs to its end
+    // in r2's freed blocks; r2 waits until r1 has finished, as its whole
+    // sequence (prompt and 16 tokens out) no longer fits beside r1.
+    let r1: Vec<u32> = (1..=16).collect();
+    let r2: Vec<u32> = (101..=116).collect();
+    let results = hand_checked(
+        &[(0.0, r1, 40), (0.0, r2, 40)],
+        &[
+            "--pods",
+            "1",
+            "--policies",
+            "round-robin",
+            "--pod-blocks",
+            "4",
+        ],
+    );
+    let r = &results[0];
+    assert_eq!((r.preemptions, r.finished), (1, 2));
 }
