@@ -14,6 +14,9 @@
 //! - `endpoints.rs`: ZeroMQ endpoints and DNS targets.
 //! - `validate.rs`: ranges and settings that depend on each other, into
 //!   [`Config`].
+//!
+//! Plain data that the rest of the service reads; the command line around
+//! it (subcommands, parsing, `--help`) is `crate::cli`.
 
 mod endpoints;
 mod file;
