@@ -149,12 +149,11 @@ impl Sequence {
     /// they fill (chained from `root_seed`).
     pub fn append(&mut self, tokens: &[u32], block_size: usize, root_seed: u64) {
         self.tokens.extend_from_slice(tokens);
-        let mut prev = self.hashes.last().copied().unwrap_or(root_seed);
-        let full_before = self.hashes.len();
-        for block in self.tokens[full_before * block_size..].chunks_exact(block_size) {
-            prev = keys::chain(prev, block).0;
-            self.hashes.push(prev);
-        }
+        // The chain goes on from the last full block.
+        let prev = self.hashes.last().copied().unwrap_or(root_seed);
+        let unhashed = &self.tokens[self.hashes.len() * block_size..];
+        let more = keys::prompt_keys(prev, unhashed, block_size);
+        self.hashes.extend(more.into_iter().map(|k| k.0));
     }
 }
 

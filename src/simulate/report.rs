@@ -105,7 +105,14 @@ pub fn summarize(
         reprefilled_tokens: served.iter().map(|o| o.reprefilled_tokens as u64).sum(),
         cold_tokens: served.iter().map(|o| o.cold_tokens as u64).sum(),
         preemptions: served.iter().map(|o| u64::from(o.preemptions)).sum(),
-        wait_mean: mean(&served.iter().map(|o| o.wait).collect::<Vec<f64>>()),
+        wait_mean: mean(
+            &outcomes
+                .iter()
+                .zip(arrivals)
+                .filter(|(o, _)| !o.rejected)
+                .map(|(o, &at)| o.admitted_at - at)
+                .collect::<Vec<f64>>(),
+        ),
         ttft_mean: mean(&ttft),
         ttft_p50: quantile(&ttft, 0.50),
         ttft_p90: quantile(&ttft, 0.90),
@@ -236,8 +243,8 @@ pub fn explain(r: &PolicyResult) -> String {
     };
     format!(
         "{}: {:.1}% of prompt tokens from cache; of the rest {:.0}% another pod held, \
-         {:.0}% none, {:.0}% last blocks (always computed); busiest pod {} requests ({:.1}x the mean), {} mean wait for \
-         admission, {} preemptions: {queueing}; {misses}",
+         {:.0}% none, {:.0}% last blocks (always computed); busiest pod {} requests \
+         ({:.1}x the mean), {} mean wait for admission, {} preemptions: {queueing}; {misses}",
         r.policy,
         r.hit_rate * 100.0,
         pct(r.reprefilled_tokens, missed),

@@ -69,9 +69,8 @@ pub struct Outcome {
     pub cold_tokens: usize,
     /// Times it was preempted (its blocks freed and its tokens recomputed).
     pub preemptions: u32,
+    /// Its first admission (arrival to admission is its wait).
     pub admitted_at: f64,
-    /// Seconds from arrival to its first admission.
-    pub wait: f64,
     pub ttft: f64,
     pub finished_at: f64,
     /// The request can never fit a pod (more blocks than it has).
@@ -279,7 +278,6 @@ impl<'a> Simulation<'a> {
                 };
                 let state = &mut self.pods[pod];
                 let ok = state.cache.allocate(req, &live.seq, alloc);
-                let state = &mut self.pods[pod];
                 state.log(|| OpLine::Allocate {
                     req: name(req),
                     new_tokens,
@@ -388,7 +386,6 @@ impl<'a> Simulation<'a> {
         out.reprefilled_tokens = (elsewhere * self.cfg.block_size).saturating_sub(hit_tokens);
         out.cold_tokens = cap * self.cfg.block_size - hit_tokens - out.reprefilled_tokens;
         out.admitted_at = now;
-        out.wait = now - p.request.arrival;
     }
 
     /// `update_from_output`: the step's tokens are computed; sample, append,
