@@ -27,8 +27,8 @@ pub struct Sources {
 #[derive(Clone)]
 pub struct Hub {
     /// `HF_ENDPOINT`, default `https://huggingface.co`. It may carry
-    /// credentials (`https://user:password@host`): show it with
-    /// [`Hub::shown_endpoint`].
+    /// credentials (`https://user:password@host`), which are shown as
+    /// `***@` and sent as a header, never in a URL (`hub.rs`).
     pub endpoint: Option<String>,
     /// `HF_TOKEN`, for gated models. A secret: never printed.
     pub token: Option<String>,
@@ -83,20 +83,21 @@ fn userinfo(url: &str) -> Option<&str> {
 
 /// `url` without its `user:password@`, and that `user:password`.
 pub(crate) fn split_credentials(url: &str) -> (String, Option<String>) {
-    match userinfo(url) {
-        Some(info) => (
-            url.replacen(&format!("{info}@"), "", 1),
-            Some(info.to_owned()),
-        ),
-        None => (url.to_owned(), None),
-    }
+    let (bare, info) = swap_userinfo(url, "");
+    (bare, info.map(str::to_owned))
 }
 
 /// `url` with its `user:password@` replaced by `***@`.
 fn without_userinfo(url: &str) -> String {
+    swap_userinfo(url, "***@").0
+}
+
+/// `url` with its `user:password@` (if any) replaced by `with`, and the
+/// `user:password` it had.
+fn swap_userinfo<'a>(url: &'a str, with: &str) -> (String, Option<&'a str>) {
     match userinfo(url) {
-        Some(info) => url.replacen(&format!("{info}@"), "***@", 1),
-        None => url.to_owned(),
+        Some(info) => (url.replacen(&format!("{info}@"), with, 1), Some(info)),
+        None => (url.to_owned(), None),
     }
 }
 
