@@ -38,6 +38,11 @@ fn options(extra: &[&str]) -> Options {
         argv.extend_from_slice(&["--pods", "4"]);
     }
     argv.extend_from_slice(extra);
+    parse(argv)
+}
+
+/// `kv-indexer simulate ...`'s options, as the binary parses them.
+fn parse(argv: Vec<&str>) -> Options {
     match Args::try_parse_named(argv).expect("valid flags").command {
         Some(Command::Simulate(o)) => *o,
         other => panic!("not simulate: {other:?}"),
@@ -256,9 +261,7 @@ fn the_op_log_replays_to_the_answers_it_recorded() {
     argv.extend(["--requests", "160", "--pods", "4", "--policies"]);
     argv.extend(["precise,round-robin", "--max-num-batched-tokens", "128"]);
     argv.extend(["--ops-out", ops.to_str().unwrap()]);
-    let Some(Command::Simulate(o)) = Args::try_parse_named(argv).unwrap().command else {
-        panic!("not simulate");
-    };
+    let o = parse(argv);
     simulate::main(&o, 16).unwrap();
     let log = std::fs::read_to_string(&ops).unwrap();
     let first: serde_json::Value = serde_json::from_str(log.lines().next().unwrap()).unwrap();
@@ -362,9 +365,7 @@ fn hand_checked(requests: &[(f64, Vec<u32>, usize)], extra: &[&str]) -> Vec<Poli
         argv.extend(["--pod-blocks", "400"]);
     }
     argv.extend_from_slice(extra);
-    let Some(Command::Simulate(o)) = Args::try_parse_named(argv).unwrap().command else {
-        panic!("not simulate");
-    };
+    let o = parse(argv);
     simulate::race(&o, 16, false).unwrap().results
 }
 
