@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 
-use indexer::index::KeyBuildHasher;
+use indexer::keys::KeyBuildHasher;
 use parking_lot::Mutex;
 
 /// Assignments kept before unclaimed ones are dropped.

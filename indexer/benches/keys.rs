@@ -8,7 +8,7 @@ mod measure;
 use std::hint::black_box;
 use std::time::Duration;
 
-use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+use indexer::keys::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
 use indexer::keys::{prompt_keys, request_root_seed};
 use measure::measure;
 

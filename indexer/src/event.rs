@@ -42,6 +42,24 @@ impl Tier {
     }
 }
 
+/// Bit set of tiers (`1 << Tier as usize`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierMask(pub u8);
+
+impl TierMask {
+    pub fn contains(self, tier: Tier) -> bool {
+        self.0 & (1 << tier.index()) != 0
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    pub fn tiers(self) -> impl Iterator<Item = Tier> {
+        Tier::ALL.into_iter().filter(move |t| self.contains(*t))
+    }
+}
+
 impl fmt::Display for Tier {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

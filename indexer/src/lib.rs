@@ -1,28 +1,35 @@
 //! KV-cache index core: no sockets, no threads, no clocks beyond `Instant`.
 //!
-//! Data flows one way: payload bytes -> [`wire`] -> [`event`]s ->
-//! [`pod_feed`] (the rules of `pod::rules`) -> each model's [`runs`]; a
-//! prompt's tokens -> [`keys`] -> [`run_score`]. [`Indexer`] ties them
-//! together for the service. [`index`], [`pod`]'s block map and [`score`]'s
-//! walk are the former per-block index, kept as the reference the runs
-//! are tested against (`pod_feed`'s property test).
+//! ```text
+//!  events in                                   prompts in
+//!  payload bytes --wire--> event::EventBatch   token ids --keys--> BlockKey chain
+//!  topic: which pod        stream: seq rules           |
+//!        |                 (gaps, replays, restarts)   |
+//!        v                          v                  v
+//!  Indexer (indexer/: pod table, apply, query, persist)
+//!        |  one writer per pod          |  readers, no lock
+//!        v                              v
+//!  pod: a pod's events -> index     score: per pod, leading blocks held
+//!   (pod/rules: vLLM's rules)        (closure, offloaded chunks, tiers)
+//!        \                             /
+//!         `--> index: RunIndex <------'    snapshot: the index on disk
+//!              (write/, read, published, dump)
+//!  routing: RecordRouting's speculative entries, outcomes, approximate index
+//! ```
+//!
+//! Arrows point one way: `wire`, `event`, `topic`, `stream` and `keys`
+//! know nothing of the index; `index` knows only keys and pod ids; `pod`
+//! and `score` are the rules on top of it; `Indexer` ties them together
+//! for the service (`src/` in the workspace root).
 
-pub mod block_map;
-pub mod closure;
-pub mod engine_hash;
 pub mod event;
-pub mod holders;
 pub mod index;
 mod indexer;
 pub mod keys;
-pub mod offload;
+#[cfg(test)]
+mod model;
 pub mod pod;
-pub mod pod_feed;
-pub mod repeats;
 pub mod routing;
-pub mod run_score;
-pub mod runs;
-pub mod scheme;
 pub mod score;
 pub mod snapshot;
 pub mod stream;

@@ -33,7 +33,7 @@ use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::runs::Dump;
+use crate::index::Dump;
 
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
 pub const VERSION: u32 = 3;
@@ -366,10 +366,10 @@ mod tests {
 
     /// Both key kinds' runs, after the pods, as an index dumps them.
     fn sample_runs() -> Vec<(String, Dump)> {
-        let engine = crate::runs::RunIndex::new();
+        let engine = crate::index::RunIndex::new();
         engine.store(3, crate::event::Tier::Gpu, None, &[11, 12, 13]);
         engine.store(4, crate::event::Tier::Cpu, Some(11), &[14]);
-        let token = crate::runs::RunIndex::with_token_keys();
+        let token = crate::index::RunIndex::with_token_keys();
         token.store_keyed(3, crate::event::Tier::Gpu, None, &[(21, 5), (22, 6)]);
         vec![("m".into(), engine.dump()), ("m".into(), token.dump())]
     }

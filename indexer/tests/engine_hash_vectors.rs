@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use indexer::engine_hash::{Digest, EngineHasher, ExtraKeyStyle, HashAlgo, PyValue};
+use indexer::keys::engine_hash::{Digest, EngineHasher, ExtraKeyStyle, HashAlgo, PyValue};
 use serde_json::Value;
 
 fn load(name: &str) -> Value {

@@ -6,9 +6,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use base64::Engine;
-use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
 use indexer::event::EventBatch;
-use indexer::scheme::KeySchemes;
+use indexer::keys::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+use indexer::keys::scheme::KeySchemes;
 use indexer::topic::parse_topic;
 use indexer::wire::decode_batch;
 use indexer::{Indexer, IndexerConfig, ScoreQuery};

@@ -257,7 +257,7 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
-    use indexer::engine_hash::HashAlgo;
+    use indexer::keys::engine_hash::HashAlgo;
     use indexer::score::TierWeights;
 
     use super::*;

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
-use indexer::scheme::{EngineKeys, KeyMode, KeySchemes};
+use indexer::keys::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+use indexer::keys::scheme::{EngineKeys, KeyMode, KeySchemes};
 use indexer::score::TierWeights;
 use indexer::IndexerConfig;
 

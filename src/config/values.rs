@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use clap::ValueEnum;
-use indexer::engine_hash::{ExtraKeyStyle, HashAlgo};
+use indexer::keys::engine_hash::{ExtraKeyStyle, HashAlgo};
 use ipnet::IpNet;
 
 /// Sizes above this are refused: every size setting bounds memory that one

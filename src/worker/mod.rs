@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use indexer::event::EventBatch;
-use indexer::index::KeyBuildHasher;
+use indexer::keys::KeyBuildHasher;
 use indexer::routing::diagnose::{SeenParent, SeenStore, SEEN_TOKENS};
 use indexer::routing::tracker::{Ended, Outcome, Routing, Tracker};
 use indexer::stream::{

@@ -144,7 +144,7 @@ async fn nothing_is_claimed_for_a_pod_after_its_publisher_restarts() {
 /// as a binary search that took block 7 for a chain's start would answer.
 #[tokio::test]
 async fn offloaded_pieces_of_a_chain_are_not_matched_past_their_hole() {
-    use indexer::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+    use indexer::keys::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
     let hasher = EngineHasher::new(HashAlgo::Sha256, DEFAULT_SEED, ExtraKeyStyle::Tagged);
     let hashes = |tokens: &[u32]| -> Vec<u64> {
         hasher

@@ -169,7 +169,7 @@ async fn rss_stays_flat_at_capacity_under_endless_stores() {
     // Each pod keeps a fair share: no pod was evicted to nothing. (Each
     // block here is its own run, so it costs its entry and its holding's
     // share of the capacity: `HOLDING_ENTRIES`.)
-    let blocks_at_capacity = CAPACITY / (1 + indexer::pod_feed::HOLDING_ENTRIES);
+    let blocks_at_capacity = CAPACITY / (1 + indexer::pod::HOLDING_ENTRIES);
     for pod in service.list_pods("m").await {
         assert!(pod.gpu_blocks > blocks_at_capacity / PODS / 2, "{pod:?}");
     }

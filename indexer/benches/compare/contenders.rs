@@ -9,9 +9,9 @@
 //!   reads run inline on the caller's thread, as its `find_matches` does;
 //! - smg: `kv_index::ChainIndex` (2.0's index), applied on the caller's
 //!   thread with one `ChainBlockMap` per worker, as its lanes do;
-//! - runs: `indexer::runs::RunIndex`, the layout the index redesign is
-//!   measured with, fed through its own API;
-//! - feed: the same layout fed vLLM's events through `pod_feed::PodFeed`,
+//! - runs: `indexer::index::RunIndex`, the bare index, fed through its own
+//!   API;
+//! - feed: the same layout fed vLLM's events through `pod::PodFeed`,
 //!   the service's rules, as the service would feed it.
 
 use std::sync::Arc;
@@ -25,8 +25,8 @@ use dynamo_kv_router::{
     ThreadPoolIndexer,
 };
 use indexer::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Tier};
+use indexer::keys::scheme::KeySchemes;
 use indexer::keys::BlockKey;
-use indexer::scheme::KeySchemes;
 use indexer::{Indexer, IndexerConfig, Pod};
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
 use parking_lot::Mutex;
@@ -107,10 +107,10 @@ fn event_batch(nodes: &Nodes, batch: &Batch) -> EventBatch {
 fn schemes(input: Input) -> KeySchemes {
     match input {
         Input::PreHashed => KeySchemes::engine(
-            indexer::engine_hash::EngineHasher::new(
-                indexer::engine_hash::HashAlgo::Sha256,
-                indexer::engine_hash::DEFAULT_SEED,
-                indexer::engine_hash::ExtraKeyStyle::Tagged,
+            indexer::keys::engine_hash::EngineHasher::new(
+                indexer::keys::engine_hash::HashAlgo::Sha256,
+                indexer::keys::engine_hash::DEFAULT_SEED,
+                indexer::keys::engine_hash::ExtraKeyStyle::Tagged,
             ),
             false,
             0,
@@ -138,7 +138,7 @@ pub enum OursQuery {
 impl Contender for Ours {
     type Batch = (u32, EventBatch);
     type Query = OursQuery;
-    type Out = Vec<(indexer::index::PodId, indexer::score::PrefixMatch)>;
+    type Out = Vec<(indexer::pod::PodId, indexer::score::PrefixMatch)>;
 
     fn name() -> &'static str {
         "ours"
@@ -208,12 +208,11 @@ impl Contender for Ours {
 
 // ---------------------------------------------------------------- runs
 
-/// `indexer::runs::RunIndex`, the layout the index redesign is measured
-/// with: engine hashes as keys for pre-hashed input, keys from token ids
+/// `indexer::index::RunIndex`, the bare index: engine hashes as keys for pre-hashed input, keys from token ids
 /// otherwise (as ours). Applied on the caller's thread; readers never wait
 /// for it.
 pub struct Runs {
-    ix: indexer::runs::RunIndex,
+    ix: indexer::index::RunIndex,
     input: Input,
     root_seed: u64,
 }
@@ -276,7 +275,7 @@ impl Runs {
 impl Contender for Runs {
     type Batch = (u32, Vec<RunsEvent>);
     type Query = RunsQuery;
-    type Out = Vec<indexer::runs::RunMatch>;
+    type Out = Vec<indexer::index::RunMatch>;
 
     fn name() -> &'static str {
         "runs"
@@ -285,8 +284,8 @@ impl Contender for Runs {
     fn new(_: &Trace, input: Input) -> Self {
         Runs {
             ix: match input {
-                Input::PreHashed => indexer::runs::RunIndex::new(),
-                Input::Tokens => indexer::runs::RunIndex::with_token_keys(),
+                Input::PreHashed => indexer::index::RunIndex::new(),
+                Input::Tokens => indexer::index::RunIndex::with_token_keys(),
             },
             input,
             root_seed: indexer::keys::request_root_seed(MODEL, None, None),
@@ -368,19 +367,19 @@ impl Contender for Runs {
 // ---------------------------------------------------------------- feed
 
 /// `runs` as the service would use it: each pod's batches, as vLLM sends
-/// them (ours' input), through `indexer::pod_feed::PodFeed`, which applies
+/// them (ours' input), through `indexer::pod::PodFeed`, which applies
 /// the service's event rules and keys token ids itself.
 pub struct Feed {
-    runs: indexer::pod_feed::KeyedRuns,
-    feeds: Vec<Mutex<indexer::pod_feed::PodFeed>>,
-    mode: indexer::scheme::KeyMode,
+    runs: indexer::pod::KeyedRuns,
+    feeds: Vec<Mutex<indexer::pod::PodFeed>>,
+    mode: indexer::keys::scheme::KeyMode,
     input: Input,
 }
 
 impl Contender for Feed {
     type Batch = (u32, EventBatch);
     type Query = RunsQuery;
-    type Out = Vec<indexer::runs::RunMatch>;
+    type Out = Vec<indexer::index::RunMatch>;
 
     fn name() -> &'static str {
         "feed"
@@ -389,9 +388,9 @@ impl Contender for Feed {
     fn new(trace: &Trace, input: Input) -> Self {
         let mode = schemes(input).for_model(MODEL).clone();
         Feed {
-            runs: indexer::pod_feed::KeyedRuns::new(&Default::default(), false),
+            runs: indexer::pod::KeyedRuns::new(&Default::default(), false),
             feeds: (0..trace.pods as u32)
-                .map(|pod| Mutex::new(indexer::pod_feed::PodFeed::new(pod, MODEL)))
+                .map(|pod| Mutex::new(indexer::pod::PodFeed::new(pod, MODEL)))
                 .collect(),
             mode,
             input,

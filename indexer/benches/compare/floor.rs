@@ -17,7 +17,7 @@ use std::hash::BuildHasherDefault;
 use std::hint::black_box;
 use std::time::Instant;
 
-use indexer::index::KeyHasher;
+use indexer::keys::KeyHasher;
 
 use crate::trace::{Event, Trace};
 

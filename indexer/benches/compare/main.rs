@@ -626,8 +626,8 @@ fn env_filter(name: &str) -> Option<String> {
 }
 
 /// Ours, the peers (`pre_hashed`: also Dynamo's positional indexer, which
-/// needs the engine's own hashes), `runs`, the layout the redesign is
-/// measured with, and `feed`, that layout behind the service's event rules, less those `COMPARE_ONLY=ours` (or `dynamo`, `smg`, ..., or several,
+/// needs the engine's own hashes), `runs`, the bare index (`RunIndex`),
+/// and `feed`, that index behind the service's event rules, less those `COMPARE_ONLY=ours` (or `dynamo`, `smg`, ..., or several,
 /// `ours,feed`) leaves out, for profiling one indexer.
 fn contenders(pre_hashed: bool) -> Vec<Entry> {
     let mut entries = vec![entry::<Ours>(), entry::<DynamoRadix>(), entry::<Smg>()];
@@ -731,7 +731,7 @@ fn profile_clear() {
     // chains of 16 blocks (2M blocks in 131K runs).
     let (pods, chains, len) = (4_096u32, 32u64, 16u64);
     let filled = || {
-        let ix = indexer::runs::RunIndex::new();
+        let ix = indexer::index::RunIndex::new();
         for pod in 0..pods {
             for chain in 0..chains {
                 let first = (u64::from(pod) * chains + chain) * len;
@@ -751,7 +751,7 @@ fn profile_clear() {
     assert_eq!(ix.blocks(), 0, "every pod cleared");
     // One pod holding many short chains (65,536 of 4 blocks): what an
     // eviction that sorted the pod's holdings paid for on every call.
-    let ix = indexer::runs::RunIndex::new();
+    let ix = indexer::index::RunIndex::new();
     for chain in 0..65_536u64 {
         ix.store(0, indexer::event::Tier::Gpu, None, &chain_of(4 * chain, 4));
     }

@@ -19,21 +19,20 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
+use crate::event::TierMask;
 use crate::event::{DecodeSkips, EventBatch, KvEvent, TIERS};
-use crate::index::{PodId, TierMask, MAX_PODS};
+use crate::index::MAX_POD;
+use crate::keys::scheme::{KeyMode, KeySchemes};
 use crate::keys::BlockKey;
-use crate::offload::chunk_factor;
-use crate::pod::ApplyStats;
-use crate::pod_feed::{KeyedRuns, PodFeed};
+use crate::pod::PodId;
+use crate::pod::{ApplyStats, KeyedRuns, PodFeed};
 use crate::routing::speculative::Speculative;
-use crate::run_score::{self, Candidate, Held, MatchRules};
-use crate::scheme::{KeyMode, KeySchemes};
-use crate::score::{PrefixMatch, TierWeights};
+use crate::score::chunk_factor;
+use crate::score::{self, Candidate, Held, MatchRules, PrefixMatch, TierWeights};
 use crate::snapshot::{PodSnapshot, SnapshotError, SnapshotReader, SnapshotWriter};
 use table::PodTable;
 
 // A pod's id is its holder id in the runs.
-const _: () = assert!(MAX_PODS <= crate::runs::MAX_POD);
 
 #[derive(Clone, Debug)]
 pub struct IndexerConfig {

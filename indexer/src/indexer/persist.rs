@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 
 use super::*;
-use crate::runs::{Dump, DumpError};
+use crate::index::{Dump, DumpError};
 use crate::snapshot::Record;
 
 impl Indexer {
@@ -196,7 +196,7 @@ impl Indexer {
             .into_iter()
             .filter(|p| !renamed.contains_key(p))
             .collect();
-        let stray_id = |k: usize| crate::runs::MAX_POD - 1 - k as u32;
+        let stray_id = |k: usize| crate::index::MAX_POD - 1 - k as u32;
         dump.rename_pods(|p| match renamed.get(&p) {
             Some(id) => *id,
             None => stray_id(strays.binary_search(&p).expect("a stray")),

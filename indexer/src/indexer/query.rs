@@ -122,14 +122,14 @@ impl Indexer {
                 };
                 let weights = &self.config.tier_weights;
                 let index = runs.for_request(engine_keys);
-                for (at, m) in run_score::match_pods(index, raw, &candidates, rules, weights) {
+                for (at, m) in score::match_pods(index, raw, &candidates, rules, weights) {
                     scores[group[at].1].matched = m;
                 }
             }
             // What every pod holds of the prompt, read once for all the
             // pods with speculative entries (their runs stop at a block
             // held exactly).
-            let along: Vec<crate::runs::HeldAlong> = match &runs {
+            let along: Vec<crate::index::HeldAlong> = match &runs {
                 Some(runs) if !speculative.is_empty() => {
                     runs.for_request(engine_keys).held_along(raw)
                 }
@@ -188,7 +188,7 @@ impl Indexer {
         // In pod order as the runs answer.
         runs.for_request(engine)
             .prefix_matches_as(BlockKey::as_raw(keys), |m| {
-                (PodId(m.pod), run_score::prefix_match(&m, weights))
+                (PodId(m.pod), score::prefix_match(&m, weights))
             })
     }
 

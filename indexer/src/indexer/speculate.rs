@@ -64,5 +64,5 @@ fn held_by(runs: &KeyedRuns, pod: u32, keys: &[u64]) -> Held {
             spans.extend(along.spans);
         }
     }
-    Held::of(&crate::runs::HeldAlong { pod, spans })
+    Held::of(&crate::index::HeldAlong { pod, spans })
 }

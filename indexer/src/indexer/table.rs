@@ -150,7 +150,7 @@ impl Indexer {
         }
         let id = match table.free.pop() {
             Some(id) => id,
-            None if table.slots.len() < MAX_PODS as usize => {
+            None if table.slots.len() < MAX_POD as usize => {
                 table.slots.push(None);
                 PodId(table.slots.len() as u32 - 1)
             }

@@ -44,7 +44,7 @@ fn score_m(ix: &Indexer, tokens: &[u32]) -> ScoreOutcome {
 /// An engine-mode indexer with prefix closure and 64-token offloaded
 /// chunks, and the wire hashes of `tokens`' blocks (vLLM's SHA-256).
 fn chunking_engine_indexer(tokens: &[u32]) -> (Indexer, Vec<u64>) {
-    use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
+    use crate::keys::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo, DEFAULT_SEED};
     let hasher = EngineHasher::new(HashAlgo::Sha256, DEFAULT_SEED, ExtraKeyStyle::Tagged);
     let hashes = hasher
         .prompt_digests(tokens, 16, &[], &[])
@@ -197,8 +197,8 @@ fn new_pods_during_named_lookups_do_not_deadlock() {
 /// `HashMap`'s per-process order, so every restart started empty.
 #[test]
 fn the_key_fingerprint_is_stable_and_only_about_keys() {
-    use crate::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo};
-    use crate::scheme::{EngineKeys, KeyMode, KeySchemes};
+    use crate::keys::engine_hash::{EngineHasher, ExtraKeyStyle, HashAlgo};
+    use crate::keys::scheme::{EngineKeys, KeyMode, KeySchemes};
     let indexer = |loras: &[(usize, &str)], self_check_every: u32| {
         let lora_paths = loras
             .iter()
@@ -390,7 +390,7 @@ fn capacity_evicts_from_the_largest_pod_oldest_first() {
     let held = |n: &str| pods.iter().find(|p| p.pod == n).unwrap().blocks_per_tier[0];
     // Only the largest pod paid.
     assert_eq!(held("small"), 20);
-    let per_block = 1 + crate::pod_feed::HOLDING_ENTRIES;
+    let per_block = 1 + crate::pod::HOLDING_ENTRIES;
     assert_eq!(per_block * (held("big") + 20), ix.entries());
     // The most recent blocks survive.
     let last = block(149);
@@ -473,10 +473,10 @@ fn a_snapshot_restores_every_pod_exactly() {
     // Another key configuration cannot use these keys.
     let engine = Indexer::new(IndexerConfig {
         keys: KeySchemes::engine(
-            crate::engine_hash::EngineHasher::new(
-                crate::engine_hash::HashAlgo::Sha256,
+            crate::keys::engine_hash::EngineHasher::new(
+                crate::keys::engine_hash::HashAlgo::Sha256,
                 "x",
-                crate::engine_hash::ExtraKeyStyle::Tagged,
+                crate::keys::engine_hash::ExtraKeyStyle::Tagged,
             ),
             true,
             0,
@@ -487,8 +487,8 @@ fn a_snapshot_restores_every_pod_exactly() {
     assert_eq!(engine.entries(), 0);
 }
 
-/// A snapshot file of the former index (format 2: each pod's blocks with
-/// their keys, stores per tier and parents) restores into the runs: the
+/// A snapshot file of format 2 (each pod's blocks with their keys, stores
+/// per tier and parents, as older releases wrote it) restores into the runs: the
 /// same answers, and the counts (a block stored twice needs two removals).
 #[test]
 fn a_version_2_snapshot_is_stored_into_the_runs() {
@@ -500,7 +500,7 @@ fn a_version_2_snapshot_is_stored_into_the_runs() {
     ix.apply(&a, 6, &batch(vec![offloaded(&[2], 16)]));
     let keys = ix.keys_of(&a, &[EngineHash(1), EngineHash(2), EngineHash(3)]);
     let key = |i: usize| keys[i].expect("held").0;
-    // As the former index wrote it: least recently stored first.
+    // As format 2 lists them: least recently stored first.
     let record = PodSnapshot {
         model: "m".into(),
         pod: "a".into(),
@@ -667,10 +667,10 @@ fn list_pods_reports_progress_and_gaps() {
 fn engine_indexer() -> Indexer {
     Indexer::new(IndexerConfig {
         keys: KeySchemes::engine(
-            crate::engine_hash::EngineHasher::new(
-                crate::engine_hash::HashAlgo::Sha256,
-                crate::engine_hash::DEFAULT_SEED,
-                crate::engine_hash::ExtraKeyStyle::Tagged,
+            crate::keys::engine_hash::EngineHasher::new(
+                crate::keys::engine_hash::HashAlgo::Sha256,
+                crate::keys::engine_hash::DEFAULT_SEED,
+                crate::keys::engine_hash::ExtraKeyStyle::Tagged,
             ),
             false,
             0,
@@ -803,19 +803,16 @@ fn walked(ix: &Indexer, pods: &[PodId], keys: &[BlockKey]) -> Vec<(PodId, Prefix
         .collect();
     let mut out = Vec::new();
     for id in pods {
-        let mut m = PrefixMatch::default();
-        for held in &holders {
-            let Some((_, tiers)) = held
-                .pods
-                .iter()
-                .find(|(name, _)| Some(name) == names.get(id))
-            else {
-                break;
-            };
-            m.matched_blocks += 1;
-            crate::score::count_tiers(&mut m, *tiers, 1, weights);
-        }
-        m.weigh(weights);
+        let held: Vec<TierMask> = holders
+            .iter()
+            .map(|held| {
+                held.pods
+                    .iter()
+                    .find(|(name, _)| Some(name) == names.get(id))
+                    .map_or(TierMask::default(), |(_, tiers)| *tiers)
+            })
+            .collect();
+        let m = crate::model::pod_match(&held, 1, false, weights);
         if m.matched_blocks > 0 {
             out.push((*id, m));
         }

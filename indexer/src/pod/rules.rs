@@ -3,17 +3,16 @@
 //! engine-hash self-check, and how their blocks are keyed (engine hashes,
 //! or token keys with the adapter and extra keys folded in).
 //!
-//! Why a module of its own: these are vLLM's rules, not the index's. The
-//! pod state that holds blocks (`PodState` over the block index; the run
-//! layout's `pod_feed`) applies them alike, and they must never differ
-//! between the two.
+//! Why a module of its own: these are vLLM's rules, not the index's, and
+//! the tests' model of the index (`model`) applies the same ones as `pod`
+//! does.
 
 use std::collections::HashSet;
 
 use crate::event::{is_full_attention_kind, BlockStored, EngineHash, ExtraKey};
+use crate::keys::scheme::{EngineKeys, KeyMode};
 use crate::keys::{chain, fold_extras, BlockKey, KeyScope};
 use crate::pod::ApplyStats;
-use crate::scheme::{EngineKeys, KeyMode};
 
 /// Every pod's first stores are checked, then one in `self_check_every`.
 const ALWAYS_CHECKED_STORES: u64 = 8;
@@ -198,14 +197,9 @@ impl<'e> TokenKeying<'e> {
         .root_seed()
     }
 
-    /// Each block's (engine hash, key), chained from `prev`: the parent's
-    /// key, or `root_seed` if the store has no parent.
-    pub fn keys(&self, prev: u64) -> impl Iterator<Item = (EngineHash, BlockKey)> + '_ {
-        self.keys_from(0, prev)
-    }
-
-    /// `keys` from block `first` on, `prev` being the key of the block
-    /// before it.
+    /// Each block's (engine hash, key) from block `first` on, chained from
+    /// `prev`: the key of the block before it (the parent's key, or
+    /// `root_seed`, for block 0).
     pub fn keys_from(
         &self,
         first: usize,
@@ -411,7 +405,7 @@ mod tests {
                 // A parent's key, or the root seed.
                 let parent_key = parent.map(|_| 0x5eed);
                 let prev = parent_key.unwrap_or_else(|| keying.root_seed("m"));
-                let got: Vec<u64> = keying.keys(prev).map(|(_, k)| k.0).collect();
+                let got: Vec<u64> = keying.keys_from(0, prev).map(|(_, k)| k.0).collect();
                 assert_eq!(
                     got,
                     folded_each_block(&keying, "m", parent_key),

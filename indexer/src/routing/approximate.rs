@@ -13,8 +13,8 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::index::KeyBuildHasher;
 use crate::keys::BlockKey;
+use crate::keys::KeyBuildHasher;
 
 /// Text chunking for prompts without a tokenizer: 64 pseudo-tokens of 4
 /// bytes per block (llm-d's approximate producer's defaults).

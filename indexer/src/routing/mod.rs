@@ -18,7 +18,6 @@
 
 pub mod approximate;
 pub mod diagnose;
-mod spec_runs;
 pub mod speculative;
 pub mod tracker;
 pub mod ttl;

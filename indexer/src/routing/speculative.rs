@@ -11,6 +11,9 @@
 //! Each pod's entries are written only by the pod's writer (the ingest
 //! worker that owns it, as for its exact state); readers take a pod's read
 //! lock after releasing the table's, never both at once.
+//!
+//! One pod's entries are a log in the order they were written (`log`):
+//! a prompt's walk reads them in order, not one probe per block.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,8 +22,11 @@ use std::time::Instant;
 
 use parking_lot::RwLock;
 
-pub use super::spec_runs::PodSpeculation;
+pub use log::PodSpeculation;
+
 use crate::keys::BlockKey;
+
+mod log;
 
 type Pods = HashMap<String, Arc<RwLock<PodSpeculation>>>;
 

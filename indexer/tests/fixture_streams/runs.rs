@@ -1,4 +1,4 @@
-//! The run layout (`indexer::runs`) on every recorded vLLM stream: fed the
+//! The run layout (`indexer::index`) on every recorded vLLM stream: fed the
 //! same batches the service's index applies, through `PodFeed` (the pod
 //! rules without a per-block map), it counts them as the service does and
 //! answers every probe with the blocks vLLM says each pod had cached, and
@@ -7,9 +7,9 @@
 
 use std::collections::HashMap;
 
-use indexer::engine_hash::{HashAlgo, DEFAULT_SEED};
-use indexer::pod_feed::{KeyedRuns, PodFeed};
-use indexer::runs::RunIndex;
+use indexer::index::RunIndex;
+use indexer::keys::engine_hash::{HashAlgo, DEFAULT_SEED};
+use indexer::pod::{KeyedRuns, PodFeed};
 use indexer::{Indexer, IndexerConfig};
 use serde_json::Value;
 

@@ -8,6 +8,11 @@
 //! LoRA adapter and block 0's extra keys (the cache salt). Because every key
 //! is seeded by its parent, anything folded into the root reaches every block.
 
+pub mod engine_hash;
+pub mod scheme;
+
+use std::hash::{BuildHasherDefault, Hasher};
+
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::event::ExtraKey;
@@ -26,6 +31,37 @@ impl BlockKey {
         bytemuck::cast_slice(keys)
     }
 }
+
+/// Hasher for 64-bit keys in hash tables: one finalizer round (murmur3's
+/// fmix64) instead of SipHash. Our keys are xxh3 values, but engine hashes
+/// come from the pods: whatever their distribution, every bit of the result
+/// must depend on every bit of the key (hashbrown tags slots from the top
+/// bits; sequential ints would otherwise crowd into a few groups).
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        x ^ (x >> 33)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+pub type KeyBuildHasher = BuildHasherDefault<KeyHasher>;
 
 /// Everything besides tokens that selects a cache: what the root seed is made of.
 #[derive(Clone, Copy, Debug)]

@@ -16,8 +16,11 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use smallvec::SmallVec;
+
+use super::{is_live, Heads, Loc, Writer};
 use crate::event::TIERS;
-use crate::index::KeyBuildHasher;
+use crate::keys::KeyBuildHasher;
 
 /// A store into `holder`'s holding of `run`, stamped `stamp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,5 +175,93 @@ impl PodRuns {
     #[cfg(test)]
     pub fn contains(&self, touch: &Touch) -> bool {
         self.queue.contains(touch)
+    }
+}
+
+impl Writer {
+    /// Before the clock would wrap (after 2^32 holdings stamped): the
+    /// stamps renumbered from 1, in the same order.
+    pub(super) fn renumber(&mut self) {
+        let mut stamps: Vec<u32> = self
+            .runs
+            .iter()
+            .flat_map(|r| r.holdings.iter().map(|h| h.stamp))
+            .collect();
+        stamps.sort_unstable();
+        stamps.dedup();
+        let new = |stamp: u32| stamps.binary_search(&stamp).expect("collected") as u32 + 1;
+        // Stale entries' stamps are no holding's: dropped first.
+        let runs = &self.runs;
+        for pod in self.pods.values_mut() {
+            pod.retain(|t| is_live(runs, t));
+            pod.restamp(new);
+        }
+        for h in self.runs.iter_mut().flat_map(|r| r.holdings.iter_mut()) {
+            h.stamp = new(h.stamp);
+        }
+        self.clock = stamps.len() as u32;
+    }
+
+    /// Drops up to `n` of `pod`'s entries, on any tier: the holdings it
+    /// stored into least recently first, each from its end (leaf first, as
+    /// vLLM evicts: what is left of the holding is still a prefix of what
+    /// it was, so answers only shorten). Pushes each (holder, key) dropped
+    /// onto `out`; returns how many.
+    pub fn evict(&mut self, heads: &Heads, pod: u32, n: usize, out: &mut Vec<(u32, u64)>) -> usize {
+        let mut dropped = 0;
+        while dropped < n {
+            let Some(t) = self.pods.get(&pod).and_then(PodRuns::oldest) else {
+                break;
+            };
+            if !is_live(&self.runs, &t) {
+                self.pods.get_mut(&pod).expect("found").pop_oldest();
+                continue;
+            }
+            // From its end, until it is gone (its entry is stale then) or
+            // enough went.
+            let (run, holder) = (t.run, t.holder);
+            while dropped < n {
+                let r = &self.runs[run as usize];
+                let Some(i) = r.holding_of(holder) else {
+                    break;
+                };
+                let off = r.holdings[i]
+                    .spans
+                    .last()
+                    .expect("a holding has a span")
+                    .end
+                    - 1;
+                let key = r.hash(off).expect("held blocks are in the run");
+                if !self.repeats.is_empty() {
+                    for name in self.names_at(Loc { run, off }) {
+                        self.repeats.remove(&(holder, name));
+                    }
+                }
+                let mut at = Some((run, i));
+                let released = self.release(heads, holder, Loc { run, off }, &mut at);
+                debug_assert!(released);
+                out.push((holder, key));
+                dropped += 1;
+                self.count_released(holder, 1);
+            }
+        }
+        dropped
+    }
+
+    /// Every engine hash that names the block at `loc`.
+    fn names_at(&self, loc: Loc) -> SmallVec<[u64; 2]> {
+        let r = &self.runs[loc.run as usize];
+        match r.names.as_deref() {
+            None => r.hash(loc.off).into_iter().collect(),
+            Some(names) => std::iter::once(names.engines[loc.off as usize])
+                .chain(
+                    names
+                        .aliases
+                        .iter()
+                        .filter(|(off, _)| *off == loc.off)
+                        .map(|(_, e)| *e),
+                )
+                .collect(),
+        }
     }
 }

@@ -24,9 +24,9 @@ use std::sync::{Arc, OnceLock};
 use arc_swap::ArcSwapOption;
 use smallvec::SmallVec;
 
-use super::writer::Span;
+use super::write::Span;
 use crate::event::TIERS;
-use crate::index::KeyBuildHasher;
+use crate::keys::KeyBuildHasher;
 
 #[inline]
 pub(super) fn hash(h: u64) -> u64 {
@@ -39,7 +39,7 @@ pub(super) fn hash(h: u64) -> u64 {
 /// one it left at, so it is in that run (and did not leave it) or starts
 /// one. (Chained keys: a block is stored under its one parent, and it is
 /// in one place.) The writer's table of every block is its own (see
-/// `writer`): readers need only this one, one entry per run.
+/// `write`): readers need only this one, one entry per run.
 ///
 /// Open addressing over atomics, so that readers take no lock: each slot
 /// is a key word and a state word (`FULL << 32 | run`, `EMPTY` or a

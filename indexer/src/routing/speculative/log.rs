@@ -24,8 +24,8 @@ use std::time::Instant;
 
 use hashbrown::HashTable;
 
-use crate::index::KeyBuildHasher;
 use crate::keys::BlockKey;
+use crate::keys::KeyBuildHasher;
 
 /// An entry's end, in nanoseconds since the pod's `born`; `DEAD` for an
 /// entry that ended.

@@ -16,10 +16,8 @@
 //! A chunk is held when its last block is held on a tier other than GPU,
 //! which both event forms give.
 
-use crate::event::Tier;
-use crate::index::{BlockIndex, PodId, TierMask};
-use crate::keys::BlockKey;
-use crate::score::{count_tiers, PrefixMatch, TierWeights};
+use super::{count_tiers, PrefixMatch, TierWeights};
+use crate::event::{Tier, TierMask};
 
 /// Blocks per offloaded chunk: `offload_block_size` tokens in blocks of
 /// `block_size`, or 1 (blocks counted one by one) when it is unknown, not
@@ -32,27 +30,12 @@ pub fn chunk_factor(offload_block_size: u32, block_size: u32) -> u32 {
     }
 }
 
-/// The match of `pod`, offloading in chunks of `factor` blocks and holding
-/// `gpu_run` leading blocks of `keys` on GPU. Matched blocks count on the
-/// tier they are served from: GPU below `gpu_run`, the chunk's offloaded
-/// tiers above it.
-pub fn chunked_match(
-    index: &BlockIndex,
-    keys: &[BlockKey],
-    pod: PodId,
-    factor: u32,
-    gpu_run: u32,
-    weights: &TierWeights,
-) -> PrefixMatch {
-    chunked_match_by(keys.len() as u32, factor, gpu_run, weights, |i| {
-        index.with_holders(keys[i as usize], |h| h.get(pod).unwrap_or_default())
-    })
-}
-
-/// `chunked_match` for an `n`-block prompt, the pod's tiers at each
-/// position given by `tiers_at` (the runs answer it from what a pod holds
-/// along the prompt, `run_score`).
-pub fn chunked_match_by(
+/// The match of a pod offloading in chunks of `factor` blocks and holding
+/// `gpu_run` leading blocks of an `n`-block prompt on GPU, its tiers at
+/// each position given by `tiers_at` (`Held::at`). Matched blocks count on
+/// the tier they are served from: GPU below `gpu_run`, the chunk's
+/// offloaded tiers above it.
+pub(crate) fn chunked_match(
     n: u32,
     factor: u32,
     gpu_run: u32,
@@ -120,6 +103,26 @@ mod tests {
         }
     }
 
+    /// A pod's tiers at each position of a prompt, set block by block.
+    struct Prompt(Vec<TierMask>);
+
+    impl Prompt {
+        fn new(blocks: u32) -> Prompt {
+            Prompt(vec![TierMask::default(); blocks as usize])
+        }
+
+        fn hold(&mut self, block: u32, tier: Tier) {
+            self.0[block as usize].0 |= 1 << tier.index();
+        }
+
+        fn chunked(&self, factor: u32, gpu_run: u32) -> PrefixMatch {
+            let n = self.0.len() as u32;
+            chunked_match(n, factor, gpu_run, &TierWeights::default(), |i| {
+                self.0[i as usize]
+            })
+        }
+    }
+
     /// Random GPU runs and offloaded chunks, held as the connector's
     /// default events leave them (the chunk's last block) or as its
     /// self-describing ones do (every block), against vLLM's rule; and the
@@ -127,17 +130,14 @@ mod tests {
     #[test]
     fn chunked_matches_are_what_vllm_loads() {
         let mut rnd = crate::test_rng::xorshift(0x0ff1_0ad5);
-        let weights = TierWeights::default();
         for case in 0..3000 {
             let factor = [2, 4, 8][rnd(3) as usize];
             let blocks = rnd(40) as u32;
             let gpu_run = rnd(u64::from(blocks) + 1) as u32;
             let every_block = rnd(2) == 0;
-            let index = BlockIndex::new();
-            let pod = PodId(3);
-            let keys: Vec<BlockKey> = (0..u64::from(blocks)).map(|k| BlockKey(k + 1)).collect();
+            let mut prompt = Prompt::new(blocks);
             for k in 0..gpu_run {
-                index.acquire(keys[k as usize], pod, Tier::Gpu);
+                prompt.hold(k, Tier::Gpu);
             }
             let chunks = blocks.div_ceil(factor);
             let held: Vec<bool> = (0..chunks).map(|_| rnd(4) > 0).collect();
@@ -157,7 +157,7 @@ mod tests {
                     (k + 1) * factor - 1
                 };
                 for b in from..((k + 1) * factor).min(blocks) {
-                    index.acquire(keys[b as usize], pod, tier);
+                    prompt.hold(b, tier);
                 }
             }
             // A GPU copy of a chunk's last block (past the GPU run) does
@@ -165,52 +165,38 @@ mod tests {
             if let Some(k) = (0..chunks).rev().find(|k| !held[*k as usize]) {
                 let last = (k + 1) * factor - 1;
                 if last < blocks && rnd(2) == 0 {
-                    index.acquire(keys[last as usize], pod, Tier::Gpu);
+                    prompt.hold(last, Tier::Gpu);
                 }
             }
-            let m = chunked_match(&index, &keys, pod, factor, gpu_run, &weights);
+            let m = prompt.chunked(factor, gpu_run);
             let want = vllm(gpu_run, |k| held[k as usize], blocks, factor);
             assert_eq!(
                 m.matched_blocks, want,
                 "case {case}: {factor} {blocks} {gpu_run} {held:?}"
             );
             assert_eq!(m.best_tier_blocks.iter().sum::<u32>(), want, "case {case}");
-            // Another pod's blocks change nothing.
-            index.acquire(
-                keys.first().copied().unwrap_or(BlockKey(0)),
-                PodId(4),
-                Tier::Cpu,
-            );
-            assert_eq!(
-                chunked_match(&index, &keys, pod, factor, gpu_run, &weights),
-                m
-            );
         }
     }
 
     /// A chunk larger than any prompt loads nothing, whatever its size.
     #[test]
     fn a_chunk_larger_than_the_prompt_loads_nothing() {
-        let index = BlockIndex::new();
-        let keys: Vec<BlockKey> = (1..=8).map(BlockKey).collect();
+        let prompt = Prompt::new(8);
         for factor in [9, u32::MAX - 3] {
-            let m = chunked_match(&index, &keys, PodId(0), factor, 8, &TierWeights::default());
-            assert_eq!(m.matched_blocks, 8);
+            assert_eq!(prompt.chunked(factor, 8).matched_blocks, 8);
         }
     }
 
     /// A chunk on CPU and storage counts on both and is served from CPU.
     #[test]
     fn a_chunk_counts_on_each_tier_it_is_held_on() {
-        let index = BlockIndex::new();
-        let keys: Vec<BlockKey> = (1..=8).map(BlockKey).collect();
-        let pod = PodId(0);
-        index.acquire(keys[0], pod, Tier::Gpu);
+        let mut prompt = Prompt::new(8);
+        prompt.hold(0, Tier::Gpu);
         for b in [3, 7] {
-            index.acquire(keys[b], pod, Tier::Cpu);
+            prompt.hold(b, Tier::Cpu);
         }
-        index.acquire(keys[7], pod, Tier::Storage);
-        let m = chunked_match(&index, &keys, pod, 4, 1, &TierWeights::default());
+        prompt.hold(7, Tier::Storage);
+        let m = prompt.chunked(4, 1);
         assert_eq!(m.matched_blocks, 8);
         assert_eq!(m.blocks_per_tier, [1, 7, 4]);
         assert_eq!(m.best_tier_blocks, [1, 7, 0]);

@@ -2,8 +2,8 @@ use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 
-use super::shared::{hash, tier_of, RUN_CAP, TIER_BITS};
-use super::writer::Loc;
+use super::published::{hash, tier_of, RUN_CAP, TIER_BITS};
+use super::write::Loc;
 use super::*;
 use crate::event::{Tier, TIERS};
 

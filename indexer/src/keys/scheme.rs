@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use crate::engine_hash::{EngineHasher, ExtraKeyStyle};
+use crate::keys::engine_hash::{EngineHasher, ExtraKeyStyle};
 use crate::keys::{prompt_keys, request_root_seed, BlockKey};
 
 #[derive(Clone, Debug)]

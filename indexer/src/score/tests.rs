@@ -1,14 +1,12 @@
-//! `run_score`'s rules against the service's own (`score`'s walk and
-//! closure, `offload::chunked_match`) on an index holding the same blocks:
-//! random tiers at each position of a prompt, every rule combination.
+//! Score's rules read from what a pod holds along a prompt (`Held`, from
+//! the runs' stretches) against the tests' model of them, block by block
+//! (`model::pod_match`): random tiers at each position of a prompt, every
+//! rule combination.
 
 use proptest::prelude::*;
 
 use super::*;
-use crate::index::{BlockIndex, PodId};
-use crate::keys::BlockKey;
-use crate::offload::chunked_match;
-use crate::score::{extend_prefix_closed, walk_with_gpu_runs};
+use crate::model;
 
 /// A pod's stretches per tier (as `held_along` gives them) from the tiers
 /// holding each position.
@@ -28,34 +26,6 @@ fn along(masks: &[u8]) -> HeldAlong {
         }
     }
     HeldAlong { pod: 0, spans }
-}
-
-/// The service's match of a pod holding `masks` along an `n`-key prompt.
-fn service(masks: &[u8], chunk: u32, closure: bool, weights: &TierWeights) -> PrefixMatch {
-    let index = BlockIndex::new();
-    let pod = PodId(0);
-    let keys: Vec<BlockKey> = (1..=masks.len() as u64).map(BlockKey).collect();
-    for (key, mask) in keys.iter().zip(masks) {
-        for tier in TierMask(*mask).tiers() {
-            index.acquire(*key, pod, tier);
-        }
-    }
-    let (mut walked, mut gpu_runs) = walk_with_gpu_runs(&index, &keys, &[pod], weights);
-    if closure {
-        extend_prefix_closed(
-            &index,
-            &keys,
-            &[pod],
-            &mut walked,
-            &mut gpu_runs,
-            &[chunk > 1],
-            weights,
-        );
-    }
-    if chunk > 1 {
-        walked[0] = chunked_match(&index, &keys, pod, chunk, gpu_runs[0], weights);
-    }
-    walked[0]
 }
 
 /// Tiers per position: mostly GPU from the start, then anything, with gaps.
@@ -78,7 +48,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
     #[test]
-    fn a_pods_match_is_the_services(
+    fn a_pods_match_is_the_models(
         masks in masks(),
         chunk in prop::sample::select(vec![1u32, 2, 3, 4]),
         closure in any::<bool>(),
@@ -90,7 +60,8 @@ proptest! {
         }
         prop_assert_eq!(held.at(masks.len() as u32), TierMask::default());
         let ours = pod_match(&held, masks.len() as u32, chunk, closure, &weights);
-        prop_assert_eq!(ours, service(&masks, chunk, closure, &weights));
+        let masks: Vec<TierMask> = masks.into_iter().map(TierMask).collect();
+        prop_assert_eq!(ours, model::pod_match(&masks, chunk, closure, &weights));
     }
 }
 
@@ -109,4 +80,31 @@ fn closure_credits_the_blocks_before_the_deepest_on_gpu() {
     assert_eq!(m.matched_blocks, 5);
     assert_eq!(m.blocks_per_tier, [5, 1, 0]);
     assert_eq!(m.best_tier_blocks, [5, 0, 0]);
+}
+
+/// A match on one tier is built whole; it must equal, to the last bit of
+/// its weight, the one added up block by block.
+#[test]
+fn a_match_on_one_tier_equals_the_sum_by_block() {
+    for weights in [
+        TierWeights::default(),
+        TierWeights([0.1, 0.7, 1e-300]),
+        TierWeights([3.7, 0.0, 1.0 / 3.0]),
+    ] {
+        for tier in Tier::ALL {
+            for blocks in [0u32, 1, 7, 333, 4099] {
+                let mut summed = PrefixMatch::default();
+                for _ in 0..blocks {
+                    record(&mut summed, TierMask(1 << tier.index()), 1, &weights);
+                }
+                summed.weigh(&weights);
+                let built = PrefixMatch::on_one_tier(blocks, tier, &weights);
+                assert_eq!(built, summed);
+                assert_eq!(
+                    built.weighted_blocks.to_bits(),
+                    summed.weighted_blocks.to_bits()
+                );
+            }
+        }
+    }
 }

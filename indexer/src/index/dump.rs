@@ -16,8 +16,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::shared::{tier_of, Arena, Heads, MAX_RUN, TIER_BITS};
-use super::writer::{Loc, Span, Writer};
+use super::published::{tier_of, Arena, Heads, MAX_RUN, TIER_BITS};
+use super::write::{Loc, Span, Writer};
 use crate::event::TIERS;
 
 /// The whole index.
@@ -263,7 +263,7 @@ impl Writer {
                 }
             }
             // A pod's spans in a run, over its tiers, are counted in 24 bits
-            // where readers read them (`shared`).
+            // where readers read them (`published`).
             let mut per_pod: Vec<(u32, usize)> = Vec::new();
             for h in &record.holdings {
                 match per_pod.last_mut() {
