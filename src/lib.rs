@@ -21,11 +21,9 @@ pub mod proto {
 }
 
 pub mod app;
-pub mod cli;
 pub mod codec;
 pub mod config;
 mod conn_limit;
-pub mod demo;
 mod dial;
 pub mod discovery;
 mod dispatch;
@@ -38,13 +36,10 @@ pub mod malloc;
 pub mod metrics;
 mod owners;
 mod priority;
-pub mod publish;
 mod ratelimit;
 pub mod replay;
-pub mod simulate;
 pub mod snapshots;
 pub mod token_ids;
-pub mod vllm_wire;
 mod worker;
 mod zap;
 pub mod zmq_io;

@@ -16,7 +16,7 @@
 //!   [`Config`].
 //!
 //! Plain data that the rest of the service reads; the command line around
-//! it (subcommands, parsing, `--help`) is `crate::cli`.
+//! it (subcommands, parsing, `--help`) is the binary's `cli` (`src/bin/kv-indexer/cli/`).
 
 mod endpoints;
 mod file;

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
-use kv_indexer::vllm_wire::{encode_batch, frames, WireEvent};
 use pb::kv_indexer_client::KvIndexerClient;
+use simulator::vllm_wire::{encode_batch, frames, WireEvent};
 use tonic::transport::Channel;
 
 const BS: usize = 16;

@@ -5,8 +5,7 @@
 //! hit counts.
 
 use crate::common::Service;
-use kv_indexer::cli::{Args, Command};
-use kv_indexer::simulate::{self, Options, PolicyResult};
+use simulator::{self as simulate, Options, PolicyResult};
 
 /// Small sizes: a debug build runs each race in well under a second.
 const SMALL: &[&str] = &[
@@ -31,7 +30,7 @@ const SMALL: &[&str] = &[
 ];
 
 fn options(extra: &[&str]) -> Options {
-    let mut argv = vec!["kv-indexer", "simulate"];
+    let mut argv = vec!["simulate"];
     argv.extend_from_slice(SMALL);
     argv.extend_from_slice(&["--requests", "160"]);
     if !extra.contains(&"--pods") {
@@ -41,16 +40,21 @@ fn options(extra: &[&str]) -> Options {
     parse(argv)
 }
 
-/// `kv-indexer simulate ...`'s options, as the binary parses them.
+/// `kv-indexer simulate ...`'s options (`argv` from "simulate" on), as
+/// clap parses them for the binary.
 fn parse(argv: Vec<&str>) -> Options {
-    match Args::try_parse_named(argv).expect("valid flags").command {
-        Some(Command::Simulate(o)) => *o,
-        other => panic!("not simulate: {other:?}"),
+    #[derive(clap::Parser)]
+    struct Simulate {
+        #[command(flatten)]
+        options: Options,
     }
+    <Simulate as clap::Parser>::try_parse_from(argv)
+        .expect("valid flags")
+        .options
 }
 
 fn race(extra: &[&str]) -> Vec<PolicyResult> {
-    simulate::race(&options(extra), 16, false)
+    simulate::race(&options(extra), 16, false, None)
         .expect("the race runs")
         .results
 }
@@ -123,7 +127,7 @@ fn the_html_page_is_xml_with_one_svg_chart_per_measure() {
         "--json",
         json.to_str().unwrap(),
     ]);
-    simulate::main(&o, 16).unwrap();
+    simulate::main(&o, 16, None).unwrap();
     let page = std::fs::read_to_string(&html).unwrap();
     let mut reader = quick_xml::Reader::from_str(&page);
     let (mut svgs, mut polylines, mut rows) = (0, 0, 0);
@@ -250,7 +254,7 @@ fn the_op_log_replays_to_the_answers_it_recorded() {
     let dir = tempfile::tempdir().unwrap();
     let ops = dir.path().join("ops.jsonl");
     // SMALL, with pods a tenth the size and answers seven times as long.
-    let mut argv = vec!["kv-indexer", "simulate"];
+    let mut argv = vec!["simulate"];
     for pair in SMALL.chunks(2) {
         match pair[0] {
             "--pod-blocks" => argv.extend(["--pod-blocks", "64"]),
@@ -262,7 +266,7 @@ fn the_op_log_replays_to_the_answers_it_recorded() {
     argv.extend(["precise,round-robin", "--max-num-batched-tokens", "128"]);
     argv.extend(["--ops-out", ops.to_str().unwrap()]);
     let o = parse(argv);
-    simulate::main(&o, 16).unwrap();
+    simulate::main(&o, 16, None).unwrap();
     let log = std::fs::read_to_string(&ops).unwrap();
     let first: serde_json::Value = serde_json::from_str(log.lines().next().unwrap()).unwrap();
     assert_eq!(first["capacity_blocks"], 64);
@@ -358,7 +362,7 @@ fn hand_checked(requests: &[(f64, Vec<u32>, usize)], extra: &[&str]) -> Vec<Poli
         })
         .collect();
     std::fs::write(&trace, lines.concat()).unwrap();
-    let mut argv = vec!["kv-indexer", "simulate", "--trace", trace.to_str().unwrap()];
+    let mut argv = vec!["simulate", "--trace", trace.to_str().unwrap()];
     argv.extend(["--prefill-per-token", "0.001", "--decode-per-token", "0.01"]);
     argv.extend(["--event-delay", "0"]);
     if !extra.contains(&"--pod-blocks") {
@@ -366,7 +370,7 @@ fn hand_checked(requests: &[(f64, Vec<u32>, usize)], extra: &[&str]) -> Vec<Poli
     }
     argv.extend_from_slice(extra);
     let o = parse(argv);
-    simulate::race(&o, 16, false).unwrap().results
+    simulate::race(&o, 16, false, None).unwrap().results
 }
 
 fn close(a: f64, b: f64) -> bool {

@@ -31,18 +31,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_indexer::proto::kvindexer::v1 as pb;
-use kv_indexer::vllm_wire::{encode_batch, frames, WireEvent};
 use kv_indexer::zmq_io::Publisher;
 use pb::kv_indexer_client::KvIndexerClient;
 use serde_json::{json, Value};
+use simulator::vllm_wire::{encode_batch, frames, WireEvent};
 use tonic::transport::Channel;
 
-/// `--peer dynamo`, in a file of its own.
-#[path = "peer/dynamo.rs"]
-mod peer_dynamo;
-#[path = "bench/score_client.rs"]
+/// `--peer dynamo`: Dynamo's standalone indexer, driven alike.
+mod dynamo;
 mod score_client;
-#[path = "bench/under_ingest.rs"]
 mod under_ingest;
 
 use score_client::{grpc_message, ScoreClient};
@@ -63,7 +60,7 @@ struct Opts {
     metrics: Option<String>,
     tokenizer: PathBuf,
     /// `--peer dynamo`: the peer part runs against Dynamo's standalone
-    /// indexer (`peer_dynamo`), at `peer_bin` if given.
+    /// indexer (`dynamo`), at `peer_bin` if given.
     peer: bool,
     peer_bin: Option<PathBuf>,
     /// `--ours-arg ARG` (repeatable): passed to the service this starts (for
@@ -125,7 +122,7 @@ fn opts() -> Opts {
                      ({}, built by peers/dynamo, next to this binary unless --peer-bin),\n\
                      each started on loopback, taking turns on the same ingest and Score loads.",
                     under_ingest::Options::HELP,
-                    peer_dynamo::BINARY
+                    dynamo::BINARY
                 );
                 std::process::exit(0);
             }
@@ -883,7 +880,7 @@ fn main() {
         }
         let mut peer = Value::Null;
         if o.peer && runs("peer") {
-            peer = peer_dynamo::run(&o).await;
+            peer = dynamo::run(&o).await;
         }
         let out = json!({
             "mode": if o.quick { "quick" } else { "full" },

@@ -1,6 +1,13 @@
-//! `kv-indexer`: the service binary.
+//! `kv-indexer`: the service binary, and its tools: `demo`, `publish`,
+//! `simulate` (the `simulator` crate; `--against` a running service through
+//! `simulate_service`), `check`.
 
-use kv_indexer::cli::{Args, Command};
+mod cli;
+mod demo;
+mod publish;
+mod simulate_service;
+
+use cli::{Args, Command};
 use kv_indexer::config::{Config, LogFormat};
 use kv_indexer::malloc::Pinned;
 use tracing_subscriber::EnvFilter;
@@ -47,7 +54,12 @@ fn main() -> std::process::ExitCode {
                 indexer::routing::ttl::AUTO_START.as_secs_f64()
             }
         };
-        return match kv_indexer::simulate::main(options, block_size) {
+        let service = match (&options.against, &options.zmq) {
+            (Some(grpc), Some(zmq)) => Some(simulate_service::Against::new(grpc, zmq)),
+            _ => None,
+        };
+        let service = service.as_ref().map(|s| s as &dyn simulator::Service);
+        return match simulator::main(options, block_size, service) {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kv-indexer simulate: {e:#}");
@@ -79,9 +91,9 @@ fn main() -> std::process::ExitCode {
                 pods,
                 turns,
                 interval,
-            }) => kv_indexer::demo::run(config, pods.max(1), turns, interval.into()).await,
+            }) => demo::run(config, pods.max(1), turns, interval.into()).await,
             Some(Command::Publish { frames, zmq, grpc }) => {
-                kv_indexer::publish::run(&frames, &zmq, &grpc).await
+                publish::run(&frames, &zmq, &grpc).await
             }
             _ => kv_indexer::app::run(config, shutdown_signal()).await,
         }

@@ -8,7 +8,8 @@
 //! - `serving`: each pod's vLLM scheduler loop (chunked prefill, decode
 //!   steps, preemption) in virtual time;
 //! - `policy` (and `approximate`): how a router picks a pod;
-//! - `feed`: the pods' events, in vLLM's wire form, into our index;
+//! - `feed`: the pods' events, in vLLM's wire form (`vllm_wire`), into
+//!   our index (in process, or a running service: `Service`);
 //! - `report` and `html`: the numbers, the table, a line on each policy's
 //!   causes, the page.
 //!
@@ -24,6 +25,7 @@ mod policy;
 mod report;
 mod rng;
 mod serving;
+pub mod vllm_wire;
 mod workload;
 
 use std::io::IsTerminal;
@@ -37,6 +39,8 @@ use anyhow::Context;
 pub use op_log::{replay as replay_op_log, Answer, Seen};
 pub use policy::Spec as PolicySpec;
 pub use report::{explain, PolicyResult, Report};
+
+pub use feed::{Connection, Service};
 
 use feed::Feed;
 use serving::{Prepared, Serving, Simulation};
@@ -274,10 +278,11 @@ fn parse_mix(s: &str) -> anyhow::Result<Vec<(Kind, u32)>> {
 }
 
 /// Runs the race and prints the table; writes `--json`, `--html` and
-/// `--ops-out` when asked.
-pub fn main(o: &Options, block_size: usize) -> anyhow::Result<()> {
+/// `--ops-out` when asked. `service`: the running kv-indexer `--against`
+/// names, connected by the caller.
+pub fn main(o: &Options, block_size: usize, service: Option<&dyn Service>) -> anyhow::Result<()> {
     let started = Instant::now();
-    let report = race(o, block_size, true)?;
+    let report = race(o, block_size, true, service)?;
     print!("{}", report::table(&report.results));
     println!();
     for r in &report.results {
@@ -286,7 +291,7 @@ pub fn main(o: &Options, block_size: usize) -> anyhow::Result<()> {
     for r in &report.results {
         anyhow::ensure!(
             r.feed.decode_errors == 0 && r.feed.events_decoded == r.feed.events_encoded
-                || o.against.is_some(),
+                || service.is_some(),
             "{}: our decoder refused simulated batches: {:?}",
             r.policy,
             r.feed
@@ -324,9 +329,15 @@ pub fn main(o: &Options, block_size: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The race itself: every policy over the same requests. `progress_bar`:
-/// draw one on stderr when it is a terminal.
-pub fn race(o: &Options, block_size: usize, progress_bar: bool) -> anyhow::Result<Report> {
+/// The race itself: every policy over the same requests, each against an
+/// in-process index, or `service`. `progress_bar`: draw one on stderr when
+/// it is a terminal.
+pub fn race(
+    o: &Options,
+    block_size: usize,
+    progress_bar: bool,
+    service: Option<&dyn Service>,
+) -> anyhow::Result<Report> {
     let plan = plan(o, block_size)?;
     let root_seed = indexer::keys::request_root_seed(&plan.model, None, None);
     // Every pod hashes a prompt the same way: once per request, not per pick.
@@ -351,10 +362,6 @@ pub fn race(o: &Options, block_size: usize, progress_bar: bool) -> anyhow::Resul
     let total = prepared.len() * plan.policies.len();
     let done = AtomicUsize::new(0);
     let bar = Progress::start(progress_bar && std::io::stderr().is_terminal(), total);
-    let remote = match (&o.against, &o.zmq) {
-        (Some(grpc), Some(zmq)) => Some((grpc.clone(), zmq.clone(), zmq::Context::new())),
-        _ => None,
-    };
     let ops_out = match &o.ops_out {
         Some(p) => Some(Mutex::new(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("--ops-out {}", p.display()))?,
@@ -363,16 +370,14 @@ pub fn race(o: &Options, block_size: usize, progress_bar: bool) -> anyhow::Resul
     };
     let run_one = |spec: PolicySpec| -> anyhow::Result<PolicyResult> {
         let name = spec.name();
-        let mut feed = match &remote {
+        let mut feed = match service {
             None => Feed::local(&plan.model, plan.serving.pods, block_size, o.event_delay),
-            Some((grpc, zmq, context)) => Feed::remote(
-                // Each policy's pods are their own model in the service.
+            // Each policy's pods are their own model in the service.
+            Some(service) => Feed::remote(
                 &format!("{}/{name}", plan.model),
                 plan.serving.pods,
                 block_size,
-                grpc,
-                zmq,
-                context,
+                service,
             )?,
         };
         let mut policy = policy::Policy::new(
@@ -412,7 +417,7 @@ pub fn race(o: &Options, block_size: usize, progress_bar: bool) -> anyhow::Resul
     // In process, policies race on all cores (each has its own pods and
     // index); against one service, one at a time, so each policy's
     // Score latency is its own.
-    let threads = match remote {
+    let threads = match service {
         Some(_) => 1,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
@@ -454,7 +459,7 @@ pub fn race(o: &Options, block_size: usize, progress_bar: bool) -> anyhow::Resul
             .context("a policy's run did not finish")?;
         results.push(r?);
     }
-    let mut parameters = parameters(o, &plan, block_size);
+    let mut parameters = parameters(o, &plan, block_size, service.is_some());
     parameters["working_set_blocks"] = working_set.into();
     Ok(Report {
         parameters,
@@ -462,7 +467,7 @@ pub fn race(o: &Options, block_size: usize, progress_bar: bool) -> anyhow::Resul
     })
 }
 
-fn parameters(o: &Options, plan: &Plan, block_size: usize) -> serde_json::Value {
+fn parameters(o: &Options, plan: &Plan, block_size: usize, remote: bool) -> serde_json::Value {
     serde_json::json!({
         "model": plan.model,
         "requests": plan.requests.len(),
@@ -480,7 +485,7 @@ fn parameters(o: &Options, plan: &Plan, block_size: usize) -> serde_json::Value 
         "speculative_ttl": o.speculative_ttl,
         "event_delay": o.event_delay,
         "approx_capacity": o.approx_capacity,
-        "index": if o.against.is_some() { "remote" } else { "in-process" },
+        "index": if remote { "remote" } else { "in-process" },
     })
 }
 

@@ -392,7 +392,7 @@ mod tests {
         let path = dir.path().join("t.jsonl");
         let qwen = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/tokenizers/qwen3"
+            "/../tests/fixtures/tokenizers/qwen3"
         );
         std::fs::write(
             &path,

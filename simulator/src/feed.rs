@@ -1,20 +1,42 @@
 //! The pods' events into an index and the index's answers back: every batch
 //! a simulated pod publishes is encoded as vLLM 0.33 writes it
 //! (`vllm_wire`), then either decoded by our real decoder
-//! (`wire::decode_batch`) into a real in-process [`Indexer`], or sent over
-//! ZeroMQ to a running service that is asked `Score` over gRPC.
+//! (`wire::decode_batch`) into a real in-process [`Indexer`], or sent to a
+//! running service (a [`Service`]: the binary's `simulate --against` sends
+//! it over ZeroMQ and asks `Score` over gRPC).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use indexer::{wire, Indexer, IndexerConfig, Pod, ScoreQuery};
-use tonic::transport::Channel;
 
 use super::pod_cache::CacheEvent;
-use crate::proto::kvindexer::v1 as pb;
 use crate::vllm_wire::{self, WireEvent};
-use crate::zmq_io::Publisher;
+
+/// A running kv-indexer the simulation feeds instead of an in-process
+/// index: one connection per policy (each policy's pods are their own
+/// model there).
+pub trait Service: Sync {
+    /// Connects for `model`'s pods `names`, each announced to the service
+    /// with seq 0 (so nothing is lost to a PUB socket's slow join).
+    fn connect(&self, model: &str, names: &[String]) -> anyhow::Result<Box<dyn Connection>>;
+}
+
+/// One policy's connection to a running service.
+pub trait Connection {
+    /// Publishes one batch of `pod`'s: its seq and vLLM's payload.
+    fn publish(&mut self, pod: &str, seq: u64, payload: Vec<u8>) -> anyhow::Result<()>;
+
+    /// Waits, bounded, until the service applied every batch published
+    /// (pod `names[i]`'s up to seq `next[i] - 1`), so a `Score` sees what an
+    /// in-process index would: a real router sees events milliseconds
+    /// late, a simulation in virtual time would see them seconds late.
+    fn wait_applied(&mut self, names: &[String], next: &[u64]) -> anyhow::Result<()>;
+
+    /// `Score` for `tokens` over the pods `names`: (pod, matched blocks).
+    fn score(&mut self, tokens: &[u32], names: &[String]) -> anyhow::Result<Vec<(String, u32)>>;
+}
 
 /// What went through the wire, for the decoder-path check.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -44,15 +66,11 @@ enum Target {
         /// due in order (one delay for all).
         in_transit: VecDeque<(f64, usize, u64, Vec<u8>)>,
     },
-    Remote(Box<Remote>),
-}
-
-struct Remote {
-    runtime: tokio::runtime::Runtime,
-    client: pb::kv_indexer_client::KvIndexerClient<Channel>,
-    publisher: Publisher,
-    /// Batches were published since the service last applied them all.
-    unconfirmed: bool,
+    Remote {
+        connection: Box<dyn Connection>,
+        /// Batches were published since the service last applied them all.
+        unconfirmed: bool,
+    },
 }
 
 pub struct Feed {
@@ -94,48 +112,24 @@ impl Feed {
         feed
     }
 
-    /// A running service: events to its ZeroMQ SUB `zmq`, Score from its
-    /// gRPC `grpc`. Each pod announces itself first (seq 0), so nothing
-    /// is lost to the PUB socket's slow join.
+    /// A running service, reached through `service`.
     pub fn remote(
         model: &str,
         pods: usize,
         block_size: usize,
-        grpc: &str,
-        zmq: &str,
-        context: &zmq::Context,
+        service: &dyn Service,
     ) -> anyhow::Result<Feed> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let grpc = match grpc.starts_with("http") {
-            true => grpc.to_owned(),
-            false => format!("http://{grpc}"),
-        };
-        let mut client = runtime
-            .block_on(pb::kv_indexer_client::KvIndexerClient::connect(
-                grpc.clone(),
-            ))
-            .map_err(|e| anyhow::anyhow!("no kv-indexer answers at {grpc}: {e}"))?;
-        let publisher = Publisher::connect(context, zmq)?;
         let names = pod_names(pods);
-        runtime.block_on(crate::publish::announce_pods(
-            &publisher,
-            model,
-            &names,
-            &mut client,
-        ))?;
+        let connection = service.connect(model, &names)?;
         Ok(Feed::new(
             model,
             names,
             block_size,
             1,
-            Target::Remote(Box::new(Remote {
-                runtime,
-                client,
-                publisher,
+            Target::Remote {
+                connection,
                 unconfirmed: false,
-            })),
+            },
         ))
     }
 
@@ -195,14 +189,12 @@ impl Feed {
             Target::Local { in_transit, .. } => {
                 in_transit.push_back((ts + self.delay, pod, seq, payload));
             }
-            Target::Remote(r) => {
-                r.publisher.send(&vllm_wire::frames(
-                    &self.names[pod],
-                    &self.model,
-                    seq,
-                    payload,
-                ))?;
-                r.unconfirmed = true;
+            Target::Remote {
+                connection,
+                unconfirmed,
+            } => {
+                connection.publish(&self.names[pod], seq, payload)?;
+                *unconfirmed = true;
             }
         }
         Ok(())
@@ -257,24 +249,20 @@ impl Feed {
                     }
                 }
             }
-            Target::Remote(r) => {
-                if r.unconfirmed {
-                    wait_applied(r, &self.model, &self.names, &self.seq)?;
-                    r.unconfirmed = false;
+            Target::Remote {
+                connection,
+                unconfirmed,
+            } => {
+                if *unconfirmed {
+                    connection.wait_applied(&self.names, &self.seq)?;
+                    *unconfirmed = false;
                 }
                 let started = Instant::now();
-                let resp = r.runtime.block_on(r.client.score(pb::ScoreRequest {
-                    model: self.model.clone(),
-                    input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
-                        ids: tokens.to_vec(),
-                    })),
-                    pods: self.names.clone(),
-                    ..Default::default()
-                }))?;
+                let pods = connection.score(tokens, &self.names)?;
                 self.cost.latencies_us.push(micros(started.elapsed()));
-                for p in resp.into_inner().pods {
-                    if let Some(&i) = self.position.get(&p.pod) {
-                        matched[i] = p.matched_blocks as usize;
+                for (pod, blocks) in pods {
+                    if let Some(&i) = self.position.get(&pod) {
+                        matched[i] = blocks as usize;
                     }
                 }
             }
@@ -290,30 +278,4 @@ fn pod_names(pods: usize) -> Vec<String> {
 
 fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
-}
-
-/// Waits (bounded) until the service applied every batch published, so a
-/// Score sees what an in-process index would: a real router sees events
-/// milliseconds late, a simulation in virtual time would see them seconds
-/// late.
-fn wait_applied(r: &mut Remote, model: &str, names: &[String], next: &[u64]) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let pods = r
-            .runtime
-            .block_on(crate::publish::listed(&mut r.client, model))?;
-        let done = names.iter().zip(next).all(|(name, &next)| {
-            pods.iter()
-                .any(|p| &p.pod == name && p.last_seq.is_some_and(|s| s + 1 >= next))
-        });
-        if done {
-            return Ok(());
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "the service at --against did not apply the simulated pods' batches within 10 s \
-             (is --zmq its SUB endpoint?)"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }

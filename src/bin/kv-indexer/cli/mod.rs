@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::config::Settings;
+use kv_indexer::config::Settings;
 
 /// The command line: a subcommand, the `--config` file, and every setting
 /// (`settings.rs`), each also settable by `KV_INDEXER_<FLAG>` (upper case,
@@ -152,13 +152,13 @@ pub enum Command {
     },
     /// Race routing policies over simulated vLLM pods whose events feed
     /// our index; prints a table (the pods' block size is --block-size).
-    Simulate(Box<crate::simulate::Options>),
+    Simulate(Box<simulator::Options>),
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Config, FileConfig};
+    use kv_indexer::config::{Config, FileConfig};
 
     #[test]
     fn errors_name_the_setting() {

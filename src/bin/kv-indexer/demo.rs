@@ -8,10 +8,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use crate::config::Config;
-use crate::proto::kvindexer::v1 as pb;
 use crate::publish::{announce_pods, listed};
-use crate::vllm_wire::{self, WireEvent};
+use kv_indexer::config::Config;
+use kv_indexer::proto::kvindexer::v1 as pb;
+use simulator::vllm_wire::{self, WireEvent};
 
 const MODEL: &str = "demo/model";
 const BLOCK: usize = 16;
@@ -77,7 +77,7 @@ pub async fn run(
         .metrics_addr
         .map_or_else(|| "off".to_owned(), |a| a.to_string());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let service = tokio::spawn(crate::app::run(config, async {
+    let service = tokio::spawn(kv_indexer::app::run(config, async {
         let _ = stopped.await;
     }));
 
@@ -95,7 +95,7 @@ pub async fn run(
         }
     };
     let context = zmq::Context::new();
-    let mut publisher = crate::zmq_io::Publisher::connect(&context, &zmq)?;
+    let mut publisher = kv_indexer::zmq_io::Publisher::connect(&context, &zmq)?;
     let mut fake: Vec<FakePod> = (0..pods)
         .map(|i| FakePod {
             name: format!("pod-{i}"),
@@ -218,7 +218,7 @@ pub async fn run(
 /// Each fake pod publishes an empty batch (seq 0) until the indexer lists
 /// it: a fresh PUB socket drops messages until the subscription reached it.
 async fn announce(
-    publisher: &crate::zmq_io::Publisher,
+    publisher: &kv_indexer::zmq_io::Publisher,
     fake: &mut [FakePod],
     client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
 ) -> anyhow::Result<()> {
@@ -268,7 +268,7 @@ fn block_hashes(prompt: &[u32]) -> Vec<u64> {
 /// it did not have yet, chained to the cached prefix.
 /// Returns how many blocks it evicted.
 fn publish_turn(
-    publisher: &mut crate::zmq_io::Publisher,
+    publisher: &mut kv_indexer::zmq_io::Publisher,
     pod: &mut FakePod,
     conv: usize,
     prompt: &[u32],

@@ -17,8 +17,8 @@ use bytes::Bytes;
 use serde_json::Value;
 use tonic::transport::Channel;
 
-use crate::proto::kvindexer::v1 as pb;
-use crate::zmq_io::Publisher;
+use kv_indexer::proto::kvindexer::v1 as pb;
+use kv_indexer::zmq_io::Publisher;
 use pb::kv_indexer_client::KvIndexerClient;
 
 /// The model of the marker batch that tells us the subscription is up.
@@ -220,7 +220,7 @@ fn message(topic: &str, seq: u64, payload: &[u8]) -> Vec<Bytes> {
 /// lists them all: a fresh PUB socket drops messages until the
 /// subscription reached it ("slow joiner"). The pods' next seq is 1.
 pub(crate) async fn announce_pods(
-    publisher: &crate::zmq_io::Publisher,
+    publisher: &kv_indexer::zmq_io::Publisher,
     model: &str,
     pods: &[String],
     client: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
@@ -228,11 +228,11 @@ pub(crate) async fn announce_pods(
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         for pod in pods {
-            publisher.send(&crate::vllm_wire::frames(
+            publisher.send(&simulator::vllm_wire::frames(
                 pod,
                 model,
                 0,
-                crate::vllm_wire::encode_batch(&[]),
+                simulator::vllm_wire::encode_batch(&[]),
             ))?;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -3,7 +3,7 @@
 //! config-file key, default and help, every subcommand's own flags, and the
 //! other environment variables the service reads. A unit test compares the
 //! file with what this renders, so the page cannot drift from the code;
-//! `KV_INDEXER_BLESS=1 cargo test --lib cli::reference` rewrites it.
+//! `KV_INDEXER_BLESS=1 cargo test --bin kv-indexer cli::reference` rewrites it.
 //! Only that test uses this module.
 
 use super::Args;
@@ -39,8 +39,8 @@ pub fn markdown() -> String {
     let cli = Args::cli();
     let mut out = String::from(
         "# Configuration reference\n\n\
-         Generated from the command line's definition (`src/config/settings.rs`, `src/cli/`) by\n\
-         `KV_INDEXER_BLESS=1 cargo test --lib cli::reference`; a test fails when\n\
+         Generated from the command line's definition (`src/config/settings.rs`, `src/bin/kv-indexer/cli/`) by\n\
+         `KV_INDEXER_BLESS=1 cargo test --bin kv-indexer cli::reference`; a test fails when\n\
          this page and the code differ. Precedence: flag > environment variable >\n\
          `--config` file > default. Every setting may be given before or after a\n\
          subcommand. See `docs/operations.md` for how they fit together.\n\n\
@@ -138,7 +138,7 @@ fn cell(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::Settings;
+    use kv_indexer::config::Settings;
 
     #[test]
     fn docs_configuration_md_is_what_the_settings_say() {
@@ -151,7 +151,7 @@ mod tests {
         assert!(
             have == want,
             "docs/configuration.md differs from the settings: run \
-             `KV_INDEXER_BLESS=1 cargo test --lib cli::reference` and commit it"
+             `KV_INDEXER_BLESS=1 cargo test --bin kv-indexer cli::reference` and commit it"
         );
         for name in Settings::NAMES {
             assert!(want.contains(&format!("| `{name}` |")), "{name}");

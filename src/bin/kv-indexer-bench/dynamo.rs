@@ -32,10 +32,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_indexer::proto::kvindexer::v1 as pb;
-use kv_indexer::vllm_wire::{encode_batch, frames, WireEvent};
 use kv_indexer::zmq_io::Publisher;
 use pb::kv_indexer_client::KvIndexerClient;
 use serde_json::{json, Value};
+use simulator::vllm_wire::{encode_batch, frames, WireEvent};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tonic::transport::Channel;
