@@ -52,6 +52,11 @@
 //! - **Lifecycle.** A stream whose connection is down and that has been
 //!   silent for `expiry` is forgotten; a connected but quiet one is kept (an
 //!   idle vLLM still holds its cache).
+//!
+//! Why one file of ~800 lines: these rules depend on each other (a gap's
+//! repair, a restart and a duplicate are told apart by the same state), and
+//! reading them together is how one checks that none contradicts another;
+//! the tests are in `stream/tests.rs`.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};

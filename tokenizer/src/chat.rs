@@ -12,6 +12,11 @@
 //! template (when the service accepts them at all) is a program written by
 //! a client. Fuel bounds the steps, the output writer bounds the bytes and
 //! checks the request's deadline.
+//!
+//! Why one file of ~770 lines (and its tests): the preprocessing, the
+//! environment and the bounds each reproduce one part of what vLLM and
+//! transformers do to a chat; a difference anywhere changes the tokens, and
+//! they are checked against each other here.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -19,7 +19,11 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use kv_indexer::zmq_io::Publisher;
+
 use super::*;
+use crate::score::{index_score_fleet, score_at_rate, score_step, Step};
+use crate::score_client::{grpc_message, ScoreClient};
 
 /// What this part runs (`--ingest-rate`, `--rates`).
 pub struct Options {
