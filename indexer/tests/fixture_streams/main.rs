@@ -319,5 +319,4 @@ fn engine_mode_late_start_never_overclaims_and_closure_recovers_more() {
 }
 
 /// The run layout on the same streams.
-#[path = "fixture_streams/runs.rs"]
 mod runs;
