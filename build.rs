@@ -7,6 +7,7 @@ use prost::Message;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         "kvindexer/v1/indexer.proto",
+        "kvindexer/v1/peer.proto",
         "llmd/indexer/v1/indexer.proto",
     ];
     for p in &protos {

@@ -2,6 +2,7 @@
 //! and down.
 
 use std::future::Future;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -16,6 +17,7 @@ use crate::config::Config;
 use crate::grpc::KvIndexerService;
 use crate::ingest::Ingest;
 use crate::metrics::{serve_http, Metrics};
+use crate::proto::kvindexer::v1::kv_indexer_peer_server::KvIndexerPeerServer;
 use crate::proto::kvindexer::v1::kv_indexer_server::KvIndexerServer;
 use crate::proto::llmd::v1::indexer_service_server::IndexerServiceServer;
 use crate::proto::FILE_DESCRIPTOR_SET;
@@ -63,14 +65,29 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         config.tokenization_cache_bytes,
     ));
     let last_snapshot: crate::snapshots::LastSnapshot = Default::default();
-    if let Some(dir) = &config.snapshot_dir {
-        // Before any socket opens: readiness means the snapshot is in.
-        crate::snapshots::load(dir, &indexer, &last_snapshot);
+    let mut metrics = Metrics::new();
+    // Before any socket opens: readiness means the index is in. From a
+    // Ready peer replica if there is one, else the snapshot file.
+    let replica = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+    let from_peer = match config.peers.targets.is_empty() {
+        true => None,
+        false => crate::peer::bootstrap::run(&config, &indexer, &metrics, replica).await,
+    };
+    let started_from = match (&from_peer, &config.snapshot_dir) {
+        (Some(_), _) => "peer",
+        (None, Some(dir)) if crate::snapshots::load(dir, &indexer, &last_snapshot) => "snapshot",
+        _ => "empty",
+    };
+    if !config.peers.targets.is_empty() && from_peer.is_none() {
+        tracing::warn!(from = started_from, "starting without a peer's index");
     }
+    metrics
+        .started_from
+        .get_or_create(&vec![("from", started_from.to_owned())])
+        .set(1);
     // Which ingest worker writes each pod: ingest assigns, metrics show
     // the balance.
     let owners = Arc::new(crate::owners::Owners::new(config.ingest_workers));
-    let mut metrics = Metrics::new();
     metrics.register_state(
         indexer.clone(),
         tokenizers.clone(),
@@ -218,6 +235,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     // one without waiting for WINDOW_UPDATEs, and frames that carry one
     // whole (with HTTP/2's default 16 KiB frames such a request was 6 DATA
     // frames and 13 socket reads; now 4.5 reads per Score).
+    let peer = crate::peer::serve::PeerService::new(
+        indexer.clone(),
+        metrics.clone(),
+        config.peers.token.clone(),
+        config
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.client_ca_pem.is_some()),
+        replica,
+    );
     let mut builder = Server::builder()
         .max_frame_size(MAX_FRAME_SIZE)
         // A peer that vanished without a FIN (a node lost, a partition)
@@ -248,6 +275,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             .add_service(reflection_v1alpha)
             .add_service(KvIndexerServer::from_arc(service).max_decoding_message_size(max_message))
             .add_service(IndexerServiceServer::new(llmd).max_decoding_message_size(max_message))
+            .add_service(KvIndexerPeerServer::new(peer))
             .serve_with_incoming_shutdown(accepted, async {
                 let _ = rpc_stopped.await;
             }),

@@ -35,6 +35,7 @@ pub mod llmd;
 pub mod malloc;
 pub mod metrics;
 mod owners;
+mod peer;
 mod priority;
 mod ratelimit;
 pub mod replay;

@@ -78,6 +78,17 @@ pub struct Metrics {
     pub routing_confirm_seconds: Histogram,
     /// Blocks of approximate routing history held.
     pub approximate_entries: Gauge,
+    /// Snapshot requests of peer replicas, by outcome (sent, refused,
+    /// busy, aborted).
+    pub peer_snapshots_served: Family<Labels, Counter>,
+    /// Bytes of snapshots sent to peer replicas.
+    pub peer_snapshot_bytes_sent: Counter,
+    /// Peers this replica could not copy its index from, by reason (keys,
+    /// format, auth, busy, unavailable, invalid).
+    pub peer_bootstrap_failures: Family<Labels, Counter>,
+    /// Where this replica's index started from (`from`: peer, snapshot,
+    /// empty): 1 on that one.
+    pub started_from: Family<Labels, Gauge>,
 }
 
 fn latency_buckets() -> Histogram {
@@ -116,6 +127,10 @@ impl Metrics {
             // 1 ms .. ~30 s.
             routing_confirm_seconds: Histogram::new(exponential_buckets(1e-3, 2.0, 16)),
             approximate_entries: Gauge::default(),
+            peer_snapshots_served: Family::default(),
+            peer_snapshot_bytes_sent: Counter::default(),
+            peer_bootstrap_failures: Family::default(),
+            started_from: Family::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -256,7 +271,32 @@ impl Metrics {
             .get_or_create(&vec![("version", env!("CARGO_PKG_VERSION").to_owned())])
             .set(1);
         r.register("build_info", "Build information (value 1)", build);
+        r.register(
+            "peer_snapshots_served",
+            "Snapshot requests of peer replicas, by outcome (sent, refused, busy, aborted)",
+            m.peer_snapshots_served.clone(),
+        );
+        r.register(
+            "peer_snapshot_bytes_sent",
+            "Bytes of snapshots sent to peer replicas",
+            m.peer_snapshot_bytes_sent.clone(),
+        );
+        r.register(
+            "peer_bootstrap_failures",
+            "Peers this replica could not copy its index from at start, by reason (keys, format, auth, busy, unavailable, invalid)",
+            m.peer_bootstrap_failures.clone(),
+        );
+        r.register(
+            "started_from",
+            "Where the index started from at this replica's start (from: peer, snapshot, empty): 1 on that one",
+            m.started_from.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// Counts one more on `family` labelled `label=value`.
+    pub fn count(family: &Family<Labels, Counter>, label: &'static str, value: &str) {
+        family.get_or_create(&vec![(label, value.to_owned())]).inc();
     }
 
     pub fn skip_message(&self, reason: &'static str) {

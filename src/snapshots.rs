@@ -27,18 +27,19 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Loads the snapshot in `dir` into the (empty) indexer, if there is one.
-pub fn load(dir: &Path, indexer: &Indexer, last: &LastSnapshot) {
+/// Loads the snapshot in `dir` into the (empty) indexer, if there is one;
+/// whether one was loaded.
+pub fn load(dir: &Path, indexer: &Indexer, last: &LastSnapshot) -> bool {
     let file = path(dir);
     let opened = match std::fs::File::open(&file) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             tracing::info!(file = %file.display(), "no snapshot yet: starting empty");
-            return;
+            return false;
         }
         Err(e) => {
             tracing::warn!(file = %file.display(), error = %e, "cannot read snapshot: starting empty");
-            return;
+            return false;
         }
     };
     match indexer.import(&opened) {
@@ -51,9 +52,11 @@ pub fn load(dir: &Path, indexer: &Indexer, last: &LastSnapshot) {
                 .map_or(0, |d| d.as_secs());
             last.store(modified, Ordering::Relaxed);
             tracing::info!(file = %file.display(), pods, entries = indexer.entries(), "snapshot loaded");
+            true
         }
         Err(e) => {
             tracing::warn!(file = %file.display(), error = %e, "snapshot ignored: starting empty");
+            false
         }
     }
 }

@@ -154,3 +154,47 @@ mod tests {
         assert!(err.contains("zmq_connect"), "{err}");
     }
 }
+
+/// `--peer`: a peer replica's gRPC address, `HOST:PORT`, or every address a
+/// DNS name resolves to, `dns:///NAME:PORT` (a Kubernetes headless Service,
+/// which lists Ready pods only).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerTarget {
+    Addr { host: String, port: u16 },
+    Dns { name: String, port: u16 },
+}
+
+impl FromStr for PeerTarget {
+    type Err = String;
+    fn from_str(raw: &str) -> Result<Self, String> {
+        let raw = raw.trim();
+        let (dns, rest) = match raw.strip_prefix("dns:///") {
+            Some(rest) => (true, rest),
+            None if raw.contains("://") => return Err("want HOST:PORT or dns:///NAME:PORT".into()),
+            None => (false, raw),
+        };
+        let (host, port) = rest
+            .rsplit_once(':')
+            .ok_or("want HOST:PORT or dns:///NAME:PORT")?;
+        let port: u16 = port.parse().map_err(|_| "port must be a number 1-65535")?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || port == 0 {
+            return Err("want HOST:PORT or dns:///NAME:PORT".into());
+        }
+        let host = host.to_owned();
+        Ok(match dns {
+            true => PeerTarget::Dns { name: host, port },
+            false => PeerTarget::Addr { host, port },
+        })
+    }
+}
+
+impl std::fmt::Display for PeerTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PeerTarget::Addr { host, port } if host.contains(':') => write!(f, "[{host}]:{port}"),
+            PeerTarget::Addr { host, port } => write!(f, "{host}:{port}"),
+            PeerTarget::Dns { name, port } => write!(f, "dns:///{name}:{port}"),
+        }
+    }
+}

@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use indexer::IndexerConfig;
 
 pub(crate) use endpoints::dial_target;
-pub use endpoints::DnsTarget;
+pub use endpoints::{DnsTarget, PeerTarget};
 pub use settings::Settings;
 pub use values::{parse_bytes, IngestPriority, LogFormat};
 
@@ -71,6 +71,24 @@ impl std::fmt::Debug for TlsConfig {
             .field("mtls", &self.client_ca_pem.is_some())
             .finish_non_exhaustive()
     }
+}
+
+/// A shared secret read from a file: never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// Replicas of one fleet (`--peer`, `--peer-wait`, `--peer-token-file`).
+#[derive(Clone, Debug)]
+pub struct PeerConfig {
+    pub targets: Vec<PeerTarget>,
+    pub wait: std::time::Duration,
+    pub token: Option<Secret>,
 }
 
 /// What one request may ask for. Each bound exists so that one client
@@ -114,6 +132,7 @@ pub struct Config {
     pub limits: Limits,
     pub snapshot_dir: Option<PathBuf>,
     pub snapshot_interval: std::time::Duration,
+    pub peers: PeerConfig,
     pub tokenizers: tokenizer::load::Sources,
     /// Tokenization cache bytes, per model.
     pub tokenization_cache_bytes: usize,

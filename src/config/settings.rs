@@ -23,6 +23,7 @@ use super::file::from_file;
 use super::values::*;
 use super::DialTarget;
 use super::DnsTarget;
+use super::PeerTarget;
 
 /// Writes the struct, its precedence and defaults from the table below.
 /// An entry is `doc, attributes, name: Type [= "default"],`. The type is
@@ -261,6 +262,22 @@ settings! {
 
     /// Most models held.
     max_models: usize = "64",
+
+    /// A peer replica to copy the index from before reporting Ready:
+    /// `HOST:PORT` of its gRPC port, or `dns:///NAME:PORT` for every address
+    /// the name resolves to (this replica's own skipped). Tried in order;
+    /// repeatable; in the environment variable, separate peers with spaces.
+    #[arg(value_delimiter = ' ')]
+    peer: Vec<Item<PeerTarget>>,
+
+    /// How long to look for a Ready peer (--peer) before starting from the
+    /// snapshot file, or empty, e.g. `5s`.
+    peer_wait: Duration = "5s",
+
+    /// File holding the fleet's shared secret: presented to peers, and
+    /// required of replicas that copy this one's index (or a client
+    /// certificate --tls-client-ca trusts). Neither: peer RPCs are refused.
+    peer_token_file: PathBuf,
 
     /// Directory for index snapshots: written every --snapshot-interval and
     /// on shutdown, loaded at start [default: none].

@@ -17,8 +17,8 @@ use indexer::IndexerConfig;
 use super::settings::Resolved;
 use super::values::*;
 use super::{
-    invalid, Config, ConfigError, Limits, RoutingConfig, TlsConfig, BYTES_PER_ENTRY, BYTES_PER_POD,
-    DEFAULT_ROUTING_BYTES, ROUTING_SHARE,
+    invalid, Config, ConfigError, Limits, PeerConfig, RoutingConfig, Secret, TlsConfig,
+    BYTES_PER_ENTRY, BYTES_PER_POD, DEFAULT_ROUTING_BYTES, ROUTING_SHARE,
 };
 
 pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
@@ -198,6 +198,11 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
         limits,
         snapshot_dir: s.snapshot_dir,
         snapshot_interval: longer_than_zero("snapshot_interval", s.snapshot_interval)?,
+        peers: PeerConfig {
+            targets: items(s.peer),
+            wait: s.peer_wait.into(),
+            token: s.peer_token_file.map(|p| peer_token(&p)).transpose()?,
+        },
         tokenizers,
         tokenization_cache_bytes: s.tokenization_cache.0,
         max_event_message_bytes: positive_size("max_event_message", s.max_event_message)?,
@@ -244,6 +249,18 @@ fn list(nets: &[ipnet::IpNet]) -> String {
         .map(|n| n.to_string())
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// The fleet's shared secret, read now: surrounding whitespace (a file's
+/// trailing newline) is not part of it, and an empty one is refused.
+fn peer_token(path: &Path) -> Result<Secret, ConfigError> {
+    let at = || path.display().to_string();
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| invalid("peer_token_file", at(), e.to_string()))?;
+    match text.trim() {
+        "" => Err(invalid("peer_token_file", at(), "the file is empty")),
+        token => Ok(Secret(token.to_owned())),
+    }
 }
 
 /// Certificate and key come together; the CA adds client verification.

@@ -21,6 +21,7 @@ mod llmd;
 mod memory;
 mod metrics;
 mod offload;
+mod peers;
 mod publish;
 mod replay;
 mod routing;

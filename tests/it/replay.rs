@@ -5,55 +5,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use crate::common::vllm_pod::{PodOptions, VllmPod};
+use crate::common::vllm_pod::{Fleet, PodOptions, VllmPod};
 use crate::common::*;
-
-/// A recorded stream served by one publisher per pod.
-struct Fleet {
-    expected: Expected,
-    /// Recorded batches per pod.
-    per_pod: BTreeMap<String, u64>,
-    pubs: Vec<(String, VllmPod)>,
-}
-
-impl Fleet {
-    /// `extra(i)` gives pod i's flags.
-    fn start(stream: &str, options: impl Fn(usize) -> PodOptions) -> Fleet {
-        let expected = load_expected(stream);
-        let pubs = expected
-            .pods
-            .iter()
-            .enumerate()
-            .map(|(i, pod)| (pod.clone(), VllmPod::start(stream, pod, options(i))))
-            .collect();
-        Fleet {
-            per_pod: batches_per_pod(&load_frames(stream)),
-            expected,
-            pubs,
-        }
-    }
-
-    /// What the indexer dials (`--zmq-connect`).
-    fn targets(&self) -> Vec<String> {
-        self.pubs.iter().map(|(_, p)| p.target.clone()).collect()
-    }
-
-    /// Waits until `service` receives every pod (markers `<tag>-<pod>`).
-    async fn wait_subscribed(&self, service: &Service, tag: &str) {
-        for (pod, p) in &self.pubs {
-            p.wait_subscribed(service, &format!("{tag}-{pod}")).await;
-        }
-    }
-
-    /// Each pod publishes its recorded batches `range(n)` (n: how many it
-    /// has).
-    fn publish(&self, range: impl Fn(u64) -> (u64, u64)) {
-        for (pod, p) in &self.pubs {
-            let (from, to) = range(self.per_pod[pod.as_str()]);
-            p.publish(from as usize, to as usize, &HashSet::new());
-        }
-    }
-}
 
 /// `new_name`'s recorded batches under `old`'s topic: a new run for
 /// `old`'s engine after a restart.

@@ -6,12 +6,21 @@ use crate::snapshot::Record;
 
 impl Indexer {
     /// Fingerprint of the key configuration: keys in a snapshot are only
-    /// valid under the configuration that computed them.
+    /// valid under the configuration that computed them. The hash of
+    /// `keys_configuration`.
+    pub fn keys_fingerprint(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(self.keys_configuration().as_bytes())
+    }
+
+    /// The settings that change keys, as text: the token-key scheme, the
+    /// default key mode (engine: hash algorithm, seed, LoRA paths) and each
+    /// model's own. What two replicas compare before one copies the
+    /// other's index, and name when they differ.
     ///
-    /// An explicit, sorted encoding of the settings that change keys (not a
-    /// `Debug` dump: a `HashMap`'s order differs per process, and a
-    /// fingerprint that differs across restarts throws every snapshot away).
-    pub(super) fn keys_fingerprint(&self) -> u64 {
+    /// An explicit, sorted encoding (not a `Debug` dump: a `HashMap`'s order
+    /// differs per process, and a fingerprint that differs across restarts
+    /// throws every snapshot away).
+    pub fn keys_configuration(&self) -> String {
         let keys = &self.config.keys;
         let mut per_model: Vec<String> = keys
             .per_model
@@ -19,13 +28,12 @@ impl Indexer {
             .map(|(m, k)| format!("{}={m}:{}", m.len(), k.key_fingerprint()))
             .collect();
         per_model.sort();
-        let text = format!(
+        format!(
             "{}|{}|{}",
             crate::keys::SCHEME,
             keys.default.key_fingerprint(),
             per_model.join(",")
-        );
-        xxhash_rust::xxh3::xxh3_64(text.as_bytes())
+        )
     }
 
     /// Writes everything needed to restart where we are to `out`: each

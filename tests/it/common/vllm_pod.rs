@@ -8,14 +8,17 @@
 //! `[client, "", topic, seq, payload]` (vLLM >= 0.26; the old format has no
 //! topic), then `[client, "", ("",) END_SEQ, ""]`.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::{free_port, load_frames, zmq_context, Service, WARMUP_MODEL};
+use super::{
+    batches_per_pod, free_port, load_expected, load_frames, zmq_context, Expected, Service,
+    WARMUP_MODEL,
+};
 
 const END_SEQ: u64 = u64::MAX;
 
@@ -235,5 +238,52 @@ fn serve_replay(
         }
         tail.extend([&end[..], b""]);
         let _ = router.send_multipart(tail, 0);
+    }
+}
+
+/// A recorded stream served by one publisher per pod.
+pub struct Fleet {
+    pub expected: Expected,
+    /// Recorded batches per pod.
+    pub per_pod: BTreeMap<String, u64>,
+    pub pubs: Vec<(String, VllmPod)>,
+}
+
+impl Fleet {
+    /// `extra(i)` gives pod i's flags.
+    pub fn start(stream: &str, options: impl Fn(usize) -> PodOptions) -> Fleet {
+        let expected = load_expected(stream);
+        let pubs = expected
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(i, pod)| (pod.clone(), VllmPod::start(stream, pod, options(i))))
+            .collect();
+        Fleet {
+            per_pod: batches_per_pod(&load_frames(stream)),
+            expected,
+            pubs,
+        }
+    }
+
+    /// What the indexer dials (`--zmq-connect`).
+    pub fn targets(&self) -> Vec<String> {
+        self.pubs.iter().map(|(_, p)| p.target.clone()).collect()
+    }
+
+    /// Waits until `service` receives every pod (markers `<tag>-<pod>`).
+    pub async fn wait_subscribed(&self, service: &Service, tag: &str) {
+        for (pod, p) in &self.pubs {
+            p.wait_subscribed(service, &format!("{tag}-{pod}")).await;
+        }
+    }
+
+    /// Each pod publishes its recorded batches `range(n)` (n: how many it
+    /// has).
+    pub fn publish(&self, range: impl Fn(u64) -> (u64, u64)) {
+        for (pod, p) in &self.pubs {
+            let (from, to) = range(self.per_pod[pod.as_str()]);
+            p.publish(from as usize, to as usize, &HashSet::new());
+        }
     }
 }

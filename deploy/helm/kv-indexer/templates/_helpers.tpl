@@ -13,3 +13,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+{{/* Non-empty when replicas copy each other's index (--peer): dial mode only. */}}
+{{- define "kv-indexer.peers" -}}
+{{- if and .Values.peers.enabled (ne .Values.mode "bind") -}}true{{- end -}}
+{{- end -}}

@@ -1,0 +1,27 @@
+//! Replicas of one fleet: a starting replica copies a Ready peer's index
+//! before it reports Ready (`bootstrap`), and a Ready replica serves its
+//! index to the ones starting (`serve`).
+//!
+//! What is copied is exactly what `--snapshot-dir` writes (the same format,
+//! the same checks): every pod's blocks and its place in its stream, cut at
+//! one instant. The copy then follows each pod from there as after a
+//! snapshot load: live batches, and the gap between the copy's seq and the
+//! live stream repaired from the pod's replay buffer. So a replica started
+//! now holds the prefixes every request shares, which vLLM never publishes
+//! again while it keeps them.
+//!
+//! Only replicas may copy: the caller presents the fleet's shared secret
+//! (`--peer-token-file`) or a client certificate the server's TLS trusts;
+//! with neither configured the RPC is refused. A peer whose key
+//! configuration or snapshot format differs is refused by name, never
+//! misread.
+
+pub mod bootstrap;
+pub mod serve;
+
+/// Metadata key of the shared secret (`Bearer <secret>`).
+const AUTHORIZATION: &str = "authorization";
+
+/// Bytes per streamed chunk: a few HTTP/2 frames (the server's are 256 KiB)
+/// and far below any message limit.
+const CHUNK: usize = 1 << 20;

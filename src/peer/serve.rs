@@ -1,0 +1,191 @@
+//! `KvIndexerPeer`: this replica's index to a starting one.
+//!
+//! The snapshot is cut as `--snapshot-dir`'s is (`Indexer::export`: the
+//! pods' locks held while their blocks are copied, released before a byte
+//! is written), then written on a blocking thread into a channel of a few
+//! chunks that the gRPC stream drains: ingest waits only for the copy,
+//! `Score` never (its reads take no lock), and a slow reader holds at most
+//! the channel's chunks beside the copy. One copy at a time: a second
+//! caller is told to try another peer.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use indexer::Indexer;
+use subtle::ConstantTimeEq;
+use tokio::sync::{mpsc, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use super::{AUTHORIZATION, CHUNK};
+use crate::config::Secret;
+use crate::metrics::Metrics;
+use crate::proto::kvindexer::v1 as pb;
+use pb::kv_indexer_peer_server::KvIndexerPeer;
+
+/// Chunks written ahead of the reader.
+const AHEAD: usize = 4;
+
+pub struct PeerService {
+    indexer: Arc<Indexer>,
+    metrics: Arc<Metrics>,
+    /// `--peer-token-file`'s secret.
+    token: Option<Secret>,
+    /// `--tls-client-ca`: every connection presented a certificate it
+    /// trusts.
+    client_certificates: bool,
+    /// This process's id (`PeerSnapshotRequest.replica`).
+    replica: u64,
+    copying: Arc<Semaphore>,
+}
+
+impl PeerService {
+    pub fn new(
+        indexer: Arc<Indexer>,
+        metrics: Arc<Metrics>,
+        token: Option<Secret>,
+        client_certificates: bool,
+        replica: u64,
+    ) -> PeerService {
+        PeerService {
+            indexer,
+            metrics,
+            token,
+            client_certificates,
+            replica,
+            copying: Arc::new(Semaphore::new(1)),
+        }
+    }
+
+    /// The shared secret, compared in constant time, or a client
+    /// certificate the TLS layer verified.
+    fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        if self.client_certificates && request.peer_certs().is_some_and(|c| !c.is_empty()) {
+            return Ok(());
+        }
+        let Some(Secret(token)) = &self.token else {
+            return Err(Status::permission_denied(
+                "peer RPCs are off: this replica has no --peer-token-file (or --tls-client-ca)",
+            ));
+        };
+        let presented = request
+            .metadata()
+            .get(AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or_default();
+        if bool::from(presented.as_bytes().ct_eq(token.as_bytes())) {
+            Ok(())
+        } else {
+            Err(Status::permission_denied(
+                "not a replica of this fleet: wrong or missing peer token",
+            ))
+        }
+    }
+
+    fn outcome(&self, outcome: &str) {
+        Metrics::count(&self.metrics.peer_snapshots_served, "outcome", outcome);
+    }
+}
+
+#[tonic::async_trait]
+impl KvIndexerPeer for PeerService {
+    type SnapshotStream = ReceiverStream<Result<pb::PeerSnapshotChunk, Status>>;
+
+    async fn snapshot(
+        &self,
+        request: Request<pb::PeerSnapshotRequest>,
+    ) -> Result<Response<Self::SnapshotStream>, Status> {
+        if let Err(denied) = self.authorize(&request) {
+            self.outcome("refused");
+            return Err(denied);
+        }
+        let req = request.into_inner();
+        if req.replica == self.replica {
+            self.outcome("refused");
+            return Err(Status::failed_precondition("a replica cannot copy itself"));
+        }
+        let ours = self.indexer.keys_configuration();
+        if req.keys != ours {
+            self.outcome("refused");
+            return Err(Status::failed_precondition(format!(
+                "key configuration differs: this replica's is {ours:?}, the caller's {:?}",
+                req.keys
+            )));
+        }
+        if req.format != indexer::snapshot::VERSION {
+            self.outcome("refused");
+            return Err(Status::failed_precondition(format!(
+                "snapshot format differs: this replica writes version {}, the caller reads {}",
+                indexer::snapshot::VERSION,
+                req.format
+            )));
+        }
+        let Ok(permit) = self.copying.clone().try_acquire_owned() else {
+            self.outcome("busy");
+            return Err(Status::resource_exhausted(
+                "another replica is copying this one's index: try another peer",
+            ));
+        };
+        let (tx, rx) = mpsc::channel(AHEAD);
+        let (indexer, metrics) = (self.indexer.clone(), self.metrics.clone());
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let mut out = Chunks {
+                tx: tx.clone(),
+                buf: Vec::with_capacity(CHUNK),
+                metrics: metrics.clone(),
+            };
+            let sent = indexer.export(&mut out).and_then(|out| out.flush());
+            let outcome = match sent {
+                Ok(()) => "sent",
+                Err(e) => {
+                    // The reader gone (its replica gave up) or the export
+                    // failed: either way the stream ends in an error.
+                    let _ = tx.blocking_send(Err(Status::aborted(format!("snapshot: {e}"))));
+                    "aborted"
+                }
+            };
+            Metrics::count(&metrics.peer_snapshots_served, "outcome", outcome);
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// The snapshot's bytes as chunks into the stream's channel, waiting for
+/// room (so memory stays at `AHEAD` chunks whatever the reader's pace).
+struct Chunks {
+    tx: mpsc::Sender<Result<pb::PeerSnapshotChunk, Status>>,
+    buf: Vec<u8>,
+    metrics: Arc<Metrics>,
+}
+
+impl Chunks {
+    fn send(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let data = std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK));
+        let n = data.len() as u64;
+        self.tx
+            .blocking_send(Ok(pb::PeerSnapshotChunk { data }))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the peer left"))?;
+        self.metrics.peer_snapshot_bytes_sent.inc_by(n);
+        Ok(())
+    }
+}
+
+impl Write for Chunks {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        let n = bytes.len().min(CHUNK - self.buf.len());
+        self.buf.extend_from_slice(&bytes[..n]);
+        if self.buf.len() == CHUNK {
+            self.send()?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.send()
+    }
+}

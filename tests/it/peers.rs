@@ -1,0 +1,158 @@
+//! Replicas of one fleet (`--peer`): a replica started late copies a Ready
+//! peer's index before it reports Ready, and answers exactly what vLLM
+//! holds, although the pods' replay buffers no longer reach back to the
+//! prefixes their first batches stored; peers that are not of the fleet
+//! (another secret, other keys) are refused by name; with no Ready peer a
+//! replica starts after `--peer-wait`.
+
+use std::collections::BTreeMap;
+
+use crate::common::vllm_pod::{Fleet, PodOptions};
+use crate::common::*;
+
+const STREAM: &str = "qwen3-sha256-int";
+
+/// A file holding `secret`, as a mounted Secret would.
+fn token_file(dir: &tempfile::TempDir, name: &str, secret: &str) -> String {
+    let path = dir.path().join(name);
+    std::fs::write(&path, format!("{secret}\n")).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// Waits until `service` applied every pod's batches up to seq `n - 1`
+/// (`n` per pod in `per_pod`).
+async fn wait_last_seq(service: &Service, model: &str, per_pod: &BTreeMap<String, u64>) {
+    service
+        .wait_until("every pod's last batch applied", async || {
+            let pods = service.list_pods(model).await;
+            per_pod.iter().all(|(pod, n)| {
+                pods.iter()
+                    .any(|p| &p.pod == pod && p.last_seq == Some(n - 1))
+            })
+        })
+        .await;
+}
+
+/// The pods' replay buffers keep 4 batches. Replica A dials them from the
+/// start; B starts after half of every pod's stream, when the buffers hold
+/// only its last 4 batches, and copies A's index (`--peer`). Both then
+/// follow the rest of the streams and answer every recorded probe as vLLM
+/// held it. Without the copy, B would know only the batches still in the
+/// buffers and miss the prefixes stored before them.
+#[tokio::test]
+async fn a_late_replica_copies_a_peer_and_answers_as_vllm_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(&dir, "token", "fleet-secret");
+    let fleet = Fleet::start(STREAM, |_| PodOptions {
+        buffer: 4,
+        ..PodOptions::default()
+    });
+    let targets = fleet.targets();
+    let model = fleet.expected.model.clone();
+    let a = Service::start_dialing(&targets, &["--peer-token-file", &token]).await;
+    fleet.wait_subscribed(&a, "a").await;
+    fleet.publish(|n| (0, n / 2));
+    let half: BTreeMap<String, u64> = fleet
+        .per_pod
+        .iter()
+        .map(|(p, n)| (p.clone(), n / 2))
+        .collect();
+    a.wait_applied(&model, &half).await;
+
+    let peer = a.grpc_addr();
+    let b = Service::start_dialing(&targets, &["--peer", &peer, "--peer-token-file", &token]).await;
+    assert!(
+        b.logs().contains("index copied from a peer replica"),
+        "{}",
+        b.logs()
+    );
+    assert_eq!(b.metric("kv_indexer_started_from{from=\"peer\"}"), 1.0);
+    assert!(a.metric("kv_indexer_peer_snapshot_bytes_sent_total") > 0.0);
+    fleet.wait_subscribed(&b, "b").await;
+    fleet.publish(|n| (n / 2, n));
+    for service in [&a, &b] {
+        wait_last_seq(service, &model, &fleet.per_pod).await;
+        check_probes(service, &fleet.expected).await;
+    }
+    for pod in b.list_pods(&model).await {
+        assert!(!pod.incomplete, "{} is exact: {pod:?}", pod.pod);
+    }
+}
+
+/// A peer that is not of the fleet gives nothing: another secret, none at
+/// all, other keys. Each refusal is logged by name and counted, and the
+/// replica starts after `--peer-wait`, empty; so does one whose peers do
+/// not answer.
+#[tokio::test]
+async fn peers_not_of_the_fleet_are_refused_and_the_replica_starts_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = token_file(&dir, "secret", "fleet-secret");
+    let other = token_file(&dir, "other", "another-fleet");
+    let a = Service::start(&["--peer-token-file", &secret]).await;
+    let open = Service::start(&[]).await;
+    let (peer, no_token_peer) = (a.grpc_addr(), open.grpc_addr());
+    let silent = format!("127.0.0.1:{}", free_port());
+
+    let wrong = Service::start(&[
+        "--peer",
+        &peer,
+        "--peer-token-file",
+        &other,
+        "--peer-wait",
+        "1s",
+    ])
+    .await;
+    wrong.wait_log("wrong or missing peer token").await;
+    assert!(wrong.metric("kv_indexer_peer_bootstrap_failures_total{reason=\"auth\"}") >= 1.0);
+    assert_eq!(wrong.metric("kv_indexer_started_from{from=\"empty\"}"), 1.0);
+    assert!(a.metric("kv_indexer_peer_snapshots_served_total{outcome=\"refused\"}") >= 1.0);
+
+    let off = Service::start(&[
+        "--peer",
+        &no_token_peer,
+        "--peer-token-file",
+        &secret,
+        "--peer-wait",
+        "1s",
+    ])
+    .await;
+    off.wait_log("peer RPCs are off").await;
+
+    let engine_keys = Service::start(&[
+        "--peer",
+        &peer,
+        "--peer-token-file",
+        &secret,
+        "--peer-wait",
+        "1s",
+        "--key-mode",
+        "engine",
+    ])
+    .await;
+    engine_keys.wait_log("key configuration differs").await;
+    assert!(engine_keys.metric("kv_indexer_peer_bootstrap_failures_total{reason=\"keys\"}") >= 1.0);
+
+    // The secrets are never printed: not in logs, not by `check`.
+    for service in [&a, &wrong, &off, &engine_keys] {
+        let (_, metrics) = service.http_get("/metrics");
+        for secret in ["fleet-secret", "another-fleet"] {
+            assert!(!service.logs().contains(secret) && !metrics.contains(secret));
+        }
+    }
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .args(["--peer-token-file", &secret, "check"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{shown}");
+    assert!(
+        shown.contains("Secret(***)") && !shown.contains("fleet-secret"),
+        "{shown}"
+    );
+
+    let alone = Service::start(&["--peer", &silent, "--peer-wait", "1s"]).await;
+    alone
+        .wait_log("no peer replica gave its index within --peer-wait")
+        .await;
+    assert_eq!(alone.metric("kv_indexer_started_from{from=\"empty\"}"), 1.0);
+}
