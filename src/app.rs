@@ -14,6 +14,7 @@ use tonic::codegen::http;
 use tonic::transport::Server;
 
 use crate::config::Config;
+use crate::first_catch_ups::FirstCatchUps;
 use crate::grpc::KvIndexerService;
 use crate::ingest::Ingest;
 use crate::metrics::{serve_http, Metrics};
@@ -136,14 +137,26 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         config.ingest_workers,
         metrics.clone(),
     ));
+    // A restored index is exact once each dialed pod's buffer is applied.
+    let dialing = !config.zmq_connect.is_empty() || config.discovery.is_enabled();
+    let first_catch_ups = FirstCatchUps::new(dialing && started_from != "empty");
     let ingest = Ingest::start(
         &config,
         indexer.clone(),
         metrics.clone(),
         feedback.clone(),
         owners,
+        first_catch_ups.clone(),
     )
     .await?;
+    let left = first_catch_ups.wait(config.catch_up_wait).await;
+    if left > 0 {
+        tracing::warn!(
+            pods = left,
+            wait = ?config.catch_up_wait,
+            "dialed pods not caught up from their replay buffers within --catch-up-wait: ready without them"
+        );
+    }
     let snapshotter = config.snapshot_dir.clone().map(|dir| {
         tokio::spawn(crate::snapshots::every(
             dir,

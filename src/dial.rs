@@ -18,6 +18,7 @@ use indexer::topic::parse_topic;
 
 use crate::config::DialTarget;
 use crate::dispatch::{Dispatcher, LastTopic, Source};
+use crate::first_catch_ups::{FirstCatchUps, Pending};
 use crate::ratelimit::RateLimited;
 use crate::worker::ConnId;
 use crate::zmq_io::{self, ReceiveLimits};
@@ -35,6 +36,8 @@ pub struct DialContext {
     pub runtime: tokio::runtime::Handle,
     /// `--ingest-priority`, for this thread (and so for its contexts').
     pub priority: crate::config::IngestPriority,
+    /// What readiness waits for after a restored start.
+    pub first_catch_ups: Arc<FirstCatchUps>,
 }
 
 /// Handle to the dial thread: hands it target lists; the thread ends when
@@ -93,6 +96,8 @@ struct Dialed {
     connected: bool,
     /// Which of the pool's contexts its sockets live in.
     context_slot: usize,
+    /// Dialed at a restored start: readiness waits for its first catch-up.
+    first: Option<Arc<Pending>>,
 }
 
 /// libzmq allows 1,023 sockets per context by default (`ZMQ_MAX_SOCKETS`,
@@ -178,6 +183,7 @@ fn run(ctx: DialContext, commands: &flume::Receiver<Vec<DialTarget>>, stop: &Ato
                 &mut opened,
                 poll.registry(),
             );
+            ctx.first_catch_ups.listed();
             for (_, d) in &dialed {
                 // A new socket's fd may have fired before it was registered.
                 if !position.contains_key(&d.conn) {
@@ -368,6 +374,7 @@ fn open(
         conn: crate::dispatch::new_conn_id(),
         connected: false,
         context_slot,
+        first: ctx.first_catch_ups.track(),
     })
 }
 
@@ -402,8 +409,16 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
                 ctx.dispatcher.connection_opened();
             }
             ctx.dispatcher.connection(d.conn, true);
+            // Without a replay endpoint there is nothing to catch up from.
+            let first = d.first.take();
             if let Some(endpoint) = d.replay.clone() {
-                catch_up(ctx, endpoint, d.seen.iter().cloned().collect(), d.conn);
+                catch_up(
+                    ctx,
+                    endpoint,
+                    d.seen.iter().cloned().collect(),
+                    d.conn,
+                    first,
+                );
             }
         }
         zmq::SocketEvent::DISCONNECTED => {
@@ -420,8 +435,15 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
 
 /// Catches up with what the pod did before this connection came up (it
 /// may stay idle for a long time): its whole replay buffer, fetched off
-/// this thread. `seen`: the topics this socket carried so far.
-fn catch_up(ctx: &DialContext, endpoint: Arc<str>, seen: Vec<Vec<u8>>, conn: ConnId) {
+/// this thread. `seen`: the topics this socket carried so far; `first`:
+/// held until the workers applied it (see `first_catch_ups`).
+fn catch_up(
+    ctx: &DialContext,
+    endpoint: Arc<str>,
+    seen: Vec<Vec<u8>>,
+    conn: ConnId,
+    first: Option<Arc<Pending>>,
+) {
     let (context, limits, dispatcher) = (ctx.context.clone(), ctx.limits, ctx.dispatcher.clone());
     let slots = ctx.replay_slots.clone();
     let runtime = ctx.runtime.clone();
@@ -440,7 +462,7 @@ fn catch_up(ctx: &DialContext, endpoint: Arc<str>, seen: Vec<Vec<u8>>, conn: Con
         match fetched {
             Ok(Ok((endpoint, items))) => {
                 let _ = tokio::task::spawn_blocking(move || {
-                    dispatcher.catch_up(&endpoint, items, &seen, conn)
+                    dispatcher.catch_up(&endpoint, items, &seen, conn, first)
                 })
                 .await;
             }

@@ -156,13 +156,14 @@ impl Dispatcher {
     /// own its topics; topics seen on the connection that the buffer has
     /// nothing for get an empty catch-up (an empty buffer says the pod
     /// restarted). Runs off the receive threads, so it may wait for room in
-    /// a queue: a catch-up is never dropped.
+    /// a queue: a catch-up is never dropped. `first` goes with each part.
     pub fn catch_up(
         &self,
         replay: &Arc<str>,
         items: Vec<crate::replay::Replayed>,
         seen: &[Vec<u8>],
         conn: ConnId,
+        first: Option<Arc<crate::first_catch_ups::Pending>>,
     ) {
         let mut by_topic: HashMap<Bytes, Vec<crate::replay::Replayed>> = seen
             .iter()
@@ -186,6 +187,7 @@ impl Dispatcher {
                 replay: replay.clone(),
                 items,
                 conn,
+                first: first.clone(),
             });
         }
     }

@@ -141,6 +141,7 @@ impl Ingest {
         metrics: Arc<Metrics>,
         feedback: Arc<crate::feedback::Feedback>,
         owners: Arc<Owners>,
+        first_catch_ups: Arc<crate::first_catch_ups::FirstCatchUps>,
     ) -> Result<Ingest, IngestError> {
         let context = zmq::Context::new();
         start_context_threads(&context, config.ingest_priority)?;
@@ -274,6 +275,7 @@ impl Ingest {
                     dispatcher,
                     runtime: tokio::runtime::Handle::current(),
                     priority: config.ingest_priority,
+                    first_catch_ups,
                 },
                 stop.clone(),
             )

@@ -29,6 +29,7 @@ pub mod discovery;
 mod dispatch;
 pub mod error;
 pub mod feedback;
+mod first_catch_ups;
 pub mod grpc;
 pub mod ingest;
 pub mod llmd;

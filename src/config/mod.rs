@@ -133,6 +133,9 @@ pub struct Config {
     pub snapshot_dir: Option<PathBuf>,
     pub snapshot_interval: std::time::Duration,
     pub peers: PeerConfig,
+    /// After a restored start: the longest wait for dialed pods' first
+    /// catch-ups before Ready.
+    pub catch_up_wait: std::time::Duration,
     pub tokenizers: tokenizer::load::Sources,
     /// Tokenization cache bytes, per model.
     pub tokenization_cache_bytes: usize,

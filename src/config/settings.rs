@@ -279,6 +279,10 @@ settings! {
     /// certificate --tls-client-ca trusts). Neither: peer RPCs are refused.
     peer_token_file: PathBuf,
 
+    /// After a start from a peer's index or a snapshot: how long readiness
+    /// waits for every dialed pod's replay buffer to be applied, e.g. `10s`.
+    catch_up_wait: Duration = "10s",
+
     /// Directory for index snapshots: written every --snapshot-interval and
     /// on shutdown, loaded at start [default: none].
     snapshot_dir: PathBuf,

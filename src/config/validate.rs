@@ -198,6 +198,7 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
         limits,
         snapshot_dir: s.snapshot_dir,
         snapshot_interval: longer_than_zero("snapshot_interval", s.snapshot_interval)?,
+        catch_up_wait: s.catch_up_wait.into(),
         peers: PeerConfig {
             targets: items(s.peer),
             wait: s.peer_wait.into(),

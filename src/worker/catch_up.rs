@@ -80,12 +80,14 @@ impl Worker<'_> {
     /// A connection's catch-up: the pod's buffered batches for `topic`, by
     /// DP rank; streams of the topic the buffer has nothing for get an
     /// empty one (which still tells whether the pod restarted).
+    /// `first` is dropped once it is applied (see `first_catch_ups`).
     pub(super) fn catch_up(
         &mut self,
         topic: &Bytes,
         replay: &Arc<str>,
         items: Vec<Replayed>,
         conn: ConnId,
+        first: Option<Arc<crate::first_catch_ups::Pending>>,
     ) {
         if !self.streams.keys().any(|k| k.0 == topic) {
             if let Some(to) = self.owner_elsewhere(topic) {
@@ -94,6 +96,7 @@ impl Worker<'_> {
                     replay: replay.clone(),
                     items,
                     conn,
+                    first,
                 };
                 // Never wait on another worker's queue; the control queue,
                 // served first, has room unless that worker is stuck.

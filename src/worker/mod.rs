@@ -72,6 +72,8 @@ pub enum Work {
         items: Vec<Replayed>,
         /// The dialed socket's connection it was fetched for.
         conn: ConnId,
+        /// Readiness waits for it (a restored start's first catch-up).
+        first: Option<Arc<crate::first_catch_ups::Pending>>,
     },
     Replayed {
         stream: StreamKey,
@@ -345,7 +347,8 @@ impl<'a> Worker<'a> {
                 replay,
                 items,
                 conn,
-            } => self.catch_up(&topic, &replay, items, conn),
+                first,
+            } => self.catch_up(&topic, &replay, items, conn, first),
             Work::Replayed {
                 stream,
                 ticket,

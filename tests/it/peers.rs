@@ -156,3 +156,51 @@ async fn peers_not_of_the_fleet_are_refused_and_the_replica_starts_alone() {
         .await;
     assert_eq!(alone.metric("kv_indexer_started_from{from=\"empty\"}"), 1.0);
 }
+
+/// Ready means exact: a replica restored from a snapshot reports Ready only
+/// once each dialed pod's replay buffer is applied. The pods published
+/// three more batches while it was down, and answer replay requests 300 ms
+/// late; the moment it is Ready, it has applied them (it used to be Ready
+/// at once, its pods still where the snapshot left them).
+#[tokio::test]
+async fn a_restored_replica_is_ready_only_once_its_dialed_pods_are_caught_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let snap = dir.path().to_str().unwrap();
+    let fleet = Fleet::start(STREAM, |_| PodOptions {
+        buffer: 4,
+        reply_delay: std::time::Duration::from_millis(300),
+        ..PodOptions::default()
+    });
+    let targets = fleet.targets();
+    let model = fleet.expected.model.clone();
+    let first = Service::start_dialing(&targets, &["--snapshot-dir", snap]).await;
+    fleet.wait_subscribed(&first, "first").await;
+    let half = |n: u64| n / 2;
+    fleet.publish(|n| (0, half(n)));
+    let applied: BTreeMap<String, u64> = fleet
+        .per_pod
+        .iter()
+        .map(|(p, n)| (p.clone(), half(*n)))
+        .collect();
+    first.wait_applied(&model, &applied).await;
+    assert!(first.terminate().await.success());
+    // While it is down: three batches more per pod, still in the buffers.
+    let more = |n: u64| (half(n) + 3).min(n);
+    fleet.publish(|n| (half(n), more(n)));
+
+    let second = Service::start_dialing(&targets, &["--snapshot-dir", snap]).await;
+    let pods = second.list_pods(&model).await;
+    for (pod, n) in &fleet.per_pod {
+        let p = pods.iter().find(|p| &p.pod == pod).expect("restored");
+        assert_eq!(
+            p.last_seq,
+            Some(more(*n) - 1),
+            "{pod} caught up before Ready: {p:?}"
+        );
+        assert!(!p.incomplete, "{p:?}");
+    }
+    assert_eq!(
+        second.metric("kv_indexer_started_from{from=\"snapshot\"}"),
+        1.0
+    );
+}

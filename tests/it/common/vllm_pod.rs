@@ -32,6 +32,8 @@ pub struct PodOptions {
     pub buffer: usize,
     /// Replies without the topic frame (vLLM < 0.26).
     pub old_format: bool,
+    /// How long each replay reply waits before it is sent (a busy engine).
+    pub reply_delay: Duration,
 }
 
 impl Default for PodOptions {
@@ -39,6 +41,7 @@ impl Default for PodOptions {
         PodOptions {
             buffer: 10_000,
             old_format: false,
+            reply_delay: Duration::ZERO,
         }
     }
 }
@@ -114,7 +117,7 @@ impl VllmPod {
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (buffer, stop) = (buffer.clone(), stop.clone());
-            std::thread::spawn(move || serve_replay(&router, &buffer, &stop, options.old_format))
+            std::thread::spawn(move || serve_replay(&router, &buffer, &stop, options))
         };
         Some(VllmPod {
             publisher,
@@ -202,8 +205,9 @@ fn serve_replay(
     router: &zmq::Socket,
     buffer: &Mutex<VecDeque<Batch>>,
     stop: &AtomicBool,
-    old_format: bool,
+    options: PodOptions,
 ) {
+    let old_format = options.old_format;
     while !stop.load(Ordering::Relaxed) {
         let Ok(request) = router.recv_multipart(0) else {
             continue; // timeout: check `stop`
@@ -215,6 +219,7 @@ fn serve_replay(
             continue;
         };
         let start = u64::from_be_bytes(start);
+        std::thread::sleep(options.reply_delay);
         let items: Vec<Batch> = buffer
             .lock()
             .unwrap()
