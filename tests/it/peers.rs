@@ -204,3 +204,127 @@ async fn a_restored_replica_is_ready_only_once_its_dialed_pods_are_caught_up() {
         1.0
     );
 }
+
+/// Every pod's matched blocks for every probe, by probe and pod.
+async fn answers(service: &Service, expected: &Expected) -> Vec<BTreeMap<String, u32>> {
+    probe_answers(service, expected)
+        .await
+        .into_iter()
+        .map(|(_, resp)| {
+            resp.pods
+                .into_iter()
+                .map(|p| (p.pod, p.matched_blocks))
+                .collect()
+        })
+        .collect()
+}
+
+/// Each replica's last applied seq per pod.
+async fn last_seqs(service: &Service, model: &str) -> BTreeMap<String, Option<u64>> {
+    service
+        .list_pods(model)
+        .await
+        .into_iter()
+        .map(|p| (p.pod, p.last_seq))
+        .collect()
+}
+
+/// A rolling restart of three replicas while the pods publish at a steady
+/// pace, buffers of 32 batches (1.6 s of it), from half of the streams on:
+/// three times, a new replica
+/// copies a live one (`--peer`, every other replica listed), reports Ready,
+/// and the oldest stops. After each step, with publishing paused, the new
+/// replica answers every probe as a replica that ran throughout; at the
+/// end every replica answers as vLLM held.
+#[tokio::test]
+async fn a_rolling_restart_under_a_steady_stream_keeps_every_replica_exact() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(&dir, "token", "fleet-secret");
+    let fleet = Fleet::start(STREAM, |_| PodOptions {
+        buffer: 32,
+        ..PodOptions::default()
+    });
+    let targets = fleet.targets();
+    let (model, expected, per_pod) = (
+        fleet.expected.model.clone(),
+        fleet.expected.clone(),
+        fleet.per_pod.clone(),
+    );
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        let r = Service::start_dialing(&targets, &["--peer-token-file", &token]).await;
+        fleet.wait_subscribed(&r, "start").await;
+        replicas.push(r);
+    }
+    let (paused, done) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let publisher = {
+        let (paused, done) = (paused.clone(), done.clone());
+        let longest = *per_pod.values().max().unwrap();
+        std::thread::spawn(move || {
+            for k in 0..longest {
+                while paused.load(Ordering::Acquire) {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                fleet.publish(|n| (k.min(n), (k + 1).min(n)));
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            done.store(true, Ordering::Release);
+        })
+    };
+    // The restarts begin once half of every stream went by: what the pods
+    // stored first is then long out of their buffers.
+    replicas[0]
+        .wait_until("half of every stream applied", async || {
+            let seqs = last_seqs(&replicas[0], &model).await;
+            per_pod
+                .iter()
+                .all(|(pod, n)| seqs.get(pod).copied().flatten() >= Some(n / 2))
+        })
+        .await;
+    for step in 0..3 {
+        let peers: Vec<String> = replicas.iter().map(|r| r.grpc_addr()).collect();
+        let mut args = vec!["--peer-token-file", token.as_str()];
+        for p in &peers {
+            args.extend(["--peer", p.as_str()]);
+        }
+        let new = Service::start_dialing(&targets, &args).await;
+        assert_eq!(
+            new.metric("kv_indexer_started_from{from=\"peer\"}"),
+            1.0,
+            "step {step}: {}",
+            new.logs()
+        );
+        // Quiet, then both where the pods are.
+        paused.store(true, Ordering::Release);
+        let reference = replicas.last().unwrap();
+        new.wait_until("the new replica where the reference is", async || {
+            let want = last_seqs(reference, &model).await;
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            want == last_seqs(reference, &model).await && want == last_seqs(&new, &model).await
+        })
+        .await;
+        assert_eq!(
+            answers(&new, &expected).await,
+            answers(reference, &expected).await,
+            "step {step}: the new replica answers as one that ran throughout"
+        );
+        paused.store(false, Ordering::Release);
+        let oldest = replicas.remove(0);
+        assert!(oldest.terminate().await.success());
+        replicas.push(new);
+    }
+    while !done.load(Ordering::Acquire) {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    publisher.join().unwrap();
+    for r in &replicas {
+        wait_last_seq(r, &model, &per_pod).await;
+        check_probes(r, &expected).await;
+    }
+}

@@ -576,6 +576,7 @@ pub struct Probe {
     pub expected: BTreeMap<String, u32>,
 }
 
+#[derive(Clone)]
 pub struct Expected {
     pub model: String,
     pub block_size: u32,
