@@ -53,8 +53,9 @@ pub enum ApiError {
     Internal(String),
     /// `RecordRouting`'s prompt handle is unknown, expired, or another model's.
     #[error(
-        "prompt_handle is unknown or expired (handles last 10 s, for the model they were \
-         scored for): send the prompt instead"
+        "prompt_handle is unknown to this replica or expired (a handle lasts 10 s, on the \
+         replica whose Score returned it, for the model it was scored for): send the prompt \
+         instead"
     )]
     HandleExpired,
     /// The handle's Score did not key the prompt at the pod's block size.

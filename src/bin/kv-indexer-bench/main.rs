@@ -36,6 +36,7 @@ use simulator::vllm_wire::{encode_batch, frames, WireEvent};
 use tonic::transport::Channel;
 
 /// `--peer dynamo`: Dynamo's standalone indexer, driven alike.
+mod bootstrap;
 mod dynamo;
 mod ingest;
 mod score;
@@ -48,7 +49,14 @@ type ZmqMessage = Vec<bytes::Bytes>;
 const MODEL: &str = "bench/model";
 const TEXT_MODEL: &str = "bench/qwen3";
 const BLOCK: usize = 16;
-const PARTS: [&str; 5] = ["ingest", "score", "text", "under-ingest", "peer"];
+const PARTS: [&str; 6] = [
+    "ingest",
+    "score",
+    "text",
+    "under-ingest",
+    "bootstrap",
+    "peer",
+];
 
 struct Opts {
     quick: bool,
@@ -114,7 +122,7 @@ fn opts() -> Opts {
             other if o.under_ingest.parse_arg(other, &mut args) => {}
             "-h" | "--help" => {
                 println!(
-                    "kv-indexer-bench [--quick] [--only ingest,score,text,under-ingest,peer] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] {} [--ours-arg ARG]... [--peer dynamo [--peer-bin PATH]]\n\
+                    "kv-indexer-bench [--quick] [--only ingest,score,text,under-ingest,bootstrap,peer] [--grpc HOST:PORT --zmq tcp://HOST:PORT [--metrics HOST:PORT]] [--tokenizer DIR] {} [--ours-arg ARG]... [--peer dynamo [--peer-bin PATH]]\n\
                      Without --grpc/--zmq it starts the kv-indexer binary next to it. A running\n\
                      service must serve {TEXT_MODEL} with the Qwen3 tokenizer for the text runs.\n\
                      --peer dynamo adds the peer part: ours and Dynamo's standalone indexer\n\
@@ -155,7 +163,7 @@ impl Drop for Spawned {
     }
 }
 
-fn spawn_service(o: &Opts) -> (Spawned, String, String, String) {
+fn spawn_service(o: &Opts, extra: &[&str]) -> (Spawned, String, String, String) {
     let exe = std::env::current_exe().expect("own path");
     let bin = exe.with_file_name("kv-indexer");
     assert!(
@@ -174,6 +182,7 @@ fn spawn_service(o: &Opts) -> (Spawned, String, String, String) {
         ])
         .args(["--log-level", "warn"])
         .args(&o.ours_args)
+        .args(extra)
         .env("HF_HUB_OFFLINE", "1")
         .stdout(Stdio::null())
         .spawn()
@@ -311,7 +320,7 @@ fn main() {
         let (service, grpc, zmq, metrics) = match (&o.grpc, &o.zmq) {
             (Some(g), Some(z)) => (None, g.clone(), z.clone(), o.metrics.clone()),
             _ => {
-                let (s, g, z, m) = spawn_service(&o);
+                let (s, g, z, m) = spawn_service(&o, &[]);
                 (Some(s), g, z, Some(m))
             }
         };
@@ -345,6 +354,10 @@ fn main() {
             )
             .await;
         }
+        let mut bootstrap = Value::Null;
+        if runs("bootstrap") {
+            bootstrap = bootstrap::run(&o, o.quick).await;
+        }
         let mut peer = Value::Null;
         if o.peer && runs("peer") {
             peer = dynamo::run(&o).await;
@@ -357,6 +370,7 @@ fn main() {
             "score_text": text,
             "peer": peer,
             "score_under_ingest": under,
+            "bootstrap": bootstrap,
             "seconds": started.elapsed().as_secs_f64(),
         });
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
