@@ -211,7 +211,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             config.allow_request_chat_template,
         )
         .with_admin(config.admin.then(|| ingest.control()))
-        .with_feedback(feedback, ingest.control()),
+        .with_feedback(feedback, ingest.control())
+        .with_forwarder(crate::peer::forward::Forwarder::start(
+            &config,
+            metrics.clone(),
+        )),
     );
     let max_message = config.limits.max_message_bytes;
     let llmd = crate::llmd::LlmdIndexerService::new(service.clone());
@@ -257,6 +261,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             .as_ref()
             .is_some_and(|t| t.client_ca_pem.is_some()),
         replica,
+        ingest.control(),
     );
     let mut builder = Server::builder()
         .max_frame_size(MAX_FRAME_SIZE)

@@ -78,6 +78,25 @@ impl Control {
         self.workers[owner].send_async(work).await.ok()?;
         answer.await.ok()
     }
+
+    /// A routing another replica accepted, to its pod's writer here;
+    /// dropped (false) when that worker's queue is full.
+    pub fn speculate(
+        &self,
+        model: String,
+        pod: String,
+        keys: Vec<indexer::keys::BlockKey>,
+        until: std::time::Instant,
+    ) -> bool {
+        let owner = self.owners.owner(crate::feedback::topic_pod(&pod), &model);
+        let work = Work::Speculate {
+            model,
+            pod,
+            keys,
+            until,
+        };
+        self.workers[owner].try_send(work).is_ok()
+    }
 }
 
 /// Running ingestion; [`Ingest::shutdown`] stops the sockets and workers.

@@ -86,6 +86,14 @@ pub struct Metrics {
     /// Peers this replica could not copy its index from, by reason (keys,
     /// format, auth, busy, unavailable, invalid).
     pub peer_bootstrap_failures: Family<Labels, Counter>,
+    /// Routings forwarded to peer replicas, by outcome (sent, dropped: a
+    /// peer's queue full, failed: the peer refused or did not answer).
+    pub peer_routings_forwarded: Family<Labels, Counter>,
+    /// Routings other replicas forwarded here, by outcome (written, ended,
+    /// dropped, refused).
+    pub peer_routings_received: Family<Labels, Counter>,
+    /// From a routing's acceptance to its peer's answer, seconds.
+    pub peer_forward_seconds: Histogram,
     /// Where this replica's index started from (`from`: peer, snapshot,
     /// empty): 1 on that one.
     pub started_from: Family<Labels, Gauge>,
@@ -131,6 +139,9 @@ impl Metrics {
             peer_snapshot_bytes_sent: Counter::default(),
             peer_bootstrap_failures: Family::default(),
             started_from: Family::default(),
+            peer_routings_forwarded: Family::default(),
+            peer_routings_received: Family::default(),
+            peer_forward_seconds: latency_buckets(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -285,6 +296,21 @@ impl Metrics {
             "peer_bootstrap_failures",
             "Peers this replica could not copy its index from at start, by reason (keys, format, auth, busy, unavailable, invalid)",
             m.peer_bootstrap_failures.clone(),
+        );
+        r.register(
+            "peer_routings_forwarded",
+            "Routings forwarded to peer replicas, by outcome (sent, dropped, failed)",
+            m.peer_routings_forwarded.clone(),
+        );
+        r.register(
+            "peer_routings_received",
+            "Routings other replicas forwarded here, by outcome (written, ended, dropped, refused)",
+            m.peer_routings_received.clone(),
+        );
+        r.register(
+            "peer_forward_seconds",
+            "From a routing's acceptance here to a peer replica's answer",
+            m.peer_forward_seconds.clone(),
         );
         r.register(
             "started_from",

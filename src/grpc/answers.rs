@@ -283,6 +283,8 @@ impl KvIndexerService {
         };
         deadline.check("recording")?;
         let total_blocks = keys.len() as u32;
+        let forward = self.forwarder.as_ref().filter(|_| !approximate);
+        let forwarded = forward.map(|_| (req.model.clone(), req.pod.clone(), keys.clone()));
         let routing = indexer::routing::tracker::Routing {
             model: req.model,
             pod: req.pod,
@@ -294,6 +296,20 @@ impl KvIndexerService {
             .record(routing, approximate)
             .await
             .ok_or_else(|| ApiError::Internal("the ingest workers are gone".into()))?;
+        if let (Some(forwarder), Some((model, pod, keys))) = (forward, forwarded) {
+            if !reply.confirmed && reply.ttl > std::time::Duration::ZERO {
+                // One instant on every replica: this one's end, in Unix time.
+                let ends = std::time::SystemTime::now() + reply.ttl;
+                forwarder.forward(pb::PeerRouting {
+                    model,
+                    pod,
+                    keys: keys.iter().map(|k| k.0).collect(),
+                    expires_unix_ms: ends
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64),
+                });
+            }
+        }
         Ok(pb::RecordRoutingResponse {
             total_blocks,
             held_blocks: reply.held,

@@ -56,6 +56,8 @@ pub struct KvIndexerService {
     /// Routing feedback (`RecordRouting`, prompt handles, approximate
     /// models) and the way to the pods' writers; `None` in unit tests.
     feedback: Option<(Arc<Feedback>, crate::ingest::Control)>,
+    /// Accepted routings to the other replicas (`--peer`).
+    forwarder: Option<Arc<crate::peer::forward::Forwarder>>,
 }
 
 impl KvIndexerService {
@@ -77,7 +79,17 @@ impl KvIndexerService {
             templates: Arc::new(TemplateCache::default()),
             unknown_models: RateLimited::new(Duration::from_secs(10)),
             feedback: None,
+            forwarder: None,
         }
+    }
+
+    /// Forwards accepted routings to the other replicas.
+    pub fn with_forwarder(
+        mut self,
+        forwarder: Option<Arc<crate::peer::forward::Forwarder>>,
+    ) -> Self {
+        self.forwarder = forwarder;
+        self
     }
 
     /// Serves `RecordRouting` and `Diagnose`, keeps prompt handles, answers

@@ -37,9 +37,9 @@ const IDLE: Duration = Duration::from_secs(30);
 const ROUND: Duration = Duration::from_millis(250);
 
 /// A peer's address, and the name its certificate is checked against.
-struct Candidate {
-    addr: SocketAddr,
-    name: String,
+pub(super) struct Candidate {
+    pub addr: SocketAddr,
+    pub name: String,
 }
 
 /// Copies a peer's index into `indexer` (empty, no writers yet). Returns
@@ -82,7 +82,7 @@ pub async fn run(
 
 /// Every address of every target, in order, without this replica's own
 /// (`port` on one of this host's addresses).
-async fn candidates(targets: &[PeerTarget], port: u16) -> Vec<Candidate> {
+pub(super) async fn candidates(targets: &[PeerTarget], port: u16) -> Vec<Candidate> {
     let mut out: Vec<Candidate> = Vec::new();
     for target in targets {
         let (host, p, every) = match target {
@@ -199,16 +199,25 @@ async fn copy(
 }
 
 /// A channel to `peer`, over TLS when this replica serves TLS (a fleet's
-/// replicas share it): trusting `--tls-client-ca` and presenting this
-/// replica's own certificate.
+/// replicas share it).
 async fn connect(config: &Config, peer: &Candidate) -> Result<tonic::transport::Channel, Failure> {
+    endpoint(config, peer)
+        .map_err(|e| failure("unavailable", e))?
+        .connect()
+        .await
+        .map_err(|e| failure("unavailable", format!("cannot connect: {e}")))
+}
+
+/// How `peer` is reached: over TLS when this replica serves TLS, trusting
+/// `--tls-client-ca` and presenting this replica's own certificate.
+pub(super) fn endpoint(config: &Config, peer: &Candidate) -> Result<Endpoint, String> {
     let scheme = if config.tls.is_some() {
         "https"
     } else {
         "http"
     };
     let mut endpoint = Endpoint::from_shared(format!("{scheme}://{}", peer.addr))
-        .map_err(|e| failure("unavailable", e.to_string()))?
+        .map_err(|e| e.to_string())?
         .connect_timeout(CONNECT);
     if let Some(tls) = &config.tls {
         let mut client = ClientTlsConfig::new()
@@ -217,12 +226,7 @@ async fn connect(config: &Config, peer: &Candidate) -> Result<tonic::transport::
         if let Some(ca) = &tls.client_ca_pem {
             client = client.ca_certificate(Certificate::from_pem(ca));
         }
-        endpoint = endpoint
-            .tls_config(client)
-            .map_err(|e| failure("unavailable", e.to_string()))?;
+        endpoint = endpoint.tls_config(client).map_err(|e| e.to_string())?;
     }
-    endpoint
-        .connect()
-        .await
-        .map_err(|e| failure("unavailable", format!("cannot connect: {e}")))
+    Ok(endpoint)
 }

@@ -10,17 +10,29 @@
 //! now holds the prefixes every request shares, which vLLM never publishes
 //! again while it keeps them.
 //!
-//! Only replicas may copy: the caller presents the fleet's shared secret
+//! Routing feedback reaches every replica: a `RecordRouting` one replica
+//! accepted is forwarded to the others (`forward`), whose pods' writers
+//! make the same speculative entries, ending at the same instant.
+//!
+//! Only replicas may copy or forward: the caller presents the fleet's shared secret
 //! (`--peer-token-file`) or a client certificate the server's TLS trusts;
 //! with neither configured the RPC is refused. A peer whose key
 //! configuration or snapshot format differs is refused by name, never
 //! misread.
 
 pub mod bootstrap;
+pub mod forward;
 pub mod serve;
 
 /// Metadata key of the shared secret (`Bearer <secret>`).
 const AUTHORIZATION: &str = "authorization";
+
+/// Now, as Unix time in milliseconds: how replicas name one instant.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
 
 /// Bytes per streamed chunk: a few HTTP/2 frames (the server's are 256 KiB)
 /// and far below any message limit.

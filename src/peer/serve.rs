@@ -11,6 +11,7 @@
 use std::io::Write;
 use std::sync::Arc;
 
+use indexer::keys::BlockKey;
 use indexer::Indexer;
 use subtle::ConstantTimeEq;
 use tokio::sync::{mpsc, Semaphore};
@@ -37,6 +38,8 @@ pub struct PeerService {
     /// This process's id (`PeerSnapshotRequest.replica`).
     replica: u64,
     copying: Arc<Semaphore>,
+    /// Forwarded routings to their pods' writers.
+    control: crate::ingest::Control,
 }
 
 impl PeerService {
@@ -46,6 +49,7 @@ impl PeerService {
         token: Option<Secret>,
         client_certificates: bool,
         replica: u64,
+        control: crate::ingest::Control,
     ) -> PeerService {
         PeerService {
             indexer,
@@ -54,6 +58,7 @@ impl PeerService {
             client_certificates,
             replica,
             copying: Arc::new(Semaphore::new(1)),
+            control,
         }
     }
 
@@ -150,7 +155,48 @@ impl KvIndexerPeer for PeerService {
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
+
+    async fn routed(
+        &self,
+        request: Request<pb::PeerRoutedRequest>,
+    ) -> Result<Response<pb::PeerRoutedResponse>, Status> {
+        self.authorize(&request)?;
+        let req = request.into_inner();
+        if req.routings.len() > MAX_ROUTINGS {
+            return Err(Status::invalid_argument(format!(
+                "{} routings in one request (at most {MAX_ROUTINGS})",
+                req.routings.len()
+            )));
+        }
+        let (now, unix_ms) = (std::time::Instant::now(), super::unix_ms());
+        let mut written = 0;
+        for r in req.routings {
+            let outcome = match r.expires_unix_ms.checked_sub(unix_ms) {
+                _ if r.keys.len() > MAX_KEYS => "refused",
+                None | Some(0) => "ended",
+                Some(left) => {
+                    let until = now + std::time::Duration::from_millis(left);
+                    let keys = r.keys.into_iter().map(BlockKey).collect();
+                    match self.control.speculate(r.model, r.pod, keys, until) {
+                        true => {
+                            written += 1;
+                            "written"
+                        }
+                        false => "dropped",
+                    }
+                }
+            };
+            Metrics::count(&self.metrics.peer_routings_received, "outcome", outcome);
+        }
+        Ok(Response::new(pb::PeerRoutedResponse { written }))
+    }
 }
+
+/// Routings in one `Routed` request, at most.
+pub(super) const MAX_ROUTINGS: usize = 1024;
+/// Keys of one forwarded routing, at most (a 1M-token prompt of 16-token
+/// blocks).
+const MAX_KEYS: usize = 1 << 16;
 
 /// The snapshot's bytes as chunks into the stream's channel, waiting for
 /// room (so memory stays at `AHEAD` chunks whatever the reader's pace).

@@ -98,6 +98,14 @@ pub enum Work {
     /// A pod restored from a snapshot: looked after (and forgotten after
     /// `--pod-expiry` if it never comes back) like any other.
     Adopt(Arc<Pod>),
+    /// A routing another replica accepted (`KvIndexerPeer/Routed`): the
+    /// pod's blocks of the prompt speculative here too, until `until`.
+    Speculate {
+        model: String,
+        pod: String,
+        keys: Vec<indexer::keys::BlockKey>,
+        until: Instant,
+    },
     /// `RecordRouting`: the router sent this prompt to this pod.
     Record {
         routing: Routing,
@@ -370,6 +378,12 @@ impl<'a> Worker<'a> {
             } => {
                 let _ = reply.send(self.record(routing, approximate));
             }
+            Work::Speculate {
+                model,
+                pod,
+                keys,
+                until,
+            } => self.speculate_forwarded(&model, &pod, &keys, until),
         }
     }
 

@@ -54,6 +54,29 @@ impl Worker<'_> {
         }
     }
 
+    /// A routing another replica accepted: the blocks of `keys` past what
+    /// the pod holds exactly become speculative until `until`, as there.
+    /// Not tracked here (its outcome is counted where it was recorded).
+    pub(super) fn speculate_forwarded(
+        &mut self,
+        model: &str,
+        pod: &str,
+        keys: &[indexer::keys::BlockKey],
+        until: Instant,
+    ) {
+        let now = Instant::now();
+        if until <= now {
+            return;
+        }
+        let Some(handle) = self.indexer.find_pod(model, pod) else {
+            return;
+        };
+        let held = self.indexer.exact_run(&handle, keys, 0);
+        self.speculated.insert((model.to_owned(), pod.to_owned()));
+        self.indexer
+            .speculate(model, pod, &keys[held..], until, now);
+    }
+
     /// After a batch of `pod` with routings waiting: what its stores say
     /// about them (confirmed, or evidence of a mismatch).
     pub(super) fn routing_stores(&mut self, pod: &Pod, batch: &EventBatch) {

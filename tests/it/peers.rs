@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use crate::common::vllm_pod::{Fleet, PodOptions};
 use crate::common::*;
+use kv_indexer::proto::kvindexer::v1 as pb;
 
 const STREAM: &str = "qwen3-sha256-int";
 
@@ -327,4 +328,112 @@ async fn a_rolling_restart_under_a_steady_stream_keeps_every_replica_exact() {
         wait_last_seq(r, &model, &per_pod).await;
         check_probes(r, &expected).await;
     }
+}
+
+/// Routing feedback on every replica: a `RecordRouting` accepted by A is
+/// forwarded to B (each lists the other with `--peer`), so a router
+/// balancing per request finds its pick's speculative blocks on B's next
+/// `Score`; both end with the TTL A gave them. A prompt handle from A's
+/// `Score` is unknown to B, which says to send the prompt.
+#[tokio::test]
+async fn a_routing_recorded_on_one_replica_is_speculative_on_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(&dir, "token", "fleet-secret");
+    let stream = load_frames(STREAM);
+    let expected = load_expected(STREAM);
+    let b_addr = format!("127.0.0.1:{}", free_port());
+    let ttl = ["--speculative-ttl", "2s", "--peer-token-file", &token];
+    let mut a_args = vec!["--peer", &b_addr, "--peer-wait", "1s"];
+    a_args.extend(ttl);
+    let a = Service::start(&a_args).await;
+    let a_addr = a.grpc_addr();
+    let mut b_args = vec!["--grpc-addr", &b_addr, "--peer", &a_addr];
+    b_args.extend(ttl);
+    let b = Service::start(&b_args).await;
+    for service in [&a, &b] {
+        let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+        publisher.wait_subscribed(service, "marker").await;
+        publisher.publish_all(&stream).await;
+        service
+            .wait_applied(&expected.model, &batches_per_pod(&stream))
+            .await;
+    }
+    // A prompt no pod holds: all 8 of its blocks become speculative.
+    let tokens: Vec<u32> = (0..8 * expected.block_size).map(|i| 900_000 + i).collect();
+    let pod = expected.pods[0].clone();
+    let recorded = a
+        .client()
+        .await
+        .record_routing(pb::RecordRoutingRequest {
+            model: expected.model.clone(),
+            pod: pod.clone(),
+            input: Some(pb::record_routing_request::Input::TokenIds(pb::TokenIds {
+                ids: tokens.clone(),
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(recorded.speculative_blocks, 8, "{recorded:?}");
+    let speculative = async |service: &Service| -> u32 {
+        let resp = service
+            .client()
+            .await
+            .score(pb::ScoreRequest {
+                model: expected.model.clone(),
+                input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+                    ids: tokens.clone(),
+                })),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        resp.pods
+            .iter()
+            .find(|p| p.pod == pod)
+            .map_or(0, |p| p.speculative_blocks)
+    };
+    b.wait_until("A's routing speculative on B", async || {
+        speculative(&b).await == 8
+    })
+    .await;
+    assert!(b.metric("kv_indexer_peer_routings_received_total{outcome=\"written\"}") >= 1.0);
+    // Both end with A's TTL.
+    for service in [&a, &b] {
+        service
+            .wait_until("the speculative entries ended", async || {
+                speculative(service).await == 0
+            })
+            .await;
+    }
+
+    let handle = a
+        .client()
+        .await
+        .score(pb::ScoreRequest {
+            model: expected.model.clone(),
+            input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+                ids: tokens.clone(),
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .prompt_handle;
+    let err = b
+        .client()
+        .await
+        .record_routing(pb::RecordRoutingRequest {
+            model: expected.model.clone(),
+            pod,
+            input: Some(pb::record_routing_request::Input::PromptHandle(handle)),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    assert!(err.message().contains("send the prompt"), "{err:?}");
 }

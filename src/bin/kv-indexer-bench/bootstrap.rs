@@ -36,7 +36,7 @@ pub(crate) async fn run(o: &Opts, quick: bool) -> Value {
         "\nBootstrap: a replica started with --peer copies a running one ({PODS} pods, each group of pods storing one chain; Score on the source at {RATE:.0}/s, 2,048-block prompts)"
     );
     println!(
-        "{:>11} {:>7} {:>10} {:>12} {:>13} {:>14} {:>14} {:>15} {:>11} {:>11}",
+        "{:>11} {:>7} {:>10} {:>12} {:>13} {:>14} {:>14} {:>15} {:>11} {:>11} {:>13} {:>13}",
         "entries",
         "groups",
         "ready s",
@@ -46,7 +46,9 @@ pub(crate) async fn run(o: &Opts, quick: bool) -> Value {
         "idle p999 us",
         "during p999 us",
         "source MB",
-        "peak MB"
+        "peak MB",
+        "fwd p50 us",
+        "fwd p99 us"
     );
     let mut rows = Vec::new();
     for groups in [8, PODS] {
@@ -62,7 +64,20 @@ async fn one(o: &Opts, entries: u64, groups: usize) -> Value {
     let token = dir.join("token");
     std::fs::write(&token, "bench-fleet-secret\n").expect("token file");
     let token = token.to_str().expect("utf-8 path").to_owned();
-    let (source, grpc, zmq, metrics) = spawn_service(o, &["--peer-token-file", &token]);
+    // The source forwards routings to the replica: it lists it.
+    let replica_port = free_port();
+    let replica_addr = format!("127.0.0.1:{replica_port}");
+    let (source, grpc, zmq, metrics) = spawn_service(
+        o,
+        &[
+            "--peer-token-file",
+            &token,
+            "--peer",
+            &replica_addr,
+            "--peer-wait",
+            "100ms",
+        ],
+    );
     let mut client = connect(&grpc).await;
     let prompt = fill(&zmq, &mut client, entries, groups).await;
 
@@ -86,24 +101,28 @@ async fn one(o: &Opts, entries: u64, groups: usize) -> Value {
         async move { score_step(&scores, &message, Some(&metrics), RATE, window).await }
     });
     let started = Instant::now();
-    let (replica, replica_metrics) = spawn_replica(o, &grpc, &token);
+    let (replica, replica_metrics) = spawn_replica(o, replica_port, &grpc, &token);
     let ready = wait_ready(&replica_metrics, started).await;
     let during = load.await.expect("Score load");
     let bytes = sent_bytes(&metrics) - bytes_before;
     let peak = memory_kb(source.0.id(), "VmHWM");
-    let copied = held_entries(&mut connect(&format!("127.0.0.1:{}", replica.1)).await).await;
+    let mut replica_client = connect(&format!("127.0.0.1:{}", replica.1)).await;
+    let copied = held_entries(&mut replica_client).await;
+    let visible = forwarding(&mut client, &mut replica_client).await;
     drop(replica);
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(copied, entries, "the replica holds every entry");
     let mb = bytes / 1e6;
     println!(
-        "{entries:>11} {groups:>7} {ready:>10.2} {mb:>12.1} {:>13.0} {:>14.0} {:>14.0} {:>15.0} {:>11.0} {:>11.0}",
+        "{entries:>11} {groups:>7} {ready:>10.2} {mb:>12.1} {:>13.0} {:>14.0} {:>14.0} {:>15.0} {:>11.0} {:>11.0} {:>13.0} {:>13.0}",
         idle.p99,
         during.p99,
         idle.p999,
         during.p999,
         rss_before / 1024.0,
-        peak / 1024.0
+        peak / 1024.0,
+        visible.0,
+        visible.1
     );
     json!({
         "entries": entries,
@@ -113,9 +132,66 @@ async fn one(o: &Opts, entries: u64, groups: usize) -> Value {
         "score_rate_per_s": RATE,
         "source_rss_mb_before": rss_before / 1024.0,
         "source_peak_rss_mb_during": peak / 1024.0,
+        "routing_visible_on_peer_p50_us": visible.0,
+        "routing_visible_on_peer_p99_us": visible.1,
         "idle": step_json(&idle),
         "during_copy": step_json(&during),
     })
+}
+
+/// Routing feedback across replicas: 200 `RecordRouting`s on the source
+/// (each a new 64-block prompt to pod `boot-0`), each followed by `Score`s
+/// on the replica until its speculative blocks show. (p50, p99) in us from
+/// the `RecordRouting`'s answer.
+async fn forwarding(
+    source: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
+    replica: &mut pb::kv_indexer_client::KvIndexerClient<tonic::transport::Channel>,
+) -> (f64, f64) {
+    let mut rng = 0xf0e1_d2c3_u64;
+    let mut took = Vec::new();
+    for _ in 0..200 {
+        let tokens: Vec<u32> = (0..64 * BLOCK)
+            .map(|_| (lcg(&mut rng) % 150_000) as u32)
+            .collect();
+        let ids = || pb::TokenIds {
+            ids: tokens.clone(),
+        };
+        source
+            .record_routing(pb::RecordRoutingRequest {
+                model: MODEL.into(),
+                pod: "boot-0".into(),
+                input: Some(pb::record_routing_request::Input::TokenIds(ids())),
+                ..Default::default()
+            })
+            .await
+            .expect("RecordRouting");
+        let started = Instant::now();
+        loop {
+            let resp = replica
+                .score(pb::ScoreRequest {
+                    model: MODEL.into(),
+                    input: Some(pb::score_request::Input::TokenIds(ids())),
+                    pods: vec!["boot-0".into()],
+                    ..Default::default()
+                })
+                .await
+                .expect("Score")
+                .into_inner();
+            if resp.pods.iter().any(|p| p.speculative_blocks > 0) {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the routing never reached the replica"
+            );
+        }
+        took.push(started.elapsed());
+    }
+    took.sort();
+    (
+        super::percentile(&took, 0.5),
+        super::percentile(&took, 0.99),
+    )
 }
 
 /// A `/proc/PID/status` line's kB (`VmRSS`, `VmHWM`), 0 where unknown.
@@ -243,11 +319,11 @@ fn sent_bytes(metrics: &str) -> f64 {
 
 /// The second replica (killed on drop) and its gRPC port; its metrics
 /// address.
-fn spawn_replica(o: &Opts, peer: &str, token: &str) -> ((Spawned, u16), String) {
+fn spawn_replica(o: &Opts, grpc: u16, peer: &str, token: &str) -> ((Spawned, u16), String) {
     let bin = std::env::current_exe()
         .expect("own path")
         .with_file_name("kv-indexer");
-    let (grpc, metrics) = (free_port(), free_port());
+    let metrics = free_port();
     let child = Command::new(bin)
         .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
         .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])

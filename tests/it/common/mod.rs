@@ -133,15 +133,24 @@ impl Service {
         zmq_bind: Option<String>,
         env: &[(&str, String)],
     ) -> Service {
-        let grpc_port = free_port();
+        // A test that names the gRPC address (a replica its peers know in
+        // advance) gets that one.
+        let given = args
+            .windows(2)
+            .find(|w| w[0] == "--grpc-addr")
+            .and_then(|w| w[1].rsplit(':').next()?.parse().ok());
+        let grpc_port = given.unwrap_or_else(free_port);
         let metrics_port = free_port();
         let log = std::env::temp_dir().join(format!(
             "kv-indexer-test-{}-{grpc_port}.log",
             std::process::id()
         ));
+        if given.is_none() {
+            command
+                .arg("--grpc-addr")
+                .arg(format!("127.0.0.1:{grpc_port}"));
+        }
         let child = command
-            .arg("--grpc-addr")
-            .arg(format!("127.0.0.1:{grpc_port}"))
             .arg("--metrics-addr")
             .arg(format!("127.0.0.1:{metrics_port}"))
             .args(args)
