@@ -437,3 +437,153 @@ async fn a_routing_recorded_on_one_replica_is_speculative_on_the_others() {
     assert_eq!(err.code(), tonic::Code::NotFound);
     assert!(err.message().contains("send the prompt"), "{err:?}");
 }
+
+/// A peer that sends the first half of a real snapshot, then ends the
+/// stream as if it died: what a starting replica gets when its source goes
+/// away mid-transfer.
+struct HalfPeer(Vec<u8>);
+
+#[tonic::async_trait]
+impl pb::kv_indexer_peer_server::KvIndexerPeer for HalfPeer {
+    type SnapshotStream =
+        tokio_stream::wrappers::ReceiverStream<Result<pb::PeerSnapshotChunk, tonic::Status>>;
+
+    async fn snapshot(
+        &self,
+        _: tonic::Request<pb::PeerSnapshotRequest>,
+    ) -> Result<tonic::Response<Self::SnapshotStream>, tonic::Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let half = self.0[..self.0.len() / 2].to_vec();
+        tokio::spawn(async move {
+            let _ = tx.send(Ok(pb::PeerSnapshotChunk { data: half })).await;
+            let _ = tx
+                .send(Err(tonic::Status::unavailable("connection reset")))
+                .await;
+        });
+        Ok(tonic::Response::new(rx.into()))
+    }
+
+    async fn routed(
+        &self,
+        _: tonic::Request<pb::PeerRoutedRequest>,
+    ) -> Result<tonic::Response<pb::PeerRoutedResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a half peer"))
+    }
+}
+
+/// The first peer dies mid-transfer: nothing of its half is kept, the next
+/// peer's index is copied whole, and the replica answers as that peer
+/// does. With the dead peer alone, the replica starts empty after
+/// `--peer-wait`, never with a half index.
+#[tokio::test]
+async fn a_peer_dying_mid_transfer_leaves_nothing_and_the_next_one_is_copied() {
+    let dir = tempfile::tempdir().unwrap();
+    let snap = dir.path().join("snap");
+    let token = token_file(&dir, "token", "fleet-secret");
+    let stream = load_frames(STREAM);
+    let expected = load_expected(STREAM);
+    let source = Service::start(&[
+        "--peer-token-file",
+        &token,
+        "--snapshot-dir",
+        snap.to_str().unwrap(),
+    ])
+    .await;
+    let mut publisher = Publisher::connect(source.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&source, "marker").await;
+    publisher.publish_all(&stream).await;
+    source
+        .wait_applied(&expected.model, &batches_per_pod(&stream))
+        .await;
+    // A real snapshot of that index, for the dying peer to send half of.
+    let copy = Service::start(&[
+        "--peer",
+        &source.grpc_addr(),
+        "--peer-token-file",
+        &token,
+        "--snapshot-dir",
+        dir.path().join("copy").to_str().unwrap(),
+    ])
+    .await;
+    assert!(copy.terminate().await.success());
+    let bytes = std::fs::read(dir.path().join("copy/kv-indexer.snapshot")).unwrap();
+
+    let dying = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dying_addr = dying.local_addr().unwrap().to_string();
+    dying.set_nonblocking(true).unwrap();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(
+        tokio::net::TcpListener::from_std(dying).unwrap(),
+    );
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::kv_indexer_peer_server::KvIndexerPeerServer::new(
+                HalfPeer(bytes),
+            ))
+            .serve_with_incoming(incoming),
+    );
+
+    let alone = Service::start(&[
+        "--peer",
+        &dying_addr,
+        "--peer-token-file",
+        &token,
+        "--peer-wait",
+        "1s",
+    ])
+    .await;
+    alone.wait_log("connection reset").await;
+    assert_eq!(alone.metric("kv_indexer_started_from{from=\"empty\"}"), 1.0);
+    assert!(
+        alone.list_pods(&expected.model).await.is_empty(),
+        "no half index"
+    );
+
+    let next = Service::start(&[
+        "--peer",
+        &dying_addr,
+        "--peer",
+        &source.grpc_addr(),
+        "--peer-token-file",
+        &token,
+    ])
+    .await;
+    assert_eq!(next.metric("kv_indexer_started_from{from=\"peer\"}"), 1.0);
+    check_probes(&next, &expected).await;
+}
+
+/// Two replicas started together, each naming the other: neither serves
+/// before it is Ready, so each finds no peer and both start after
+/// `--peer-wait`, empty.
+#[tokio::test]
+async fn two_replicas_started_together_do_not_wait_on_each_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(&dir, "token", "fleet-secret");
+    let (pa, pb_) = (free_port(), free_port());
+    let (a_addr, b_addr) = (format!("127.0.0.1:{pa}"), format!("127.0.0.1:{pb_}"));
+    let started = std::time::Instant::now();
+    let a_args = [
+        "--grpc-addr",
+        &a_addr,
+        "--peer",
+        &b_addr,
+        "--peer-token-file",
+        &token,
+        "--peer-wait",
+        "1s",
+    ];
+    let b_args = [
+        "--grpc-addr",
+        &b_addr,
+        "--peer",
+        &a_addr,
+        "--peer-token-file",
+        &token,
+        "--peer-wait",
+        "1s",
+    ];
+    let (a, b) = tokio::join!(Service::start(&a_args), Service::start(&b_args));
+    assert!(started.elapsed() < crate::common::budget(20));
+    for r in [&a, &b] {
+        assert_eq!(r.metric("kv_indexer_started_from{from=\"empty\"}"), 1.0);
+    }
+}
