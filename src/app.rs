@@ -149,6 +149,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         first_catch_ups.clone(),
     )
     .await?;
+    // The peer's live speculative entries, to their pods' writers.
+    let live = from_peer.map(|c| c.live).unwrap_or_default();
+    crate::peer::serve::write_live(&ingest.control(), &metrics, live);
     let left = first_catch_ups.wait(config.catch_up_wait).await;
     if left > 0 {
         tracing::warn!(

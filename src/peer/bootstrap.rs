@@ -42,6 +42,16 @@ pub(super) struct Candidate {
     pub name: String,
 }
 
+/// A peer's index, copied.
+pub struct Copied {
+    /// Its speculative entries live when the copy was made: for this
+    /// replica's pods' writers, once they run.
+    pub live: Vec<pb::PeerRouting>,
+}
+
+/// Keys of live speculative entries taken from a peer, at most.
+const LIVE_MAX: usize = 1 << 24;
+
 /// Copies a peer's index into `indexer` (empty, no writers yet). Returns
 /// the peer it came from, or `None` when no peer gave one within
 /// `--peer-wait`.
@@ -50,16 +60,17 @@ pub async fn run(
     indexer: &Arc<Indexer>,
     metrics: &Metrics,
     replica: u64,
-) -> Option<SocketAddr> {
+) -> Option<Copied> {
     let deadline = Instant::now() + config.peers.wait;
     // Each (peer, reason) logged once, not once a round.
     let mut told: HashSet<(SocketAddr, String)> = HashSet::new();
     loop {
         for peer in candidates(&config.peers.targets, config.grpc_addr.port()).await {
             match copy(config, indexer, &peer, replica).await {
-                Ok(pods) => {
-                    tracing::info!(peer = %peer.addr, pods, entries = indexer.entries(), "index copied from a peer replica");
-                    return Some(peer.addr);
+                Ok((pods, live)) => {
+                    let speculative: usize = live.iter().map(|r| r.keys.len()).sum();
+                    tracing::info!(peer = %peer.addr, pods, entries = indexer.entries(), speculative, "index copied from a peer replica");
+                    return Some(Copied { live });
                 }
                 Err(Failure { reason, detail }) => {
                     Metrics::count(&metrics.peer_bootstrap_failures, "reason", reason);
@@ -136,15 +147,12 @@ fn refused(status: &Status) -> Failure {
     failure(reason, format!("peer refused: {}", status.message()))
 }
 
-/// One peer's snapshot, spooled, then loaded; the pods restored.
-async fn copy(
+/// A copy's request: this replica's keys, format and id, and the secret.
+fn request(
     config: &Config,
-    indexer: &Arc<Indexer>,
-    peer: &Candidate,
+    indexer: &Indexer,
     replica: u64,
-) -> Result<usize, Failure> {
-    let channel = connect(config, peer).await?;
-    let mut client = KvIndexerPeerClient::new(channel).max_decoding_message_size(2 * CHUNK);
+) -> Result<tonic::Request<pb::PeerSnapshotRequest>, Failure> {
     let mut request = tonic::Request::new(pb::PeerSnapshotRequest {
         keys: indexer.keys_configuration(),
         format: indexer::snapshot::VERSION,
@@ -156,8 +164,22 @@ async fn copy(
             .map_err(|_| failure("auth", "the peer token is not a valid header value"))?;
         request.metadata_mut().insert(AUTHORIZATION, value);
     }
+    Ok(request)
+}
+
+/// One peer's snapshot, spooled, then loaded; the pods restored, and the
+/// peer's live speculative entries.
+async fn copy(
+    config: &Config,
+    indexer: &Arc<Indexer>,
+    peer: &Candidate,
+    replica: u64,
+) -> Result<(usize, Vec<pb::PeerRouting>), Failure> {
+    let channel = connect(config, peer).await?;
+    // A `Live` message carries up to 65,536 keys of 9 bytes each.
+    let mut client = KvIndexerPeerClient::new(channel).max_decoding_message_size(2 * CHUNK);
     let mut stream = client
-        .snapshot(request)
+        .snapshot(request(config, indexer, replica)?)
         .await
         .map_err(|s| refused(&s))?
         .into_inner();
@@ -178,14 +200,17 @@ async fn copy(
     }
     file.rewind()
         .map_err(|e| failure("invalid", format!("cannot read the spooled snapshot: {e}")))?;
-    let indexer = indexer.clone();
-    let loaded = tokio::task::spawn_blocking(move || indexer.import(&file))
+    let importer = indexer.clone();
+    let loaded = tokio::task::spawn_blocking(move || importer.import(&file))
         .await
         .map_err(|e| failure("invalid", format!("loading the snapshot failed: {e}")))?;
     match loaded {
         Ok(pods) => {
             tracing::debug!(bytes, "peer snapshot received");
-            Ok(pods)
+            Ok((
+                pods,
+                live(&mut client, request(config, &indexer, replica)?).await,
+            ))
         }
         Err(indexer::snapshot::SnapshotError::KeysChanged) => Err(failure(
             "keys",
@@ -196,6 +221,28 @@ async fn copy(
             format!("the peer's snapshot is refused: {e}"),
         )),
     }
+}
+
+/// The peer's live speculative entries (none if it cannot give them: they
+/// only help, and end within seconds anyway).
+async fn live(
+    client: &mut KvIndexerPeerClient<tonic::transport::Channel>,
+    request: tonic::Request<pb::PeerSnapshotRequest>,
+) -> Vec<pb::PeerRouting> {
+    let mut out = Vec::new();
+    let Ok(response) = client.live(request).await else {
+        return out;
+    };
+    let mut stream = response.into_inner();
+    let mut keys = 0;
+    while let Ok(Ok(Some(message))) = tokio::time::timeout(IDLE, stream.message()).await {
+        keys += message.routings.iter().map(|r| r.keys.len()).sum::<usize>();
+        if keys > LIVE_MAX {
+            break;
+        }
+        out.extend(message.routings);
+    }
+    out
 }
 
 /// A channel to `peer`, over TLS when this replica serves TLS (a fleet's

@@ -88,19 +88,9 @@ impl PeerService {
         }
     }
 
-    fn outcome(&self, outcome: &str) {
-        Metrics::count(&self.metrics.peer_snapshots_served, "outcome", outcome);
-    }
-}
-
-#[tonic::async_trait]
-impl KvIndexerPeer for PeerService {
-    type SnapshotStream = ReceiverStream<Result<pb::PeerSnapshotChunk, Status>>;
-
-    async fn snapshot(
-        &self,
-        request: Request<pb::PeerSnapshotRequest>,
-    ) -> Result<Response<Self::SnapshotStream>, Status> {
+    /// A copy's checks: the caller is of the fleet, is not this replica, and
+    /// keys and reads as this one does.
+    fn check_copy(&self, request: Request<pb::PeerSnapshotRequest>) -> Result<(), Status> {
         if let Err(denied) = self.authorize(&request) {
             self.outcome("refused");
             return Err(denied);
@@ -126,6 +116,24 @@ impl KvIndexerPeer for PeerService {
                 req.format
             )));
         }
+        Ok(())
+    }
+
+    fn outcome(&self, outcome: &str) {
+        Metrics::count(&self.metrics.peer_snapshots_served, "outcome", outcome);
+    }
+}
+
+#[tonic::async_trait]
+impl KvIndexerPeer for PeerService {
+    type SnapshotStream = ReceiverStream<Result<pb::PeerSnapshotChunk, Status>>;
+    type LiveStream = ReceiverStream<Result<pb::PeerRoutedRequest, Status>>;
+
+    async fn snapshot(
+        &self,
+        request: Request<pb::PeerSnapshotRequest>,
+    ) -> Result<Response<Self::SnapshotStream>, Status> {
+        self.check_copy(request)?;
         let Ok(permit) = self.copying.clone().try_acquire_owned() else {
             self.outcome("busy");
             return Err(Status::resource_exhausted(
@@ -156,6 +164,23 @@ impl KvIndexerPeer for PeerService {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
+    async fn live(
+        &self,
+        request: Request<pb::PeerSnapshotRequest>,
+    ) -> Result<Response<Self::LiveStream>, Status> {
+        self.check_copy(request)?;
+        let messages = self.live();
+        let (tx, rx) = mpsc::channel(AHEAD);
+        tokio::spawn(async move {
+            for m in messages {
+                if tx.send(Ok(m)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
     async fn routed(
         &self,
         request: Request<pb::PeerRoutedRequest>,
@@ -168,29 +193,77 @@ impl KvIndexerPeer for PeerService {
                 req.routings.len()
             )));
         }
-        let (now, unix_ms) = (std::time::Instant::now(), super::unix_ms());
-        let mut written = 0;
-        for r in req.routings {
-            let outcome = match r.expires_unix_ms.checked_sub(unix_ms) {
-                _ if r.keys.len() > MAX_KEYS => "refused",
-                None | Some(0) => "ended",
-                Some(left) => {
-                    let until = now + std::time::Duration::from_millis(left);
-                    let keys = r.keys.into_iter().map(BlockKey).collect();
-                    match self.control.speculate(r.model, r.pod, keys, until) {
-                        true => {
-                            written += 1;
-                            "written"
-                        }
-                        false => "dropped",
-                    }
-                }
-            };
-            Metrics::count(&self.metrics.peer_routings_received, "outcome", outcome);
-        }
+        let written = write_live(&self.control, &self.metrics, req.routings);
         Ok(Response::new(pb::PeerRoutedResponse { written }))
     }
 }
+
+impl PeerService {
+    /// Each pod's live speculative entries, grouped by their end (one
+    /// `PeerRouting` per run of entries ending together), in messages of at
+    /// most `LIVE_KEYS` keys.
+    fn live(&self) -> Vec<pb::PeerRoutedRequest> {
+        let (now, unix_ms) = (std::time::Instant::now(), super::unix_ms());
+        let mut out = vec![pb::PeerRoutedRequest::default()];
+        let mut keys_in_last = 0;
+        for (model, pod, entries) in self.indexer.speculative().live(now) {
+            for run in entries.chunk_by(|a, b| a.1 == b.1) {
+                for part in run.chunks(LIVE_KEYS) {
+                    if keys_in_last + part.len() > LIVE_KEYS {
+                        out.push(pb::PeerRoutedRequest::default());
+                        keys_in_last = 0;
+                    }
+                    keys_in_last += part.len();
+                    let left = part[0].1.saturating_duration_since(now).as_millis() as u64;
+                    out.last_mut()
+                        .expect("one at least")
+                        .routings
+                        .push(pb::PeerRouting {
+                            model: model.clone(),
+                            pod: pod.clone(),
+                            keys: part.iter().map(|(k, _)| k.0).collect(),
+                            expires_unix_ms: unix_ms + left,
+                        });
+                }
+            }
+        }
+        out.retain(|m| !m.routings.is_empty());
+        out
+    }
+}
+
+/// Routings another replica accepted (or had live when it was copied),
+/// to their pods' writers here; returns how many were queued.
+pub fn write_live(
+    control: &crate::ingest::Control,
+    metrics: &Metrics,
+    routings: Vec<pb::PeerRouting>,
+) -> u32 {
+    let (now, unix_ms) = (std::time::Instant::now(), super::unix_ms());
+    let mut written = 0;
+    for r in routings {
+        let outcome = match r.expires_unix_ms.checked_sub(unix_ms) {
+            _ if r.keys.len() > MAX_KEYS => "refused",
+            None | Some(0) => "ended",
+            Some(left) => {
+                let until = now + std::time::Duration::from_millis(left);
+                let keys = r.keys.into_iter().map(BlockKey).collect();
+                match control.speculate(r.model, r.pod, keys, until) {
+                    true => {
+                        written += 1;
+                        "written"
+                    }
+                    false => "dropped",
+                }
+            }
+        };
+        Metrics::count(&metrics.peer_routings_received, "outcome", outcome);
+    }
+    written
+}
+
+/// Keys in one `Live` message, at most (and in one of its routings).
+const LIVE_KEYS: usize = 1 << 16;
 
 /// Routings in one `Routed` request, at most.
 pub(super) const MAX_ROUTINGS: usize = 1024;

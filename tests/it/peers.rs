@@ -333,7 +333,8 @@ async fn a_rolling_restart_under_a_steady_stream_keeps_every_replica_exact() {
 /// Routing feedback on every replica: a `RecordRouting` accepted by A is
 /// forwarded to B (each lists the other with `--peer`), so a router
 /// balancing per request finds its pick's speculative blocks on B's next
-/// `Score`; both end with the TTL A gave them. A prompt handle from A's
+/// `Score`; a replica C started after it copies A's live entries with its
+/// index; all end with the TTL A gave them. A prompt handle from A's
 /// `Score` is unknown to B, which says to send the prompt.
 #[tokio::test]
 async fn a_routing_recorded_on_one_replica_is_speculative_on_the_others() {
@@ -342,7 +343,7 @@ async fn a_routing_recorded_on_one_replica_is_speculative_on_the_others() {
     let stream = load_frames(STREAM);
     let expected = load_expected(STREAM);
     let b_addr = format!("127.0.0.1:{}", free_port());
-    let ttl = ["--speculative-ttl", "2s", "--peer-token-file", &token];
+    let ttl = ["--speculative-ttl", "4s", "--peer-token-file", &token];
     let mut a_args = vec!["--peer", &b_addr, "--peer-wait", "1s"];
     a_args.extend(ttl);
     let a = Service::start(&a_args).await;
@@ -400,8 +401,13 @@ async fn a_routing_recorded_on_one_replica_is_speculative_on_the_others() {
     })
     .await;
     assert!(b.metric("kv_indexer_peer_routings_received_total{outcome=\"written\"}") >= 1.0);
-    // Both end with A's TTL.
-    for service in [&a, &b] {
+    let c = Service::start(&["--peer", &a_addr, "--peer-token-file", &token]).await;
+    c.wait_until("A's live routing on C, which copied A", async || {
+        speculative(&c).await == 8
+    })
+    .await;
+    // All end with A's TTL.
+    for service in [&a, &b, &c] {
         service
             .wait_until("the speculative entries ended", async || {
                 speculative(service).await == 0
@@ -463,10 +469,20 @@ impl pb::kv_indexer_peer_server::KvIndexerPeer for HalfPeer {
         Ok(tonic::Response::new(rx.into()))
     }
 
+    type LiveStream =
+        tokio_stream::wrappers::ReceiverStream<Result<pb::PeerRoutedRequest, tonic::Status>>;
+
     async fn routed(
         &self,
         _: tonic::Request<pb::PeerRoutedRequest>,
     ) -> Result<tonic::Response<pb::PeerRoutedResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a half peer"))
+    }
+
+    async fn live(
+        &self,
+        _: tonic::Request<pb::PeerSnapshotRequest>,
+    ) -> Result<tonic::Response<Self::LiveStream>, tonic::Status> {
         Err(tonic::Status::unimplemented("a half peer"))
     }
 }

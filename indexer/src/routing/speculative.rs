@@ -65,6 +65,28 @@ impl Speculative {
         self.models.read().get(model)?.get(pod).cloned()
     }
 
+    /// Every pod's entries live at `now`: (model, pod, its entries in
+    /// write order with their ends).
+    pub fn live(&self, now: Instant) -> Vec<(String, String, Vec<(BlockKey, Instant)>)> {
+        let pods: Vec<(String, String, Arc<RwLock<PodSpeculation>>)> = self
+            .models
+            .read()
+            .iter()
+            .flat_map(|(model, pods)| {
+                pods.iter()
+                    .map(move |(pod, p)| (model.clone(), pod.clone(), p.clone()))
+            })
+            .collect();
+        // Each pod's lock after the table's is released (see the module doc).
+        pods.into_iter()
+            .map(|(model, pod, p)| {
+                let live = p.read().live(now);
+                (model, pod, live)
+            })
+            .filter(|(_, _, live)| !live.is_empty())
+            .collect()
+    }
+
     /// Pods of `model` with speculative entries.
     pub fn pods_of(&self, model: &str) -> Vec<String> {
         self.models

@@ -189,6 +189,17 @@ impl PodSpeculation {
         before - self.at.len()
     }
 
+    /// The entries live at `now`, in the order they were written, each
+    /// with its end: what a replica starting now is given.
+    pub fn live(&self, now: Instant) -> Vec<(BlockKey, Instant)> {
+        let now = self.end(now);
+        self.log
+            .iter()
+            .filter(|(_, e)| *e != DEAD && *e > now)
+            .map(|&(key, e)| (key, self.born + std::time::Duration::from_nanos(e)))
+            .collect()
+    }
+
     /// Rewrites the log without its dead entries once they are over a
     /// third of it (half the live ones): memory stays within 1.5 times the
     /// live entries (and a small constant), and live entries written side
@@ -349,5 +360,31 @@ mod tests {
             1948
         );
         assert_eq!(asked, 0);
+    }
+
+    /// What a starting replica is given: the live entries with their ends,
+    /// in write order; ended and superseded ones left out.
+    #[test]
+    fn live_entries_are_listed_with_their_ends() {
+        let now = Instant::now();
+        let mut spec = PodSpeculation::default();
+        let (soon, later) = (
+            now + Duration::from_millis(10),
+            now + Duration::from_secs(5),
+        );
+        spec.insert(&[BlockKey(1), BlockKey(2)], soon, usize::MAX);
+        spec.insert(&[BlockKey(3)], later, usize::MAX);
+        spec.supersede(&[BlockKey(2)]);
+        let live = spec.live(now);
+        assert_eq!(
+            live.iter().map(|(k, _)| k.0).collect::<Vec<_>>(),
+            vec![1, 3]
+        );
+        let ends: Vec<i128> = live
+            .iter()
+            .map(|(_, e)| e.duration_since(now).as_nanos() as i128)
+            .collect();
+        assert!((ends[0] - 10_000_000).abs() < 1_000 && (ends[1] - 5_000_000_000).abs() < 1_000);
+        assert_eq!(spec.live(soon).len(), 1, "the first has ended");
     }
 }
