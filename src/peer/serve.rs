@@ -206,8 +206,9 @@ impl PeerService {
         let (now, unix_ms) = (std::time::Instant::now(), super::unix_ms());
         let mut out = vec![pb::PeerRoutedRequest::default()];
         let mut keys_in_last = 0;
-        for (model, pod, entries) in self.indexer.speculative().live(now) {
-            for run in entries.chunk_by(|a, b| a.1 == b.1) {
+        for live in self.indexer.speculative().live(now) {
+            let (model, pod) = (live.model, live.pod);
+            for run in live.entries.chunk_by(|a, b| a.1 == b.1) {
                 for part in run.chunks(LIVE_KEYS) {
                     if keys_in_last + part.len() > LIVE_KEYS {
                         out.push(pb::PeerRoutedRequest::default());

@@ -30,6 +30,13 @@ mod log;
 
 type Pods = HashMap<String, Arc<RwLock<PodSpeculation>>>;
 
+/// One pod's live entries: (key, end), in the order they were written.
+pub struct LiveEntries {
+    pub model: String,
+    pub pod: String,
+    pub entries: Vec<(BlockKey, Instant)>,
+}
+
 /// Every pod's speculative entries, bounded in total.
 pub struct Speculative {
     /// model -> pod name -> entries.
@@ -65,9 +72,8 @@ impl Speculative {
         self.models.read().get(model)?.get(pod).cloned()
     }
 
-    /// Every pod's entries live at `now`: (model, pod, its entries in
-    /// write order with their ends).
-    pub fn live(&self, now: Instant) -> Vec<(String, String, Vec<(BlockKey, Instant)>)> {
+    /// Every pod's entries live at `now`, in write order with their ends.
+    pub fn live(&self, now: Instant) -> Vec<LiveEntries> {
         let pods: Vec<(String, String, Arc<RwLock<PodSpeculation>>)> = self
             .models
             .read()
@@ -80,10 +86,14 @@ impl Speculative {
         // Each pod's lock after the table's is released (see the module doc).
         pods.into_iter()
             .map(|(model, pod, p)| {
-                let live = p.read().live(now);
-                (model, pod, live)
+                let entries = p.read().live(now);
+                LiveEntries {
+                    model,
+                    pod,
+                    entries,
+                }
             })
-            .filter(|(_, _, live)| !live.is_empty())
+            .filter(|l| !l.entries.is_empty())
             .collect()
     }
 
