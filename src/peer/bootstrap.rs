@@ -209,7 +209,7 @@ async fn copy(
             tracing::debug!(bytes, "peer snapshot received");
             Ok((
                 pods,
-                live(&mut client, request(config, &indexer, replica)?).await,
+                live(&mut client, request(config, indexer, replica)?).await,
             ))
         }
         Err(indexer::snapshot::SnapshotError::KeysChanged) => Err(failure(
