@@ -50,6 +50,9 @@ fn oversize_is_resource_exhausted<B>(mut res: http::Response<B>) -> http::Respon
 /// (the stream window, 2 MiB, bounds it anyway).
 const MAX_FRAME_SIZE: u32 = 256 << 10;
 
+/// Largest message between replicas, per 4 (see `peer`).
+const CHUNK_LIMIT: usize = 1 << 20;
+
 /// How long in-flight RPCs get to finish after a shutdown signal.
 const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -151,7 +154,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     .await?;
     // The peer's live speculative entries, to their pods' writers.
     let live = from_peer.map(|c| c.live).unwrap_or_default();
-    crate::peer::serve::write_live(&ingest.control(), &metrics, live);
+    crate::peer::serve::write_live(&ingest.control(), &indexer, &metrics, live);
     let left = first_catch_ups.wait(config.catch_up_wait).await;
     if left > 0 {
         tracing::warn!(
@@ -265,6 +268,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             .is_some_and(|t| t.client_ca_pem.is_some()),
         replica,
         ingest.control(),
+        ready.clone(),
     );
     let mut builder = Server::builder()
         .max_frame_size(MAX_FRAME_SIZE)
@@ -296,7 +300,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             .add_service(reflection_v1alpha)
             .add_service(KvIndexerServer::from_arc(service).max_decoding_message_size(max_message))
             .add_service(IndexerServiceServer::new(llmd).max_decoding_message_size(max_message))
-            .add_service(KvIndexerPeerServer::new(peer))
+            // A snapshot's chunks are 1 MiB; forwarded batches at most 1 MiB.
+            .add_service(KvIndexerPeerServer::new(peer).max_decoding_message_size(4 * CHUNK_LIMIT))
             .serve_with_incoming_shutdown(accepted, async {
                 let _ = rpc_stopped.await;
             }),

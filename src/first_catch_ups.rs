@@ -66,8 +66,11 @@ impl FirstCatchUps {
     pub async fn wait(&self, wait: Duration) -> usize {
         let deadline = Instant::now() + wait;
         let left = loop {
-            let left = self.pending.load(Ordering::Acquire);
+            // `listed` first: the dial thread tracks a list's pods before
+            // it says it has one, so pods counted after this read are in
+            // the `pending` read next.
             let listed = self.listed.load(Ordering::Acquire);
+            let left = self.pending.load(Ordering::Acquire);
             if !self.open.load(Ordering::Acquire) || (listed && left == 0) {
                 break 0;
             }

@@ -79,8 +79,9 @@ impl Control {
         answer.await.ok()
     }
 
-    /// A routing another replica accepted, to its pod's writer here;
-    /// dropped (false) when that worker's queue is full.
+    /// A routing another replica accepted, to its pod's writer here (a pod
+    /// the index has: the caller checks); false when that worker's queue
+    /// is full.
     pub fn speculate(
         &self,
         model: String,

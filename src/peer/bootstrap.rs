@@ -4,9 +4,8 @@
 //! Peers are tried in the order given (a `dns:///` name: each address it
 //! resolves to, this replica's own skipped), again and again until one
 //! gives a whole snapshot or `--peer-wait` has passed. A replica serves
-//! only once it is Ready, so two replicas starting together find nothing in
-//! each other and both start after `--peer-wait`, never waiting on each
-//! other for longer.
+//! only once it is Ready, so two replicas starting together never wait on
+//! each other past `--peer-wait`.
 //!
 //! The snapshot is spooled to an unnamed temporary file (never the whole
 //! index twice in memory), then loaded with every check a snapshot file
@@ -31,6 +30,8 @@ use pb::kv_indexer_peer_client::KvIndexerPeerClient;
 
 /// How long connecting to one peer may take.
 const CONNECT: Duration = Duration::from_secs(2);
+/// Longest wait for a peer's first answer (TLS handshake included).
+const ANSWER: Duration = Duration::from_secs(5);
 /// Longest wait for the next chunk of a snapshot being received.
 const IDLE: Duration = Duration::from_secs(30);
 /// Pause between rounds over the peers.
@@ -178,11 +179,14 @@ async fn copy(
     let channel = connect(config, peer).await?;
     // A `Live` message carries up to 65,536 keys of 9 bytes each.
     let mut client = KvIndexerPeerClient::new(channel).max_decoding_message_size(2 * CHUNK);
-    let mut stream = client
-        .snapshot(request(config, indexer, replica)?)
-        .await
-        .map_err(|s| refused(&s))?
-        .into_inner();
+    // A peer that accepted the connection but does not answer (one still
+    // starting, whose listener is bound) must not hold the search.
+    let mut stream =
+        tokio::time::timeout(ANSWER, client.snapshot(request(config, indexer, replica)?))
+            .await
+            .map_err(|_| failure("unavailable", "the peer did not answer"))?
+            .map_err(|s| refused(&s))?
+            .into_inner();
     let mut file = tempfile::tempfile()
         .map_err(|e| failure("invalid", format!("no temporary file to receive into: {e}")))?;
     let mut bytes = 0u64;
@@ -230,7 +234,7 @@ async fn live(
     request: tonic::Request<pb::PeerSnapshotRequest>,
 ) -> Vec<pb::PeerRouting> {
     let mut out = Vec::new();
-    let Ok(response) = client.live(request).await else {
+    let Ok(Ok(response)) = tokio::time::timeout(ANSWER, client.live(request)).await else {
         return out;
     };
     let mut stream = response.into_inner();
@@ -248,10 +252,10 @@ async fn live(
 /// A channel to `peer`, over TLS when this replica serves TLS (a fleet's
 /// replicas share it).
 async fn connect(config: &Config, peer: &Candidate) -> Result<tonic::transport::Channel, Failure> {
-    endpoint(config, peer)
-        .map_err(|e| failure("unavailable", e))?
-        .connect()
+    let endpoint = endpoint(config, peer).map_err(|e| failure("unavailable", e))?;
+    tokio::time::timeout(ANSWER, endpoint.connect())
         .await
+        .map_err(|_| failure("unavailable", "connecting timed out"))?
         .map_err(|e| failure("unavailable", format!("cannot connect: {e}")))
 }
 

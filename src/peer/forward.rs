@@ -30,6 +30,8 @@ use pb::kv_indexer_peer_client::KvIndexerPeerClient;
 const QUEUE: usize = 4096;
 /// How often the peers are resolved again.
 const REFRESH: Duration = Duration::from_secs(2);
+/// Bytes of routings in one batch, about.
+const BATCH_BYTES: usize = 1 << 20;
 /// Longest wait for a peer's answer to a batch.
 const SEND: Duration = Duration::from_secs(1);
 
@@ -114,10 +116,16 @@ async fn send(
 ) {
     let warn = RateLimited::new(Duration::from_secs(30));
     while let Some(first) = rx.recv().await {
+        // At most `MAX_ROUTINGS`, and about `BATCH_BYTES` (a routing of a
+        // long prompt is 256 KiB at 32K tokens; the receiver takes 4 MiB).
+        let mut bytes = prost::Message::encoded_len(&first.routing);
         let mut batch = vec![first];
-        while batch.len() < MAX_ROUTINGS {
+        while batch.len() < MAX_ROUTINGS && bytes < BATCH_BYTES {
             match rx.try_recv() {
-                Ok(q) => batch.push(q),
+                Ok(q) => {
+                    bytes += prost::Message::encoded_len(&q.routing);
+                    batch.push(q);
+                }
                 Err(_) => break,
             }
         }

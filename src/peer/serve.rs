@@ -40,6 +40,8 @@ pub struct PeerService {
     copying: Arc<Semaphore>,
     /// Forwarded routings to their pods' writers.
     control: crate::ingest::Control,
+    /// This replica is Ready (not after a worker died, not while stopping).
+    ready: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl PeerService {
@@ -50,6 +52,7 @@ impl PeerService {
         client_certificates: bool,
         replica: u64,
         control: crate::ingest::Control,
+        ready: Arc<std::sync::atomic::AtomicBool>,
     ) -> PeerService {
         PeerService {
             indexer,
@@ -59,13 +62,22 @@ impl PeerService {
             replica,
             copying: Arc::new(Semaphore::new(1)),
             control,
+            ready,
         }
     }
 
-    /// The shared secret, compared in constant time, or a client
-    /// certificate the TLS layer verified.
+    /// Ready, and the shared secret (compared in constant time); without
+    /// one, a client certificate the TLS layer verified.
     fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        if self.client_certificates && request.peer_certs().is_some_and(|c| !c.is_empty()) {
+        if !self.ready.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Status::unavailable("this replica is not ready"));
+        }
+        // With a secret, the secret: with mTLS every client (the router
+        // too) has a trusted certificate.
+        if self.token.is_none()
+            && self.client_certificates
+            && request.peer_certs().is_some_and(|c| !c.is_empty())
+        {
             return Ok(());
         }
         let Some(Secret(token)) = &self.token else {
@@ -193,7 +205,7 @@ impl KvIndexerPeer for PeerService {
                 req.routings.len()
             )));
         }
-        let written = write_live(&self.control, &self.metrics, req.routings);
+        let written = write_live(&self.control, &self.indexer, &self.metrics, req.routings);
         Ok(Response::new(pb::PeerRoutedResponse { written }))
     }
 }
@@ -237,6 +249,7 @@ impl PeerService {
 /// to their pods' writers here; returns how many were queued.
 pub fn write_live(
     control: &crate::ingest::Control,
+    indexer: &Indexer,
     metrics: &Metrics,
     routings: Vec<pb::PeerRouting>,
 ) -> u32 {
@@ -246,8 +259,12 @@ pub fn write_live(
         let outcome = match r.expires_unix_ms.checked_sub(unix_ms) {
             _ if r.keys.len() > MAX_KEYS => "refused",
             None | Some(0) => "ended",
+            // Only pods this replica has (a name never makes a new one).
+            _ if indexer.find_pod(&r.model, &r.pod).is_none() => "unknown",
             Some(left) => {
-                let until = now + std::time::Duration::from_millis(left);
+                // Speculative entries last seconds: a far end is a wrong
+                // clock (or a wrong peer), held to the longest TTL.
+                let until = now + std::time::Duration::from_millis(left.min(MAX_TTL_MS));
                 let keys = r.keys.into_iter().map(BlockKey).collect();
                 match control.speculate(r.model, r.pod, keys, until) {
                     true => {
@@ -262,6 +279,9 @@ pub fn write_live(
     }
     written
 }
+
+/// The furthest end a forwarded entry may have, from now: ten minutes.
+const MAX_TTL_MS: u64 = 600_000;
 
 /// Keys in one `Live` message, at most (and in one of its routings).
 const LIVE_KEYS: usize = 1 << 16;

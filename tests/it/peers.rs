@@ -231,7 +231,7 @@ async fn last_seqs(service: &Service, model: &str) -> BTreeMap<String, Option<u6
 }
 
 /// A rolling restart of three replicas while the pods publish at a steady
-/// pace, buffers of 32 batches (1.6 s of it), from half of the streams on:
+/// pace, buffers of 64 batches (3.2 s of it), from half of the streams on:
 /// three times, a new replica
 /// copies a live one (`--peer`, every other replica listed), reports Ready,
 /// and the oldest stops. After each step, with publishing paused, the new
@@ -245,7 +245,7 @@ async fn a_rolling_restart_under_a_steady_stream_keeps_every_replica_exact() {
     let dir = tempfile::tempdir().unwrap();
     let token = token_file(&dir, "token", "fleet-secret");
     let fleet = Fleet::start(STREAM, |_| PodOptions {
-        buffer: 32,
+        buffer: 64,
         ..PodOptions::default()
     });
     let targets = fleet.targets();
@@ -568,8 +568,8 @@ async fn a_peer_dying_mid_transfer_leaves_nothing_and_the_next_one_is_copied() {
 }
 
 /// Two replicas started together, each naming the other: neither serves
-/// before it is Ready, so each finds no peer and both start after
-/// `--peer-wait`, empty.
+/// before it is Ready, so neither waits for the other past its
+/// `--peer-wait`.
 #[tokio::test]
 async fn two_replicas_started_together_do_not_wait_on_each_other() {
     let dir = tempfile::tempdir().unwrap();
@@ -598,8 +598,12 @@ async fn two_replicas_started_together_do_not_wait_on_each_other() {
         "1s",
     ];
     let (a, b) = tokio::join!(Service::start(&a_args), Service::start(&b_args));
-    assert!(started.elapsed() < crate::common::budget(20));
+    // Each is up within its --peer-wait (and the machine's slack): empty,
+    // or (if the other was Ready before its own last round) a copy of it.
+    assert!(started.elapsed() < crate::common::budget(10));
     for r in [&a, &b] {
-        assert_eq!(r.metric("kv_indexer_started_from{from=\"empty\"}"), 1.0);
+        let from = r.metric("kv_indexer_started_from{from=\"empty\"}")
+            + r.metric("kv_indexer_started_from{from=\"peer\"}");
+        assert_eq!(from, 1.0, "{}", r.logs());
     }
 }

@@ -123,7 +123,18 @@ impl Indexer {
         let mut restored: Vec<Arc<Pod>> = Vec::new();
         // A pod's id in the snapshot's runs, and now.
         let mut renamed: HashMap<u32, u32> = HashMap::new();
-        while let Some(record) = snapshot.next_record()? {
+        loop {
+            let record = match snapshot.next_record() {
+                Ok(Some(record)) => record,
+                Ok(None) => break,
+                Err(e) => {
+                    // Nothing of a snapshot that fails is kept.
+                    for pod in &restored {
+                        self.remove_pod(pod);
+                    }
+                    return Err(e);
+                }
+            };
             match record {
                 Record::Pod(ps) => {
                     if let Some(pod) = self.import_pod(&ps) {
