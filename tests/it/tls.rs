@@ -145,3 +145,66 @@ async fn mtls_requires_a_client_certificate_from_the_trusted_ca() {
         }
     }
 }
+
+/// Replicas over mTLS: B copies A's index over TLS, presenting its own
+/// certificate (the server's, from the fleet's CA) and trusting
+/// `--tls-client-ca`, with the fleet's secret. A replica with a certificate
+/// from another CA gets nothing and starts empty.
+#[tokio::test]
+async fn replicas_copy_each_other_over_mtls() {
+    let pki = pki();
+    let path = |f: &str| pki.dir.path().join(f).to_str().unwrap().to_owned();
+    let (cert, key, ca) = (path("server.pem"), path("server.key"), path("ca.pem"));
+    let token = path("token");
+    std::fs::write(&token, "fleet-secret\n").unwrap();
+    let tls = [
+        "--tls-cert",
+        cert.as_str(),
+        "--tls-key",
+        key.as_str(),
+        "--tls-client-ca",
+        ca.as_str(),
+        "--peer-token-file",
+        token.as_str(),
+    ];
+    let a = Service::start(&tls).await;
+    let peer = format!("localhost:{}", a.grpc_port);
+    let mut b_args = tls.to_vec();
+    b_args.extend(["--peer", peer.as_str()]);
+    let b = Service::start(&b_args).await;
+    assert_eq!(
+        b.metric("kv_indexer_started_from{from=\"peer\"}"),
+        1.0,
+        "{}",
+        b.logs()
+    );
+
+    // Another fleet's certificate: the TLS handshake refuses it.
+    let rogue = ca_rogue();
+    let (rogue_cert, rogue_key) = leaf(&rogue, &["localhost"]);
+    std::fs::write(path("rogue.pem"), rogue_cert).unwrap();
+    std::fs::write(path("rogue.key"), rogue_key).unwrap();
+    std::fs::write(path("rogue-ca.pem"), rogue.pem()).unwrap();
+    let (rc, rk, rca) = (path("rogue.pem"), path("rogue.key"), path("rogue-ca.pem"));
+    let c = Service::start(&[
+        "--tls-cert",
+        &rc,
+        "--tls-key",
+        &rk,
+        "--tls-client-ca",
+        &rca,
+        "--peer-token-file",
+        &token,
+        "--peer",
+        &peer,
+        "--peer-wait",
+        "1s",
+    ])
+    .await;
+    assert_eq!(
+        c.metric("kv_indexer_started_from{from=\"empty\"}"),
+        1.0,
+        "{}",
+        c.logs()
+    );
+}
