@@ -607,3 +607,99 @@ async fn two_replicas_started_together_do_not_wait_on_each_other() {
         assert_eq!(from, 1.0, "{}", r.logs());
     }
 }
+
+/// A replica copies a peer while the pods change under it: one pod's engine
+/// restarts (a new run from seq 0), one clears its cache
+/// (`AllBlocksCleared`), one's batch is lost on the way (a gap its buffer
+/// repairs), whichever side of the copy's cut each lands. Afterwards the
+/// new replica answers every probe as the one that saw it all live.
+#[tokio::test]
+async fn a_copy_taken_while_pods_restart_clear_and_lose_a_batch_ends_exact() {
+    use crate::common::vllm_pod::{Batch, VllmPod};
+    use std::collections::HashSet;
+
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(&dir, "token", "fleet-secret");
+    let expected = load_expected(STREAM);
+    let (px, py, pz) = (&expected.pods[0], &expected.pods[1], &expected.pods[2]);
+    let options = PodOptions {
+        buffer: 64,
+        ..PodOptions::default()
+    };
+    let x = VllmPod::start(STREAM, px, options);
+    let z = VllmPod::start(STREAM, pz, options);
+    // pod y: its recorded batches with an AllBlocksCleared at its half.
+    let recorded_y = VllmPod::start(STREAM, py, options).frames().to_vec();
+    let half_y = recorded_y.len() / 2;
+    let clear = bytes::Bytes::from(
+        rmp_serde::to_vec(&(0.0f64, vec![("AllBlocksCleared",)], 0u32)).unwrap(),
+    );
+    let mut y_frames: Vec<Batch> = recorded_y[..half_y].to_vec();
+    y_frames.push((recorded_y[0].0.clone(), half_y as u64, clear));
+    for (topic, seq, payload) in &recorded_y[half_y..] {
+        y_frames.push((topic.clone(), seq + 1, payload.clone()));
+    }
+    let y = VllmPod::with_batches(y_frames, options);
+    // pod x's engine restarts with pod z's run under its own topic.
+    let new_run: Vec<Batch> = z
+        .frames()
+        .iter()
+        .map(|(_, seq, payload)| (x.frames()[0].0.clone(), *seq, payload.clone()))
+        .collect();
+    let targets = vec![x.target.clone(), y.target.clone(), z.target.clone()];
+    let a = Service::start_dialing(&targets, &["--peer-token-file", &token]).await;
+    for (p, tag) in [(&x, "x"), (&y, "y"), (&z, "z")] {
+        p.wait_subscribed(&a, tag).await;
+    }
+    let (nx, nz) = (x.batches(), z.batches());
+    x.publish(0, nx / 2, &HashSet::new());
+    y.publish(0, half_y, &HashSet::new());
+    z.publish(0, nz / 2, &HashSet::new());
+    let model = expected.model.clone();
+    let half = BTreeMap::from([
+        (px.clone(), (nx / 2) as u64),
+        (py.clone(), half_y as u64),
+        (pz.clone(), (nz / 2) as u64),
+    ]);
+    a.wait_applied(&model, &half).await;
+
+    // B starts while the pods change.
+    let peer = a.grpc_addr();
+    let b_args = ["--peer", peer.as_str(), "--peer-token-file", token.as_str()];
+    let changes = async {
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        let gap = HashSet::from([(nz / 2 + 1) as u64]);
+        z.publish(nz / 2, nz / 2 + 4, &gap);
+        y.publish(half_y, half_y + 3, &HashSet::new());
+        let x = x.restart(new_run.clone(), options);
+        x.wait_subscribed(&a, "x-again").await;
+        x.publish(0, 5, &HashSet::new());
+        x
+    };
+    let (b, x) = tokio::join!(Service::start_dialing(&targets, &b_args), changes);
+    assert_eq!(b.metric("kv_indexer_started_from{from=\"peer\"}"), 1.0);
+    x.wait_subscribed(&b, "x-b").await;
+    x.publish(5, new_run.len(), &HashSet::new());
+    y.publish(half_y + 3, y.batches(), &HashSet::new());
+    z.publish(nz / 2 + 4, nz, &HashSet::new());
+    let last = BTreeMap::from([
+        (px.clone(), Some(new_run.len() as u64 - 1)),
+        (py.clone(), Some(y.batches() as u64 - 1)),
+        (pz.clone(), Some(nz as u64 - 1)),
+    ]);
+    for service in [&a, &b] {
+        service
+            .wait_until("every pod's last batch applied", async || {
+                last_seqs(service, &model).await == last
+            })
+            .await;
+    }
+    assert_eq!(
+        answers(&b, &expected).await,
+        answers(&a, &expected).await,
+        "the copy answers as the replica that saw everything live"
+    );
+    for pod in b.list_pods(&model).await {
+        assert!(!pod.incomplete, "{pod:?}");
+    }
+}
