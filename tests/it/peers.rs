@@ -703,3 +703,88 @@ async fn a_copy_taken_while_pods_restart_clear_and_lose_a_batch_ends_exact() {
         assert!(!pod.incomplete, "{pod:?}");
     }
 }
+
+/// A forwarded routing ends when the replica that accepted it said, not a
+/// TTL later here: sent straight to `Routed` with an end 1 s away, to a
+/// replica whose own TTL is 60 s, it is speculative at once and gone once
+/// that second has passed. Without the fleet's secret, `Routed` is refused.
+#[tokio::test]
+async fn a_forwarded_routing_ends_at_the_instant_it_was_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(&dir, "token", "fleet-secret");
+    let stream = load_frames(STREAM);
+    let expected = load_expected(STREAM);
+    let b = Service::start(&["--speculative-ttl", "60s", "--peer-token-file", &token]).await;
+    let mut publisher = Publisher::connect(b.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&b, "marker").await;
+    publisher.publish_all(&stream).await;
+    b.wait_applied(&expected.model, &batches_per_pod(&stream))
+        .await;
+    let tokens: Vec<u32> = (0..4 * expected.block_size).map(|i| 800_000 + i).collect();
+    // Our token keys, as Score computes them for this model.
+    let keys: Vec<u64> = indexer::keys::prompt_keys(
+        indexer::keys::request_root_seed(&expected.model, None, None),
+        &tokens,
+        expected.block_size as usize,
+    )
+    .into_iter()
+    .map(|k| k.0)
+    .collect();
+    assert_eq!(keys.len(), 4);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let pod = expected.pods[0].clone();
+    let routed = || {
+        tonic::Request::new(pb::PeerRoutedRequest {
+            routings: vec![pb::PeerRouting {
+                model: expected.model.clone(),
+                pod: pod.clone(),
+                keys: keys.clone(),
+                expires_unix_ms: now_ms + 1_000,
+            }],
+        })
+    };
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", b.grpc_addr()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut peer = pb::kv_indexer_peer_client::KvIndexerPeerClient::new(channel);
+    let denied = peer.routed(routed()).await.unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+    let mut request = routed();
+    request
+        .metadata_mut()
+        .insert("authorization", "Bearer fleet-secret".parse().unwrap());
+    assert_eq!(peer.routed(request).await.unwrap().into_inner().written, 1);
+    let speculative = async || -> u32 {
+        b.client()
+            .await
+            .score(pb::ScoreRequest {
+                model: expected.model.clone(),
+                input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+                    ids: tokens.clone(),
+                })),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .pods
+            .iter()
+            .find(|p| p.pod == pod)
+            .map_or(0, |p| p.speculative_blocks)
+    };
+    b.wait_until("the forwarded routing speculative", async || {
+        speculative().await == 4
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(1_200)).await;
+    assert_eq!(
+        speculative().await,
+        0,
+        "ended at the instant given, not 60 s on"
+    );
+}
