@@ -220,6 +220,18 @@ async fn answers(service: &Service, expected: &Expected) -> Vec<BTreeMap<String,
         .collect()
 }
 
+/// `pod`'s speculative blocks for the prompt `tokens`, as `service` scores
+/// it.
+async fn speculative_blocks(service: &Service, model: &str, tokens: &[u32], pod: &str) -> u32 {
+    service
+        .score_token_ids(model, tokens.to_vec())
+        .await
+        .pods
+        .iter()
+        .find(|p| p.pod == pod)
+        .map_or(0, |p| p.speculative_blocks)
+}
+
 /// Each replica's last applied seq per pod.
 async fn last_seqs(service: &Service, model: &str) -> BTreeMap<String, Option<u64>> {
     service
@@ -378,23 +390,7 @@ async fn a_routing_recorded_on_one_replica_is_speculative_on_the_others() {
         .into_inner();
     assert_eq!(recorded.speculative_blocks, 8, "{recorded:?}");
     let speculative = async |service: &Service| -> u32 {
-        let resp = service
-            .client()
-            .await
-            .score(pb::ScoreRequest {
-                model: expected.model.clone(),
-                input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
-                    ids: tokens.clone(),
-                })),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        resp.pods
-            .iter()
-            .find(|p| p.pod == pod)
-            .map_or(0, |p| p.speculative_blocks)
+        speculative_blocks(service, &expected.model, &tokens, &pod).await
     };
     b.wait_until("A's routing speculative on B", async || {
         speculative(&b).await == 8
@@ -416,18 +412,8 @@ async fn a_routing_recorded_on_one_replica_is_speculative_on_the_others() {
     }
 
     let handle = a
-        .client()
+        .score_token_ids(&expected.model, tokens.clone())
         .await
-        .score(pb::ScoreRequest {
-            model: expected.model.clone(),
-            input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
-                ids: tokens.clone(),
-            })),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
         .prompt_handle;
     let err = b
         .client()
@@ -759,24 +745,8 @@ async fn a_forwarded_routing_ends_at_the_instant_it_was_given() {
         .metadata_mut()
         .insert("authorization", "Bearer fleet-secret".parse().unwrap());
     assert_eq!(peer.routed(request).await.unwrap().into_inner().written, 1);
-    let speculative = async || -> u32 {
-        b.client()
-            .await
-            .score(pb::ScoreRequest {
-                model: expected.model.clone(),
-                input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
-                    ids: tokens.clone(),
-                })),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .pods
-            .iter()
-            .find(|p| p.pod == pod)
-            .map_or(0, |p| p.speculative_blocks)
-    };
+    let speculative =
+        async || -> u32 { speculative_blocks(&b, &expected.model, &tokens, &pod).await };
     b.wait_until("the forwarded routing speculative", async || {
         speculative().await == 4
     })
