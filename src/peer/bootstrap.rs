@@ -22,8 +22,8 @@ use indexer::Indexer;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Code, Status};
 
-use super::{AUTHORIZATION, CHUNK};
-use crate::config::{Config, PeerTarget, Secret};
+use super::{present, CHUNK};
+use crate::config::{Config, PeerTarget};
 use crate::metrics::Metrics;
 use crate::proto::kvindexer::v1 as pb;
 use pb::kv_indexer_peer_client::KvIndexerPeerClient;
@@ -159,12 +159,8 @@ fn request(
         format: indexer::snapshot::VERSION,
         replica,
     });
-    if let Some(Secret(token)) = &config.peers.token {
-        let value = format!("Bearer {token}")
-            .parse()
-            .map_err(|_| failure("auth", "the peer token is not a valid header value"))?;
-        request.metadata_mut().insert(AUTHORIZATION, value);
-    }
+    present(&mut request, config.peers.token.as_ref())
+        .map_err(|_| failure("auth", "the peer token is not a valid header value"))?;
     Ok(request)
 }
 

@@ -18,8 +18,8 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
 use super::bootstrap::{candidates, endpoint, Candidate};
+use super::present;
 use super::serve::MAX_ROUTINGS;
-use super::AUTHORIZATION;
 use crate::config::{Config, Secret};
 use crate::metrics::Metrics;
 use crate::proto::kvindexer::v1 as pb;
@@ -134,11 +134,9 @@ async fn send(
         let mut request = tonic::Request::new(pb::PeerRoutedRequest {
             routings: batch.into_iter().map(|q| q.routing).collect(),
         });
-        if let Some(Secret(token)) = &token {
-            if let Ok(value) = format!("Bearer {token}").parse() {
-                request.metadata_mut().insert(AUTHORIZATION, value);
-            }
-        }
+        // A secret that cannot be a header value is not sent: the peer
+        // refuses, and the batch counts as failed.
+        let _ = present(&mut request, token.as_ref());
         let outcome = match client.routed(request).await {
             Ok(_) => {
                 for at in accepted {

@@ -27,6 +27,19 @@ pub mod serve;
 /// Metadata key of the shared secret (`Bearer <secret>`).
 const AUTHORIZATION: &str = "authorization";
 
+/// `request` presents the fleet's secret, if there is one; an error if the
+/// secret cannot be a header value.
+fn present<T>(
+    request: &mut tonic::Request<T>,
+    token: Option<&crate::config::Secret>,
+) -> Result<(), tonic::metadata::errors::InvalidMetadataValue> {
+    if let Some(crate::config::Secret(token)) = token {
+        let value = format!("Bearer {token}").parse()?;
+        request.metadata_mut().insert(AUTHORIZATION, value);
+    }
+    Ok(())
+}
+
 /// Now, as Unix time in milliseconds: how replicas name one instant.
 fn unix_ms() -> u64 {
     std::time::SystemTime::now()
