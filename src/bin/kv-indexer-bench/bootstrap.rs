@@ -8,7 +8,6 @@
 //! spawn to its `/readyz`, the snapshot's bytes, and the source's Score
 //! latency during the copy against the same load just before.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kv_indexer::zmq_io::Publisher;
@@ -18,7 +17,8 @@ use simulator::vllm_wire::{encode_batch, frames, WireEvent};
 use super::score::{score_step, Step};
 use super::score_client::{grpc_message, ScoreClient};
 use super::{
-    connect, free_port, lcg, metrics_text, pb, spawn_service, Opts, Spawned, BLOCK, MODEL,
+    connect, free_port, http_get, lcg, metrics_text, pb, spawn_service, spawn_service_on, Opts,
+    BLOCK, MODEL,
 };
 
 const PODS: usize = 64;
@@ -101,12 +101,16 @@ async fn one(o: &Opts, entries: u64, groups: usize) -> Value {
         async move { score_step(&scores, &message, Some(&metrics), RATE, window).await }
     });
     let started = Instant::now();
-    let (replica, replica_metrics) = spawn_replica(o, replica_port, &grpc, &token);
+    let (replica, replica_grpc, _, replica_metrics) = spawn_service_on(
+        o,
+        replica_port,
+        &["--peer", &grpc, "--peer-token-file", &token],
+    );
     let ready = wait_ready(&replica_metrics, started).await;
     let during = load.await.expect("Score load");
     let bytes = sent_bytes(&metrics) - bytes_before;
     let peak = memory_kb(source.0.id(), "VmHWM");
-    let mut replica_client = connect(&format!("127.0.0.1:{}", replica.1)).await;
+    let mut replica_client = connect(&replica_grpc).await;
     let copied = held_entries(&mut replica_client).await;
     let visible = forwarding(&mut client, &mut replica_client).await;
     drop(replica);
@@ -317,40 +321,11 @@ fn sent_bytes(metrics: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// The second replica (killed on drop) and its gRPC port; its metrics
-/// address.
-fn spawn_replica(o: &Opts, grpc: u16, peer: &str, token: &str) -> ((Spawned, u16), String) {
-    let bin = std::env::current_exe()
-        .expect("own path")
-        .with_file_name("kv-indexer");
-    let metrics = free_port();
-    let child = Command::new(bin)
-        .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
-        .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
-        .args(["--zmq-bind", &format!("tcp://127.0.0.1:{}", free_port())])
-        .args(["--peer", peer, "--peer-token-file", token])
-        .args(["--log-level", "warn"])
-        .args(&o.ours_args)
-        .env("HF_HUB_OFFLINE", "1")
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("start the second kv-indexer");
-    ((Spawned(child), grpc), format!("127.0.0.1:{metrics}"))
-}
-
 /// Seconds from `started` until `/readyz` at `metrics` answers 200.
 async fn wait_ready(metrics: &str, started: Instant) -> f64 {
-    use std::io::{Read, Write};
     loop {
-        if let Ok(mut s) = std::net::TcpStream::connect(metrics) {
-            let _ = write!(
-                s,
-                "GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-            );
-            let mut body = String::new();
-            if s.read_to_string(&mut body).is_ok() && body.starts_with("HTTP/1.1 200") {
-                return started.elapsed().as_secs_f64();
-            }
+        if http_get(metrics, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
+            return started.elapsed().as_secs_f64();
         }
         assert!(
             started.elapsed() < Duration::from_secs(300),

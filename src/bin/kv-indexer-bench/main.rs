@@ -164,6 +164,12 @@ impl Drop for Spawned {
 }
 
 fn spawn_service(o: &Opts, extra: &[&str]) -> (Spawned, String, String, String) {
+    spawn_service_on(o, free_port(), extra)
+}
+
+/// `spawn_service` with its gRPC port given (a replica its peers know in
+/// advance).
+fn spawn_service_on(o: &Opts, grpc: u16, extra: &[&str]) -> (Spawned, String, String, String) {
     let exe = std::env::current_exe().expect("own path");
     let bin = exe.with_file_name("kv-indexer");
     assert!(
@@ -171,7 +177,7 @@ fn spawn_service(o: &Opts, extra: &[&str]) -> (Spawned, String, String, String) 
         "{} not found: build it first (cargo build --release)",
         bin.display()
     );
-    let (grpc, metrics, zmq) = (free_port(), free_port(), free_port());
+    let (metrics, zmq) = (free_port(), free_port());
     let child = Command::new(&bin)
         .args(["--grpc-addr", &format!("127.0.0.1:{grpc}")])
         .args(["--metrics-addr", &format!("127.0.0.1:{metrics}")])
@@ -214,11 +220,17 @@ fn server_score_time(metrics: Option<&str>) -> Option<(f64, f64)> {
 
 /// The service's `/metrics` text (`None` without an address or an answer).
 fn metrics_text(metrics: Option<&str>) -> Option<String> {
+    http_get(metrics?, "/metrics")
+}
+
+/// A plain HTTP/1.1 GET of `path` at `addr`: the whole answer, status line
+/// and headers included (`None` without one).
+fn http_get(addr: &str, path: &str) -> Option<String> {
     use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(metrics?).ok()?;
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
     write!(
         s,
-        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     )
     .ok()?;
     let mut body = String::new();
