@@ -326,15 +326,11 @@ impl Metrics {
     }
 
     pub fn skip_message(&self, reason: &'static str) {
-        self.messages_skipped
-            .get_or_create(&vec![("reason", reason.to_owned())])
-            .inc();
+        Metrics::count(&self.messages_skipped, "reason", reason);
     }
 
     pub fn refuse(&self, what: &'static str) {
-        self.refused
-            .get_or_create(&vec![("what", what.to_owned())])
-            .inc();
+        Metrics::count(&self.refused, "what", what);
     }
 
     pub fn refused(&self, what: &'static str) -> u64 {

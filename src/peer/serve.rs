@@ -101,27 +101,29 @@ impl PeerService {
     }
 
     /// A copy's checks: the caller is of the fleet, is not this replica, and
-    /// keys and reads as this one does.
+    /// keys and reads as this one does. A refusal is counted.
     fn check_copy(&self, request: Request<pb::PeerSnapshotRequest>) -> Result<(), Status> {
-        if let Err(denied) = self.authorize(&request) {
+        let checked = self.copy_refusal(request);
+        if checked.is_err() {
             self.outcome("refused");
-            return Err(denied);
         }
+        checked
+    }
+
+    fn copy_refusal(&self, request: Request<pb::PeerSnapshotRequest>) -> Result<(), Status> {
+        self.authorize(&request)?;
         let req = request.into_inner();
         if req.replica == self.replica {
-            self.outcome("refused");
             return Err(Status::failed_precondition("a replica cannot copy itself"));
         }
         let ours = self.indexer.keys_configuration();
         if req.keys != ours {
-            self.outcome("refused");
             return Err(Status::failed_precondition(format!(
                 "key configuration differs: this replica's is {ours:?}, the caller's {:?}",
                 req.keys
             )));
         }
         if req.format != indexer::snapshot::VERSION {
-            self.outcome("refused");
             return Err(Status::failed_precondition(format!(
                 "snapshot format differs: this replica writes version {}, the caller reads {}",
                 indexer::snapshot::VERSION,
