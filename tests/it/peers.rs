@@ -23,13 +23,13 @@ fn token_file(dir: &tempfile::TempDir, name: &str, secret: &str) -> String {
 /// Waits until `service` applied every pod's batches up to seq `n - 1`
 /// (`n` per pod in `per_pod`).
 async fn wait_last_seq(service: &Service, model: &str, per_pod: &BTreeMap<String, u64>) {
+    let want: BTreeMap<String, Option<u64>> = per_pod
+        .iter()
+        .map(|(pod, n)| (pod.clone(), Some(n - 1)))
+        .collect();
     service
         .wait_until("every pod's last batch applied", async || {
-            let pods = service.list_pods(model).await;
-            per_pod.iter().all(|(pod, n)| {
-                pods.iter()
-                    .any(|p| &p.pod == pod && p.last_seq == Some(n - 1))
-            })
+            last_seqs(service, model).await == want
         })
         .await;
 }
@@ -668,17 +668,13 @@ async fn a_copy_taken_while_pods_restart_clear_and_lose_a_batch_ends_exact() {
     x.publish(5, new_run.len(), &HashSet::new());
     y.publish(half_y + 3, y.batches(), &HashSet::new());
     z.publish(nz / 2 + 4, nz, &HashSet::new());
-    let last = BTreeMap::from([
-        (px.clone(), Some(new_run.len() as u64 - 1)),
-        (py.clone(), Some(y.batches() as u64 - 1)),
-        (pz.clone(), Some(nz as u64 - 1)),
+    let batches = BTreeMap::from([
+        (px.clone(), new_run.len() as u64),
+        (py.clone(), y.batches() as u64),
+        (pz.clone(), nz as u64),
     ]);
     for service in [&a, &b] {
-        service
-            .wait_until("every pod's last batch applied", async || {
-                last_seqs(service, &model).await == last
-            })
-            .await;
+        wait_last_seq(service, &model, &batches).await;
     }
     assert_eq!(
         answers(&b, &expected).await,
