@@ -689,7 +689,8 @@ async fn a_copy_taken_while_pods_restart_clear_and_lose_a_batch_ends_exact() {
 /// A forwarded routing ends when the replica that accepted it said, not a
 /// TTL later here: sent straight to `Routed` with an end 1 s away, to a
 /// replica whose own TTL is 60 s, it is speculative at once and gone once
-/// that second has passed. Without the fleet's secret, `Routed` is refused.
+/// that second has passed. Without the fleet's secret, `Routed` is refused,
+/// and past its bounds too.
 #[tokio::test]
 async fn a_forwarded_routing_ends_at_the_instant_it_was_given() {
     let dir = tempfile::tempdir().unwrap();
@@ -741,6 +742,40 @@ async fn a_forwarded_routing_ends_at_the_instant_it_was_given() {
         .metadata_mut()
         .insert("authorization", "Bearer fleet-secret".parse().unwrap());
     assert_eq!(peer.routed(request).await.unwrap().into_inner().written, 1);
+    // Past the bounds: more than 1,024 routings in one request is refused
+    // whole; a routing of more than 65,536 keys is refused alone.
+    let with_secret = |routings: Vec<pb::PeerRouting>| {
+        let mut r = tonic::Request::new(pb::PeerRoutedRequest { routings });
+        r.metadata_mut()
+            .insert("authorization", "Bearer fleet-secret".parse().unwrap());
+        r
+    };
+    let one = routed().into_inner().routings.remove(0);
+    let too_many = peer
+        .routed(with_secret(vec![one.clone(); 1_025]))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        too_many.code(),
+        tonic::Code::InvalidArgument,
+        "{too_many:?}"
+    );
+    let long = pb::PeerRouting {
+        keys: vec![1; (1 << 16) + 1],
+        ..one
+    };
+    assert_eq!(
+        peer.routed(with_secret(vec![long]))
+            .await
+            .unwrap()
+            .into_inner()
+            .written,
+        0
+    );
+    assert_eq!(
+        b.metric("kv_indexer_peer_routings_received_total{outcome=\"refused\"}"),
+        1.0
+    );
     let speculative =
         async || -> u32 { speculative_blocks(&b, &expected.model, &tokens, &pod).await };
     b.wait_until("the forwarded routing speculative", async || {
