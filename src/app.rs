@@ -58,6 +58,25 @@ const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Runs the service until `shutdown` resolves, then stops gracefully:
 /// ingestion first, then in-flight RPCs finish.
+/// How many connections the kernel queues for `accept`. With the usual 128
+/// a burst of new connections (clients reconnecting at once, a flood)
+/// overflows the queue, and a probe's SYN is dropped and resent after 1 s:
+/// past the kubelet's timeout before we ever see it. The kernel caps this
+/// at `net.core.somaxconn` (4,096 by default).
+const ACCEPT_BACKLOG: u32 = 4096;
+
+fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As `TcpListener::bind`: a restarted process rebinds at once.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
+}
+
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
     let indexer = Arc::new(Indexer::new(config.indexer.clone()));
     let mut sources = config.tokenizers.clone();
@@ -106,7 +125,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         .set_not_serving::<KvIndexerServer<KvIndexerService>>()
         .await;
 
-    let listener = TcpListener::bind(config.grpc_addr).await.map_err(|e| {
+    let listener = listen(config.grpc_addr).map_err(|e| {
         anyhow::anyhow!(
             "cannot listen for gRPC on {}: {e} (change --grpc-addr)",
             config.grpc_addr
@@ -115,8 +134,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
     let http = match config.metrics_addr {
         Some(addr) => {
-            let l = TcpListener::bind(addr)
-                .await
+            let l = listen(addr)
                 .map_err(|e| {
                     anyhow::anyhow!(
                         "cannot listen for metrics on {addr}: {e} (change --metrics-addr, or `none` to disable)"
@@ -228,8 +246,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
     // Our own listener (bound before readiness), so tonic's `tcp_nodelay`
     // does not apply: without it a 100 KB Score request waits out Nagle and
     // delayed ACKs (~40 ms on loopback).
-    let limit = crate::conn_limit::ConnectionLimit::new(config.max_connections);
-    let refusals = metrics.clone();
+    let admission =
+        crate::admission::Admission::new("grpc", config.max_connections, metrics.clone());
     let accepted = TcpListenerStream::new(listener).then(|conn| async move {
         // tonic retries a failed accept at once: out of file descriptors,
         // that is a busy loop on a runtime worker. Back off first.
@@ -246,13 +264,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         if let Err(e) = conn.set_nodelay(true) {
             return Some(Err(e));
         }
-        match limit.admit(conn) {
-            Some(conn) => Some(Ok::<_, std::io::Error>(conn)),
-            None => {
-                refusals.refuse("grpc_connection");
-                None
-            }
-        }
+        // `None`: refused and counted.
+        admission.admit(conn).map(Ok::<_, std::io::Error>)
     });
     // Token-id prompts are large (32K tokens ~ 100 KB): windows that take
     // one without waiting for WINDOW_UPDATEs, and frames that carry one

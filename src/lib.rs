@@ -20,10 +20,10 @@ pub mod proto {
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("descriptor");
 }
 
+mod admission;
 pub mod app;
 pub mod codec;
 pub mod config;
-mod conn_limit;
 mod dial;
 pub mod discovery;
 mod dispatch;

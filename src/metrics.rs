@@ -50,6 +50,11 @@ pub struct Metrics {
     pub zmq_disconnects: Counter,
     /// New pods, models and connections refused by a bound, by `what`.
     pub refused: Family<Labels, Counter>,
+    /// gRPC and HTTP connections open, by `listener`.
+    pub connections: Family<Labels, Gauge>,
+    /// Connections closed to make room for a newer one (`reason="full"`)
+    /// or for sending nothing in time (`"first_bytes"`), by `listener`.
+    pub connections_shed: Family<Labels, Counter>,
     /// Engine mode: stores whose recomputed hashes disagreed with the pod's.
     pub engine_hash_mismatches: Counter,
     /// Score requests by input kind (token_ids, prompt, chat) and status code.
@@ -120,6 +125,8 @@ impl Metrics {
             zmq_connections: Gauge::default(),
             zmq_disconnects: Counter::default(),
             refused: Family::default(),
+            connections: Family::default(),
+            connections_shed: Family::default(),
             engine_hash_mismatches: Counter::default(),
             score_requests: Family::default(),
             score_seconds: Family::new_with_constructor(latency_buckets),
@@ -204,6 +211,16 @@ impl Metrics {
             "refused",
             "New pods, models and connections refused by a bound (--max-pods, --max-models, --max-memory, --zmq-allow), by what",
             m.refused.clone(),
+        );
+        r.register(
+            "connections",
+            "gRPC and HTTP connections open, by listener (at most --max-connections each)",
+            m.connections.clone(),
+        );
+        r.register(
+            "connections_shed",
+            "Connections closed to admit a newer one when --max-connections were open (reason=full: the one silent longest) or for sending nothing within 5 s (reason=first_bytes), by listener",
+            m.connections_shed.clone(),
         );
         r.register(
             "engine_hash_mismatches",
@@ -622,8 +639,9 @@ impl Collector for StateCollector {
 pub const HTTP_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` resolves,
-/// at most `max_connections` connections at once (more are closed at once
-/// and counted as refused `http_connection`s).
+/// at most `max_connections` connections at once: a new one takes the slot
+/// of the one silent longest (see `admission`), so probes answer whatever
+/// holds connections open.
 pub async fn serve_http(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
@@ -664,7 +682,7 @@ pub async fn serve_http(
                 }
             }),
         );
-    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let admission = crate::admission::Admission::new("http", max_connections, metrics.clone());
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let warn = crate::ratelimit::RateLimited::new(Duration::from_secs(10));
     tokio::pin!(shutdown);
@@ -681,9 +699,8 @@ pub async fn serve_http(
             },
             () = &mut shutdown => break,
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            metrics.refuse("http_connection");
-            continue; // dropping the stream closes it
+        let Some(stream) = admission.admit(stream) else {
+            continue; // refused and counted; dropping the stream closes it
         };
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let conn = hyper::server::conn::http1::Builder::new()
@@ -693,7 +710,6 @@ pub async fn serve_http(
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             let _ = conn.await;
-            drop(slot);
         });
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;

@@ -112,7 +112,8 @@ settings! {
     tls_client_ca: PathBuf,
 
     /// Most concurrent gRPC connections (and, separately, most metrics HTTP
-    /// connections).
+    /// connections); beyond it a new one takes the slot of the one silent
+    /// longest.
     max_connections: usize = "1024",
 
     /// Enable admin RPCs (RemovePod); without it they are refused.
