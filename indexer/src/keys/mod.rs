@@ -1,5 +1,5 @@
-//! Our block keys: each full block's token ids hashed alone (xxh3-64), then
-//! chained to the key before it by one 128-bit multiply.
+//! Our block keys: each full block's token ids hashed alone (AES rounds,
+//! `block_hash`), then chained to the key before it by one 128-bit multiply.
 //!
 //! Keys are computed the same way from a prompt (request side) and from a
 //! `BlockStored`'s `token_ids` (event side), so they never depend on how the
@@ -8,6 +8,7 @@
 //! LoRA adapter and block 0's extra keys (the cache salt). Because every key
 //! is seeded by its parent, anything folded into the root reaches every block.
 
+mod block_hash;
 pub mod engine_hash;
 pub mod scheme;
 
@@ -100,7 +101,7 @@ pub fn request_root_seed(model: &str, lora_name: Option<&str>, cache_salt: Optio
 
 /// The key scheme, part of the snapshot's key fingerprint: a snapshot's
 /// token keys are only valid under the scheme that computed them.
-pub const SCHEME: &str = "token-keys/v2: xxh3-64 per block, folded by mum";
+pub const SCHEME: &str = "token-keys/v3: AES rounds per block, folded by mum";
 
 /// Key of one full block given the key (or root seed) before it.
 ///
@@ -108,10 +109,11 @@ pub const SCHEME: &str = "token-keys/v2: xxh3-64 per block, folded by mum";
 /// hash of a block does not wait for the previous block's key, so a
 /// prompt's blocks hash in a pipeline and only the one-multiply fold is
 /// serial. A 2,048-block prompt took 17.5 us chained through xxh3's seed,
-/// 9.5 us this way (`cargo bench -p indexer --bench keys`).
+/// 9.5 us this way with xxh3 per block, less with AES rounds (see
+/// `block_hash`; `cargo bench -p indexer --bench keys`).
 #[inline]
 pub fn chain(prev: u64, tokens: &[u32]) -> BlockKey {
-    BlockKey(fold(prev, xxh3_64(token_bytes(tokens).as_ref())))
+    BlockKey(fold(prev, block_hash::block_hash(tokens)))
 }
 
 /// Mixes a block's token hash into the chain: the 128-bit product of the
@@ -143,24 +145,9 @@ pub fn prompt_keys(root_seed: u64, tokens: &[u32], block_size: usize) -> Vec<Blo
         return Vec::new();
     }
     let mut keys = Vec::with_capacity(tokens.len() / block_size);
-    let mut prev = root_seed;
-    for block in tokens.chunks_exact(block_size) {
-        let key = chain(prev, block);
-        keys.push(key);
-        prev = key.0;
-    }
-    keys
-}
-
-/// Token ids as little-endian bytes, so keys are the same on every platform.
-#[cfg(target_endian = "little")]
-fn token_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
-    std::borrow::Cow::Borrowed(bytemuck::cast_slice(tokens))
-}
-
-#[cfg(target_endian = "big")]
-fn token_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
-    std::borrow::Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
+    block_hash::chain_blocks(root_seed, tokens, block_size, fold, &mut keys);
+    // Built as `u64`s by the loop above; `BlockKey` is their transparent wrapper.
+    keys.into_iter().map(BlockKey).collect()
 }
 
 fn put_str(buf: &mut Vec<u8>, tag: u8, s: &str) {
@@ -291,9 +278,9 @@ mod tests {
         assert_eq!(
             (keys[0].0, keys[1].0, SCHEME),
             (
-                0x8603_e31e_358f_a059,
-                0xc35e_bec5_891c_368b,
-                "token-keys/v2: xxh3-64 per block, folded by mum"
+                0x66a1_265a_c771_72f9,
+                0x5a80_edff_b325_4f58,
+                "token-keys/v3: AES rounds per block, folded by mum"
             )
         );
     }

@@ -1,0 +1,297 @@
+//! One block's token ids hashed to 64 bits, by AES rounds.
+//!
+//! Why AES rounds and not a general-purpose hash: a block is 16 token ids
+//! (64 bytes) and a 32K-token prompt is 2,048 of them, hashed on every
+//! `Score`. xxh3-64 takes four 128-bit multiplies and an avalanche per
+//! 64-byte input, ~3 ns a block here; one AES round mixes 16 bytes in one
+//! instruction (two a cycle on current x86 cores), and a block takes seven:
+//! ~1.7 ns, every block independent of the others, so a prompt's blocks
+//! pipeline. The same rounds are what aHash and gxhash build on; like
+//! xxh3 they are not cryptographic, which a key never needed to be (two
+//! prompts whose keys collide only score alike).
+//!
+//! The construction: the 16-byte chunks of the block (4 token ids each,
+//! little-endian, the last zero-padded; the token count is in the initial
+//! state, so padding is never confused with token 0) are absorbed into two
+//! lanes by turns, one round each (`s = aesenc(s ^ chunk, K1)`); the lanes
+//! are merged by a round keyed by one of them, and two more rounds spread
+//! every input bit over the 128-bit state, whose halves are xored.
+//!
+//! Keys are stored in snapshots and copied between replicas, so every
+//! machine must compute the same values: x86-64 with AES-NI uses the
+//! instructions, everything else the `aes` crate's round function
+//! (FIPS 197's round, the instruction's definition), and a test holds the
+//! two equal.
+
+/// The token count and a constant: lane `s`'s initial state.
+const S0: u64 = 0x4528_21e6_38d0_1377;
+/// Lane `t`'s initial state.
+const T0: [u64; 2] = [0xbe54_66cf_34e9_0c6c, 0xc0ac_29b7_c97c_50dd];
+/// Round keys (digits of pi, as in Blowfish's P-array).
+const K1: [u64; 2] = [0x1319_8a2e_0370_7344, 0x243f_6a88_85a3_08d3];
+const K2: [u64; 2] = [0x082e_fa98_ec4e_6c89, 0xa409_3822_299f_31d0];
+
+/// The hash of one block of token ids.
+#[inline]
+pub fn block_hash(tokens: &[u32]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if ni::available() {
+        return ni::block_hash(tokens);
+    }
+    portable::block_hash(tokens)
+}
+
+/// `out[i] = fold(out[i - 1], block_hash(block i))`, from `prev`, for every
+/// full block of `tokens`: the whole loop in one function, so that on x86
+/// the rounds are inlined and a prompt's blocks overlap in the pipeline.
+pub fn chain_blocks(
+    prev: u64,
+    tokens: &[u32],
+    block_size: usize,
+    fold: impl Fn(u64, u64) -> u64,
+    out: &mut Vec<u64>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if ni::available() {
+        return ni::chain_blocks(prev, tokens, block_size, fold, out);
+    }
+    let mut prev = prev;
+    for block in tokens.chunks_exact(block_size) {
+        prev = fold(prev, portable::block_hash(block));
+        out.push(prev);
+    }
+}
+
+/// Chunk `i` of `tokens` (4 ids, little-endian, zero-padded).
+fn chunk_bytes(tokens: &[u32], i: usize) -> [u8; 16] {
+    let mut bytes = [0u8; 16];
+    let end = (i * 4 + 4).min(tokens.len());
+    for (j, t) in tokens[i * 4..end].iter().enumerate() {
+        bytes[j * 4..j * 4 + 4].copy_from_slice(&t.to_le_bytes());
+    }
+    bytes
+}
+
+mod portable {
+    use super::*;
+
+    fn block(words: [u64; 2]) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&words[0].to_le_bytes());
+        b[8..].copy_from_slice(&words[1].to_le_bytes());
+        b
+    }
+
+    fn xor(a: [u8; 16], b: [u8; 16]) -> [u8; 16] {
+        std::array::from_fn(|i| a[i] ^ b[i])
+    }
+
+    /// One AES encryption round: x86's `aesenc`.
+    fn round(state: [u8; 16], key: [u8; 16]) -> [u8; 16] {
+        let mut state = aes::Block::from(state);
+        aes::hazmat::cipher_round(&mut state, &aes::Block::from(key));
+        state.into()
+    }
+
+    pub fn block_hash(tokens: &[u32]) -> u64 {
+        let (k1, k2) = (block(K1), block(K2));
+        let chunks = tokens.len().div_ceil(4);
+        let mut s = block([S0, tokens.len() as u64]);
+        let mut t = block(T0);
+        let mut i = 0;
+        while i + 1 < chunks {
+            s = round(xor(s, chunk_bytes(tokens, i)), k1);
+            t = round(xor(t, chunk_bytes(tokens, i + 1)), k1);
+            i += 2;
+        }
+        if i < chunks {
+            s = round(xor(s, chunk_bytes(tokens, i)), k1);
+        }
+        let m = round(round(round(s, t), k2), k1);
+        let lo = u64::from_le_bytes(m[..8].try_into().expect("8 bytes"));
+        let hi = u64::from_le_bytes(m[8..].try_into().expect("8 bytes"));
+        lo ^ hi
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod ni {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        std::arch::is_x86_feature_detected!("aes") && std::arch::is_x86_feature_detected!("sse4.1")
+    }
+
+    pub fn block_hash(tokens: &[u32]) -> u64 {
+        // SAFETY: `available()` said the CPU has both features.
+        unsafe { hash(tokens) }
+    }
+
+    pub fn chain_blocks(
+        prev: u64,
+        tokens: &[u32],
+        block_size: usize,
+        fold: impl Fn(u64, u64) -> u64,
+        out: &mut Vec<u64>,
+    ) {
+        // SAFETY: as above.
+        unsafe { chain(prev, tokens, block_size, fold, out) }
+    }
+
+    #[target_feature(enable = "aes,sse4.1")]
+    fn chain(
+        mut prev: u64,
+        tokens: &[u32],
+        block_size: usize,
+        fold: impl Fn(u64, u64) -> u64,
+        out: &mut Vec<u64>,
+    ) {
+        out.reserve(tokens.len() / block_size.max(1));
+        if block_size % 4 == 0 {
+            // Every chunk whole (vLLM's block sizes): no padding to check for.
+            for block in tokens.chunks_exact(block_size) {
+                prev = fold(prev, hash_whole(block));
+                out.push(prev);
+            }
+        } else {
+            for block in tokens.chunks_exact(block_size) {
+                prev = fold(prev, hash(block));
+                out.push(prev);
+            }
+        }
+    }
+
+    /// `hash` of a block of whole chunks (a multiple of 4 token ids).
+    #[inline]
+    #[target_feature(enable = "aes,sse4.1")]
+    fn hash_whole(tokens: &[u32]) -> u64 {
+        debug_assert!(tokens.len() % 4 == 0);
+        let (k1, k2) = (words(K1), words(K2));
+        let mut s = words([S0, tokens.len() as u64]);
+        let mut t = words(T0);
+        let mut pairs = tokens.chunks_exact(8);
+        for pair in &mut pairs {
+            // SAFETY: 32 bytes; `loadu` takes any alignment.
+            let (a, b) = unsafe {
+                let p = pair.as_ptr().cast::<__m128i>();
+                (_mm_loadu_si128(p), _mm_loadu_si128(p.add(1)))
+            };
+            s = _mm_aesenc_si128(_mm_xor_si128(s, a), k1);
+            t = _mm_aesenc_si128(_mm_xor_si128(t, b), k1);
+        }
+        if let [_, _, _, _] = pairs.remainder() {
+            // SAFETY: 16 bytes, as above.
+            let a = unsafe { _mm_loadu_si128(pairs.remainder().as_ptr().cast()) };
+            s = _mm_aesenc_si128(_mm_xor_si128(s, a), k1);
+        }
+        let m = _mm_aesenc_si128(_mm_aesenc_si128(_mm_aesenc_si128(s, t), k2), k1);
+        (_mm_cvtsi128_si64(m) as u64) ^ (_mm_extract_epi64::<1>(m) as u64)
+    }
+
+    #[inline]
+    #[target_feature(enable = "aes,sse4.1")]
+    fn words(w: [u64; 2]) -> __m128i {
+        _mm_set_epi64x(w[1] as i64, w[0] as i64)
+    }
+
+    /// Chunk `i`: loaded in place when whole, else padded.
+    #[inline]
+    #[target_feature(enable = "aes,sse4.1")]
+    fn load(tokens: &[u32], i: usize) -> __m128i {
+        match tokens.get(i * 4..i * 4 + 4) {
+            // SAFETY: the slice is 16 bytes; `loadu` takes any alignment.
+            Some(whole) => unsafe { _mm_loadu_si128(whole.as_ptr().cast()) },
+            None => {
+                let bytes = chunk_bytes(tokens, i);
+                // SAFETY: as above.
+                unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) }
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "aes,sse4.1")]
+    fn hash(tokens: &[u32]) -> u64 {
+        let (k1, k2) = (words(K1), words(K2));
+        let chunks = tokens.len().div_ceil(4);
+        let mut s = words([S0, tokens.len() as u64]);
+        let mut t = words(T0);
+        let mut i = 0;
+        while i + 1 < chunks {
+            s = _mm_aesenc_si128(_mm_xor_si128(s, load(tokens, i)), k1);
+            t = _mm_aesenc_si128(_mm_xor_si128(t, load(tokens, i + 1)), k1);
+            i += 2;
+        }
+        if i < chunks {
+            s = _mm_aesenc_si128(_mm_xor_si128(s, load(tokens, i)), k1);
+        }
+        let m = _mm_aesenc_si128(_mm_aesenc_si128(_mm_aesenc_si128(s, t), k2), k1);
+        (_mm_cvtsi128_si64(m) as u64) ^ (_mm_extract_epi64::<1>(m) as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every machine computes the same keys: the instructions and the
+    /// portable rounds agree on every length, padded or not.
+    #[test]
+    fn instructions_and_portable_rounds_agree() {
+        let mut rng = crate::test_rng::xorshift(7);
+        for len in 0..80usize {
+            for _ in 0..20 {
+                let tokens: Vec<u32> = (0..len).map(|_| rng(u64::MAX) as u32).collect();
+                assert_eq!(
+                    block_hash(&tokens),
+                    portable::block_hash(&tokens),
+                    "{len} tokens"
+                );
+            }
+        }
+    }
+
+    /// The prompt loop (whole chunks read in place where the block size
+    /// allows) computes what the portable rounds do, block by block.
+    #[test]
+    fn a_prompts_chain_agrees_with_the_portable_rounds() {
+        let mut rng = crate::test_rng::xorshift(11);
+        let fold = |prev: u64, h: u64| prev.rotate_left(17) ^ h;
+        for block_size in [1usize, 3, 4, 8, 12, 16, 20, 32, 64] {
+            let tokens: Vec<u32> = (0..block_size * 9 + 2)
+                .map(|_| rng(u64::MAX) as u32)
+                .collect();
+            let mut out = Vec::new();
+            chain_blocks(5, &tokens, block_size, fold, &mut out);
+            let mut prev = 5;
+            let want: Vec<u64> = tokens
+                .chunks_exact(block_size)
+                .map(|b| {
+                    prev = fold(prev, portable::block_hash(b));
+                    prev
+                })
+                .collect();
+            assert_eq!(out, want, "block size {block_size}");
+        }
+    }
+
+    #[test]
+    fn padding_length_and_every_bit_count() {
+        let mut seen = std::collections::HashSet::new();
+        // Zero tokens of every length: the count tells them apart.
+        for len in 0..64usize {
+            assert!(seen.insert(block_hash(&vec![0u32; len])), "{len} zeros");
+        }
+        let base: Vec<u32> = (1000..1016).collect();
+        assert!(seen.insert(block_hash(&base)));
+        for i in 0..16 {
+            for bit in 0..32 {
+                let mut t = base.clone();
+                t[i] ^= 1 << bit;
+                assert!(seen.insert(block_hash(&t)), "token {i} bit {bit}");
+            }
+        }
+    }
+}
