@@ -35,7 +35,11 @@ const SIZES: [usize; 3] = [128, 2048, 8192];
 
 #[derive(Clone, Copy)]
 struct Plan {
+    /// Rounds in which every indexer takes its turn at the queries.
     find_rounds: usize,
+    /// Timed passes over the query set per indexer per round: samples for
+    /// a tail (rounds x passes x queries per size and indexer).
+    find_passes: usize,
     /// Apply and mixed passes per indexer (alternating; medians reported).
     passes: usize,
     timed: bool,
@@ -44,13 +48,50 @@ struct Plan {
 #[derive(Default, Clone)]
 struct Measured {
     apply_blocks_per_s: f64,
-    /// size -> (p50, p99) in ns
-    find: BTreeMap<usize, (f64, f64)>,
+    /// size -> its finds' times
+    find: BTreeMap<usize, FindTimes>,
     mixed_ops_per_s: f64,
     mixed_queries_per_s: f64,
     bytes_per_entry: f64,
     disagreements: usize,
     first_disagreement: Option<String>,
+}
+
+/// One indexer's find times at one size, in ns: over all samples, and the
+/// lowest and highest tail of a single round (their spread is how far a
+/// tail from fewer samples could be trusted).
+#[derive(Default, Clone, Copy)]
+struct FindTimes {
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    samples: usize,
+    round_p99: (f64, f64),
+    round_p999: (f64, f64),
+}
+
+impl FindTimes {
+    fn of(rounds: Vec<Vec<Duration>>) -> FindTimes {
+        let spread = |p: f64| {
+            rounds.iter().fold((f64::MAX, 0f64), |(lo, hi), r| {
+                let mut r = r.clone();
+                r.sort_unstable();
+                let v = percentile(&r, p);
+                (lo.min(v), hi.max(v))
+            })
+        };
+        let (round_p99, round_p999) = (spread(0.99), spread(0.999));
+        let mut all: Vec<Duration> = rounds.into_iter().flatten().collect();
+        all.sort_unstable();
+        FindTimes {
+            p50: percentile(&all, 0.5),
+            p99: percentile(&all, 0.99),
+            p999: percentile(&all, 0.999),
+            samples: all.len(),
+            round_p99,
+            round_p999,
+        }
+    }
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
@@ -248,26 +289,29 @@ fn measure_all(
         return (measured, None);
     }
     for (si, size) in SIZES.iter().enumerate() {
+        // Per indexer, per round: its samples.
         let mut samples = vec![Vec::new(); entries.len()];
         for round in 0..plan.find_rounds {
             // Each round, every indexer answers the whole query set in turn,
             // starting with a different one: once untimed, so that its cache
             // holds what its own lookups leave rather than what the previous
-            // indexer's did, then timed. Interleaved query by query, or
-            // without the warm-up, the comparison measured whose structure
-            // the others' evicted most.
+            // indexer's did, then `find_passes` times timed. Interleaved
+            // query by query, or without the warm-up, the comparison
+            // measured whose structure the others' evicted most.
             for k in 0..filled.len() {
                 let i = (k + round) % filled.len();
                 find_pass(filled[i].as_ref(), si);
-                for q in 0..filled[i].queries(si) {
-                    samples[i].push(filled[i].time_find(si, q));
+                let mut timed = Vec::new();
+                for _ in 0..plan.find_passes {
+                    for q in 0..filled[i].queries(si) {
+                        timed.push(filled[i].time_find(si, q));
+                    }
                 }
+                samples[i].push(timed);
             }
         }
-        for (m, mut s) in measured.iter_mut().zip(samples) {
-            s.sort_unstable();
-            m.find
-                .insert(*size, (percentile(&s, 0.5), percentile(&s, 0.99)));
+        for (m, s) in measured.iter_mut().zip(samples) {
+            m.find.insert(*size, FindTimes::of(s));
         }
     }
     drop(filled);
@@ -335,11 +379,17 @@ fn by_name(results: &[(&'static str, Measured)], f: impl Fn(&Measured) -> f64) -
 
 fn run_json(run: &Run) -> Value {
     let r = &run.results;
-    let per_size = |pick: fn(&(f64, f64)) -> f64| {
+    let per_size = |pick: fn(&FindTimes) -> Value| {
         Value::Object(
             SIZES
                 .iter()
-                .map(|s| (s.to_string(), by_name(r, |m| pick(&m.find[s]))))
+                .map(|s| {
+                    let by: serde_json::Map<String, Value> = r
+                        .iter()
+                        .map(|(n, m)| (n.to_string(), pick(&m.find[s])))
+                        .collect();
+                    (s.to_string(), Value::Object(by))
+                })
                 .collect(),
         )
     };
@@ -349,8 +399,12 @@ fn run_json(run: &Run) -> Value {
         "trace": run.trace_stats,
         "apply_blocks_per_s": by_name(r, |m| m.apply_blocks_per_s),
         "apply_floor_blocks_per_s": run.apply_floor,
-        "find_p50_ns": per_size(|p| p.0),
-        "find_p99_ns": per_size(|p| p.1),
+        "find_p50_ns": per_size(|f| json!(f.p50)),
+        "find_p99_ns": per_size(|f| json!(f.p99)),
+        "find_p999_ns": per_size(|f| json!(f.p999)),
+        "find_samples": per_size(|f| json!(f.samples)),
+        "find_round_p99_ns": per_size(|f| json!([f.round_p99.0, f.round_p99.1])),
+        "find_round_p999_ns": per_size(|f| json!([f.round_p999.0, f.round_p999.1])),
         "mixed_ops_per_s": by_name(r, |m| m.mixed_ops_per_s),
         "mixed_queries_per_s": by_name(r, |m| m.mixed_queries_per_s),
         "bytes_per_entry": by_name(r, |m| m.bytes_per_entry),
@@ -408,16 +462,41 @@ fn print_run(run: &Run) {
     for s in SIZES {
         row(
             &format!("find {s} p50 (us)"),
-            &move |m| m.find[&s].0,
+            &move |m| m.find[&s].p50,
             false,
             1e3,
         );
         row(
             &format!("find {s} p99 (us)"),
-            &move |m| m.find[&s].1,
+            &move |m| m.find[&s].p99,
             false,
             1e3,
         );
+        row(
+            &format!("find {s} p99.9 (us)"),
+            &move |m| m.find[&s].p999,
+            false,
+            1e3,
+        );
+        // The spread of one round's tail, lowest-highest.
+        let spread = |label: &str, pick: fn(&FindTimes) -> (f64, f64)| {
+            print!("{label:<28}");
+            for (_, m) in r {
+                let (lo, hi) = pick(&m.find[&s]);
+                print!("{:>18}", format!("{:.2}-{:.2}", lo / 1e3, hi / 1e3));
+            }
+            println!();
+        };
+        spread("  p99 of a round (us)", |f| f.round_p99);
+        spread("  p99.9 of a round (us)", |f| f.round_p999);
+    }
+    if let Some((_, m)) = r.first() {
+        let samples: Vec<String> = m
+            .find
+            .iter()
+            .map(|(s, f)| format!("{s}: {}", f.samples))
+            .collect();
+        println!("{:<28}{} per indexer", "find samples", samples.join(", "));
     }
     row("mixed (M block ops/s)", &|m| m.mixed_ops_per_s, true, 1e6);
     row("mixed lookups/s (K)", &|m| m.mixed_queries_per_s, true, 1e3);
@@ -491,7 +570,8 @@ fn main() {
         return;
     }
     let plan = Plan {
-        find_rounds: if quick { 2 } else { 5 },
+        find_rounds: if quick { 3 } else { 5 },
+        find_passes: if quick { 10 } else { 20 },
         passes: 3,
         timed: true,
     };
@@ -840,6 +920,7 @@ fn smoke() {
     assert!(trace.removed_blocks > 0, "the trace must evict");
     let plan = Plan {
         find_rounds: 0,
+        find_passes: 0,
         passes: 0,
         timed: false,
     };
