@@ -11,6 +11,9 @@ pub enum ApiError {
     MissingModel,
     #[error("one of {0} is required")]
     MissingInput(&'static str),
+    /// The request's multimodal items cannot be keyed (the message says why).
+    #[error("{0}")]
+    BadMultimodal(String),
     /// No tokenizer could be found for the model (the message says where
     /// we looked).
     #[error("{0}")]
@@ -109,6 +112,7 @@ impl ApiError {
             ApiError::MissingModel
             | ApiError::MissingInput(_)
             | ApiError::BadChat(_)
+            | ApiError::BadMultimodal(_)
             | ApiError::RequestTemplateRefused => Code::InvalidArgument,
             ApiError::TokenizerNotFound(_) | ApiError::UnknownModel(_) => Code::NotFound,
             ApiError::TokenizerUnusable(_) | ApiError::HandleBlockSize(_) => {

@@ -133,7 +133,7 @@ fn chunked(depth: impl Fn(usize) -> usize, tokens: &[u32]) -> Indexer {
 /// `ix` with 8 of its pods (and 8 that never published) sent the whole
 /// prompt by `RecordRouting`: Score's extra walk over speculative entries.
 fn with_speculation(ix: Indexer, tokens: &[u32]) -> Indexer {
-    let keys = ix.request_keys("m", None, None, tokens, BLOCK as u32);
+    let keys = ix.request_keys("m", None, None, tokens, BLOCK as u32, &[]);
     let now = std::time::Instant::now();
     let until = now + Duration::from_secs(3600);
     for i in 0..8 {
@@ -211,6 +211,7 @@ fn main() {
             tokens: &tokens[..blocks * BLOCK],
             lora_name: None,
             cache_salt: None,
+            mm_items: &[],
             pods: &[],
         };
         let matched: usize = ix
@@ -223,9 +224,9 @@ fn main() {
         let (med, p90) = measure(budget, || {
             black_box(ix.score(black_box(&q)));
         });
-        let keys = ix.request_keys("m", None, None, q.tokens, BLOCK as u32);
+        let keys = ix.request_keys("m", None, None, q.tokens, BLOCK as u32, &[]);
         let (kmed, _) = measure(budget, || {
-            black_box(ix.request_keys("m", None, None, black_box(q.tokens), BLOCK as u32));
+            black_box(ix.request_keys("m", None, None, black_box(q.tokens), BLOCK as u32, &[]));
         });
         let (mmed, _) = measure(budget, || {
             black_box(ix.prefix_matches("m", black_box(&keys)));

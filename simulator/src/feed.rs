@@ -240,6 +240,7 @@ impl Feed {
                     tokens,
                     lora_name: None,
                     cache_salt: None,
+                    mm_items: &[],
                     pods: &self.names,
                 });
                 self.cost.latencies_us.push(micros(started.elapsed()));

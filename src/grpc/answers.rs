@@ -27,21 +27,29 @@ impl KvIndexerService {
     ) -> Result<(indexer::ScoreOutcome, Scored), ApiError> {
         require_model(&req.model)?;
         self.check_candidates(req.pods.len())?;
-        let input = PromptInput::from_score(req.input)?;
+        let input = PromptInput::from_score(req.input, self.limits.max_prompt_bytes)?;
+        let (input, mm_items, salt) = with_rendered(input, req.mm_items, &req.cache_salt)?;
+        if !mm_items.is_empty() && !matches!(input, PromptInput::TokenIds(_)) {
+            return Err(self.mm_items(&req.model, mm_items, None).unwrap_err());
+        }
         // Held to the end of scoring (the tokenization hands it back).
         let (tokens, _permit) = self
             .prompt_tokens(&req.model, input, req.add_special_tokens, deadline, permit)
             .await?;
+        let mm = match &tokens {
+            PromptTokens::Ids(ids) => self.mm_items(&req.model, mm_items, Some(ids))?,
+            _ => Vec::new(),
+        };
         deadline.check("scoring")?;
         let approximate = self.approximate(&req.model);
         let lora_name = non_empty(&req.lora_name);
-        let cache_salt = non_empty(&req.cache_salt);
+        let cache_salt = salt.as_deref();
         let (out, tokens) = match tokens {
             PromptTokens::Ids(tokens) if approximate => {
                 let bs = self.indexer.model_block_size(&req.model);
                 let keys = self
                     .indexer
-                    .request_keys(&req.model, lora_name, cache_salt, &tokens, bs);
+                    .request_keys(&req.model, lora_name, cache_salt, &tokens, bs, &mm);
                 (
                     self.approximate_outcome(&req.model, &req.pods, bs, keys),
                     tokens,
@@ -65,6 +73,7 @@ impl KvIndexerService {
                     tokens: &tokens,
                     lora_name,
                     cache_salt,
+                    mm_items: &mm,
                     pods: &req.pods,
                 }),
                 tokens,
@@ -75,6 +84,7 @@ impl KvIndexerService {
                     tokens: &[],
                     lora_name,
                     cache_salt,
+                    mm_items: &[],
                     pods: &req.pods,
                 }),
                 Vec::new(),
@@ -243,13 +253,18 @@ impl KvIndexerService {
                 (keys, handle.tokens.clone(), bs)
             }
             input => {
-                let input = PromptInput::from_record(input)?;
+                let input = PromptInput::from_record(input, self.limits.max_prompt_bytes)?;
+                let (input, mm_items, salt) = with_rendered(input, req.mm_items, &req.cache_salt)?;
+                if !mm_items.is_empty() && !matches!(input, PromptInput::TokenIds(_)) {
+                    return Err(self.mm_items(&req.model, mm_items, None).unwrap_err());
+                }
                 let (tokens, _permit) = self
                     .prompt_tokens(&req.model, input, req.add_special_tokens, deadline, permit)
                     .await?;
-                let (lora, salt) = (non_empty(&req.lora_name), non_empty(&req.cache_salt));
+                let (lora, salt) = (non_empty(&req.lora_name), salt.as_deref());
                 match tokens {
                     PromptTokens::Ids(mut tokens) => {
+                        let mm = self.mm_items(&req.model, mm_items, Some(&tokens))?;
                         let bs = if approximate {
                             self.indexer.model_block_size(&req.model)
                         } else {
@@ -257,7 +272,7 @@ impl KvIndexerService {
                         };
                         let keys = self
                             .indexer
-                            .request_keys(&req.model, lora, salt, &tokens, bs);
+                            .request_keys(&req.model, lora, salt, &tokens, bs, &mm);
                         tokens.truncate(indexer::routing::tracker::KEPT_TOKENS);
                         // Kept for seconds and counted by length: not a long prompt's capacity.
                         tokens.shrink_to_fit();

@@ -8,10 +8,12 @@
 mod admission;
 mod answers;
 mod prompt;
+mod rendered;
 
 pub(crate) use admission::Deadline;
 use answers::*;
 use prompt::*;
+use rendered::*;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +22,7 @@ use futures::FutureExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use indexer::event::Tier;
+use indexer::keys::multimodal::MmItem;
 use indexer::keys::BlockKey;
 use indexer::{Indexer, ScoreQuery};
 use tokenizer::chat::{ChatRequest, RenderBounds, TemplateCache};
@@ -271,6 +274,7 @@ impl KvIndexer for KvIndexerService {
             non_empty(&req.cache_salt),
             &out.ids,
             block_size,
+            &[],
         );
         Ok(Response::new(pb::TokenizeResponse {
             token_ids: out.ids,
@@ -301,6 +305,12 @@ impl KvIndexer for KvIndexerService {
     ) -> Result<Response<pb::LookupBlocksResponse>, Status> {
         let req = request.into_inner();
         let keys: Vec<BlockKey> = match req.input {
+            Some(pb::lookup_blocks_request::Input::BlockKeys(_)) if !req.mm_items.is_empty() => {
+                return Err(self
+                    .mm_items(&req.model, req.mm_items, None)
+                    .unwrap_err()
+                    .into())
+            }
             Some(pb::lookup_blocks_request::Input::BlockKeys(k)) => {
                 k.keys.into_iter().map(BlockKey).collect()
             }
@@ -311,12 +321,14 @@ impl KvIndexer for KvIndexerService {
                     0 => self.indexer.model_block_size(&req.model),
                     bs => bs,
                 };
+                let mm = self.mm_items(&req.model, req.mm_items, Some(&t.ids))?;
                 self.indexer.request_keys(
                     &req.model,
                     non_empty(&req.lora_name),
                     non_empty(&req.cache_salt),
                     &t.ids,
                     block_size,
+                    &mm,
                 )
             }
             None => return Err(ApiError::MissingInput("`block_keys` or `token_ids`").into()),

@@ -148,6 +148,48 @@ impl KvIndexerService {
         }
     }
 
+    /// A request's multimodal items, checked and in prompt order. They go
+    /// with token ids only (a text or chat prompt has no placeholders we
+    /// could place them at), and only for a model keyed by token keys:
+    /// vLLM's engine hashes of such blocks pickle `("mm", ...)` keys in a
+    /// form the engine hasher does not write yet.
+    pub(super) fn mm_items(
+        &self,
+        model: &str,
+        items: Vec<pb::MultimodalItem>,
+        tokens: Option<&[u32]>,
+    ) -> Result<Vec<MmItem>, ApiError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some(tokens) = tokens else {
+            return Err(ApiError::BadMultimodal(
+                "mm_items go with token_ids: send the prompt as rendered (vLLM's render server \
+                 returns token_ids and each item's placeholders)"
+                    .into(),
+            ));
+        };
+        if matches!(
+            self.indexer.config().keys.for_model(model),
+            indexer::keys::scheme::KeyMode::Engine(_)
+        ) {
+            return Err(ApiError::BadMultimodal(format!(
+                "model {model:?} is keyed by vLLM's engine hashes (--key-mode engine), which \
+                 cannot key multimodal blocks yet: use token key mode for it"
+            )));
+        }
+        let items = items
+            .into_iter()
+            .map(|i| MmItem {
+                identifier: i.identifier,
+                offset: i.offset,
+                length: i.length,
+            })
+            .collect();
+        indexer::keys::multimodal::sorted_items(items, tokens.len())
+            .map_err(|e| ApiError::BadMultimodal(e.to_string()))
+    }
+
     /// Whether `model` is answered from routing history.
     pub(super) fn approximate(&self, model: &str) -> bool {
         self.feedback
@@ -163,36 +205,48 @@ pub(super) enum PromptInput {
 }
 
 impl PromptInput {
+    /// The prompt, or (`Err`) the render server's body that brings it
+    /// (see `rendered`), of at most `max_bytes`.
     pub(super) fn from_score(
         input: Option<pb::score_request::Input>,
-    ) -> Result<PromptInput, ApiError> {
+        max_bytes: usize,
+    ) -> Result<Result<PromptInput, Rendered>, ApiError> {
         use pb::score_request::Input;
-        Ok(match input {
+        Ok(Ok(match input {
             Some(Input::TokenIds(t)) => PromptInput::TokenIds(t.ids),
             Some(Input::Prompt(text)) => PromptInput::Text(TextInput::Prompt(text)),
             Some(Input::ChatCompletionJson(body)) => PromptInput::Text(TextInput::Chat(body)),
+            Some(Input::GenerateRequestJson(body)) => {
+                return Ok(Err(Rendered::parse(&body, max_bytes)?))
+            }
             None => {
                 return Err(ApiError::MissingInput(
-                    "`prompt`, `token_ids` or `chat_completion_json`",
+                    "`prompt`, `token_ids`, `chat_completion_json` or `generate_request_json`",
                 ))
             }
-        })
+        }))
     }
 
+    /// As `from_score`, for `RecordRouting`'s inputs but a prompt handle.
     pub(super) fn from_record(
         input: Option<pb::record_routing_request::Input>,
-    ) -> Result<PromptInput, ApiError> {
+        max_bytes: usize,
+    ) -> Result<Result<PromptInput, Rendered>, ApiError> {
         use pb::record_routing_request::Input;
-        Ok(match input {
+        Ok(Ok(match input {
             Some(Input::TokenIds(t)) => PromptInput::TokenIds(t.ids),
             Some(Input::Prompt(text)) => PromptInput::Text(TextInput::Prompt(text)),
             Some(Input::ChatCompletionJson(body)) => PromptInput::Text(TextInput::Chat(body)),
+            Some(Input::GenerateRequestJson(body)) => {
+                return Ok(Err(Rendered::parse(&body, max_bytes)?))
+            }
             Some(Input::PromptHandle(_)) | None => {
                 return Err(ApiError::MissingInput(
-                    "`prompt_handle`, `prompt`, `token_ids` or `chat_completion_json`",
+                    "`prompt_handle`, `prompt`, `token_ids`, `chat_completion_json` or \
+                     `generate_request_json`",
                 ))
             }
-        })
+        }))
     }
 }
 
@@ -227,6 +281,7 @@ pub(super) fn input_kind(input: &Option<pb::score_request::Input>) -> &'static s
         Some(pb::score_request::Input::TokenIds(_)) => "token_ids",
         Some(pb::score_request::Input::Prompt(_)) => "prompt",
         Some(pb::score_request::Input::ChatCompletionJson(_)) => "chat",
+        Some(pb::score_request::Input::GenerateRequestJson(_)) => "generate_request",
         None => "none",
     }
 }

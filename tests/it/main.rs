@@ -20,6 +20,7 @@ mod limits;
 mod llmd;
 mod memory;
 mod metrics;
+mod multimodal;
 mod offload;
 mod peers;
 mod publish;

@@ -182,9 +182,15 @@ fn normalize_message(i: usize, m: &Json) -> Result<Json, ChatError> {
                     part.get("text").and_then(Json::as_str),
                 ) {
                     (Some("text") | None, Some(text)) => texts.push(text),
+                    // An image's placeholders and its identifier come from
+                    // the model's processor, which only vLLM runs: scoring
+                    // the chat as its text alone would claim cache hits the
+                    // pods never had.
                     (Some(other), _) => {
                         return Err(bad(&format!(
-                            "content part of type {other:?} is not supported (text only)"
+                            "content part of type {other:?} cannot be tokenized here (text parts \
+                             only): render the chat with vLLM's render server (POST \
+                             /v1/chat/completions/render) and send its token_ids with mm_items"
                         )))
                     }
                     _ => return Err(bad("content part without text")),

@@ -192,7 +192,7 @@ impl Contender for Ours {
             OursQuery::Tokens(tokens) => {
                 let keys = self
                     .ix
-                    .request_keys(MODEL, None, None, tokens, BLOCK_SIZE as u32);
+                    .request_keys(MODEL, None, None, tokens, BLOCK_SIZE as u32, &[]);
                 self.ix.prefix_matches(MODEL, &keys)
             }
         }
@@ -415,9 +415,9 @@ impl Contender for Feed {
         match query {
             RunsQuery::Keys(keys) => self.runs.engine.prefix_matches(keys),
             RunsQuery::Tokens(tokens) => {
-                let (keys, engine) = self
-                    .mode
-                    .request_keys(MODEL, None, None, tokens, BLOCK_SIZE);
+                let (keys, engine) =
+                    self.mode
+                        .request_keys(MODEL, None, None, tokens, BLOCK_SIZE, &[]);
                 let keys: Vec<u64> = keys.into_iter().map(|k| k.0).collect();
                 self.runs.for_request(engine).prefix_matches(&keys)
             }

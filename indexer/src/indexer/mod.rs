@@ -210,6 +210,8 @@ pub struct ScoreQuery<'a> {
     pub tokens: &'a [u32],
     pub lora_name: Option<&'a str>,
     pub cache_salt: Option<&'a str>,
+    /// The prompt's multimodal items, sorted (`keys::multimodal::sorted_items`).
+    pub mm_items: &'a [crate::keys::multimodal::MmItem],
     /// Candidate pod ids; empty = every pod seen for the model.
     pub pods: &'a [String],
 }

@@ -9,11 +9,19 @@ impl Indexer {
         cache_salt: Option<&str>,
         tokens: &[u32],
         block_size: u32,
+        mm_items: &[crate::keys::multimodal::MmItem],
     ) -> Vec<BlockKey> {
         self.config
             .keys
             .for_model(model)
-            .request_keys(model, lora_name, cache_salt, tokens, block_size as usize)
+            .request_keys(
+                model,
+                lora_name,
+                cache_salt,
+                tokens,
+                block_size as usize,
+                mm_items,
+            )
             .0
     }
 
@@ -104,8 +112,14 @@ impl Indexer {
                 exact: mut group,
                 speculative,
             } = group;
-            let (keys, engine_keys) =
-                mode.request_keys(q.model, q.lora_name, q.cache_salt, q.tokens, bs as usize);
+            let (keys, engine_keys) = mode.request_keys(
+                q.model,
+                q.lora_name,
+                q.cache_salt,
+                q.tokens,
+                bs as usize,
+                q.mm_items,
+            );
             group.sort_unstable();
             // Closure is only sound on engine keys: token keys of a block
             // whose parent was never seen do not exist at all.

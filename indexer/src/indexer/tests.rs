@@ -37,6 +37,7 @@ fn score_m(ix: &Indexer, tokens: &[u32]) -> ScoreOutcome {
         tokens,
         lora_name: None,
         cache_salt: None,
+        mm_items: &[],
         pods: &[],
     })
 }
@@ -76,6 +77,7 @@ fn scores_every_candidate_best_first() {
         tokens: &tokens,
         lora_name: None,
         cache_salt: None,
+        mm_items: &[],
         pods: &[],
     });
     assert_eq!(out.block_size, 16);
@@ -96,6 +98,7 @@ fn scores_every_candidate_best_first() {
             tokens: &tokens,
             lora_name: None,
             cache_salt: None,
+            mm_items: &[],
             pods: &[],
         }
     });
@@ -128,6 +131,7 @@ fn pods_with_different_block_sizes_are_each_scored_in_their_own_blocks() {
         tokens: &tokens,
         lora_name: None,
         cache_salt: None,
+        mm_items: &[],
         pods: &[],
     });
     let get = |n: &str| out.pods.iter().find(|p| p.pod == n).unwrap().clone();
@@ -173,6 +177,7 @@ fn new_pods_during_named_lookups_do_not_deadlock() {
                     tokens: &tokens,
                     lora_name: None,
                     cache_salt: None,
+                    mm_items: &[],
                     pods: &names,
                 });
             }
@@ -289,6 +294,7 @@ fn dp_ranks_are_separate_pods_and_models_do_not_mix() {
             tokens: &tokens,
             lora_name: None,
             cache_salt: None,
+            mm_items: &[],
             pods: &[],
         })
     };
@@ -312,6 +318,7 @@ fn a_publisher_restart_drops_the_pods_blocks_and_is_counted() {
         tokens: &tokens,
         lora_name: None,
         cache_salt: None,
+        mm_items: &[],
         pods: &[],
     };
     ix.apply(&p, 0, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
@@ -399,6 +406,7 @@ fn capacity_evicts_from_the_largest_pod_oldest_first() {
         tokens: &last,
         lora_name: None,
         cache_salt: None,
+        mm_items: &[],
         pods: &[],
     };
     let out = ix.score(&q);
@@ -445,6 +453,7 @@ fn a_snapshot_restores_every_pod_exactly() {
         tokens: &tokens,
         lora_name: None,
         cache_salt: None,
+        mm_items: &[],
         pods: &[],
     };
     assert_eq!(ix.score(&q), restored.score(&q));
@@ -533,6 +542,7 @@ fn a_version_2_snapshot_is_stored_into_the_runs() {
         tokens: &tokens,
         lora_name: None,
         cache_salt: None,
+        mm_items: &[],
         pods: &[],
     };
     assert_eq!(restored.score(&q), ix.score(&q));
@@ -586,6 +596,7 @@ fn a_snapshot_drops_the_blocks_of_pods_it_cannot_restore() {
         tokens: &tokens[..48],
         lora_name: None,
         cache_salt: None,
+        mm_items: &[],
         pods: &[],
     };
     let scored = restored.score(&q);
@@ -660,7 +671,7 @@ fn list_pods_reports_progress_and_gaps() {
     assert_eq!(s.applied.clears, 1);
     assert_eq!(s.blocks_per_tier, [0, 0, 0]);
     assert!(ix.list_pods(Some("x")).is_empty());
-    let keys = ix.request_keys("m", None, None, &tokens, 16);
+    let keys = ix.request_keys("m", None, None, &tokens, 16, &[]);
     assert!(ix.lookup(&keys)[0].pods.is_empty());
 }
 
@@ -919,6 +930,7 @@ fn query<'a>(tokens: &'a [u32], pods: &'a [String]) -> ScoreQuery<'a> {
         tokens,
         lora_name: None,
         cache_salt: None,
+        mm_items: &[],
         pods,
     }
 }
@@ -943,7 +955,7 @@ fn spec_scores(ix: &Indexer, tokens: &[u32], pods: &[String]) -> Vec<(String, u3
 fn speculative_entries_count_beside_exact_ones_and_never_in_them() {
     let ix = Indexer::new(IndexerConfig::default());
     let tokens: Vec<u32> = (0..64).collect();
-    let keys = ix.request_keys("m", None, None, &tokens, 16);
+    let keys = ix.request_keys("m", None, None, &tokens, 16, &[]);
     let a = ix.pod("m", "a", None);
     ix.apply(&a, 0, &batch(vec![stored(&[1], None, &tokens[..16], 16)]));
     let now = Instant::now();
@@ -984,7 +996,7 @@ fn a_pods_cache_changing_drops_its_speculative_entries() {
         ..Default::default()
     });
     let tokens: Vec<u32> = (0..64).collect();
-    let keys = ix.request_keys("m", None, None, &tokens, 16);
+    let keys = ix.request_keys("m", None, None, &tokens, 16, &[]);
     let now = Instant::now();
     let later = now + Duration::from_secs(5);
     let a = ix.pod("m", "a", None);
@@ -1326,6 +1338,7 @@ fn a_store_with_an_adapter_keys_its_blocks_from_its_tokens_not_from_their_hashes
             tokens: &tokens,
             lora_name: Some(lora),
             cache_salt: None,
+            mm_items: &[],
             pods: &[],
         });
         out.pods

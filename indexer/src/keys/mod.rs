@@ -10,6 +10,7 @@
 
 mod block_hash;
 pub mod engine_hash;
+pub mod multimodal;
 pub mod scheme;
 
 use std::hash::{BuildHasherDefault, Hasher};
@@ -148,6 +149,48 @@ pub fn prompt_keys(root_seed: u64, tokens: &[u32], block_size: usize) -> Vec<Blo
     block_hash::chain_blocks(root_seed, tokens, block_size, fold, &mut keys);
     // Built as `u64`s by the loop above; `BlockKey` is their transparent wrapper.
     keys.into_iter().map(BlockKey).collect()
+}
+
+/// `prompt_keys` of a prompt with multimodal items (sorted, as
+/// `multimodal::sorted_items` leaves them): every block an item overlaps
+/// carries the item's pair, as a pod's `BlockStored` of the prompt does,
+/// block 0's in the root seed before the cache salt (vLLM's order: adapter,
+/// items, salt), the later blocks' folded into their keys.
+pub fn multimodal_prompt_keys(
+    model: &str,
+    lora_name: Option<&str>,
+    cache_salt: Option<&str>,
+    tokens: &[u32],
+    block_size: usize,
+    items: &[multimodal::MmItem],
+) -> Vec<BlockKey> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let mut first = multimodal::block_extras(items, 0, block_size);
+    first.extend(cache_salt.map(|s| ExtraKey::Str(s.to_owned())));
+    let mut prev = KeyScope {
+        model,
+        lora_name,
+        first_block_extras: &first,
+    }
+    .root_seed();
+    tokens
+        .chunks_exact(block_size)
+        .enumerate()
+        .map(|(i, block)| {
+            let mut key = chain(prev, block);
+            if i > 0 {
+                let start = i * block_size;
+                key = fold_extras(
+                    key,
+                    &multimodal::block_extras(items, start, start + block_size),
+                );
+            }
+            prev = key.0;
+            key
+        })
+        .collect()
 }
 
 fn put_str(buf: &mut Vec<u8>, tag: u8, s: &str) {

@@ -11,7 +11,8 @@
 use std::collections::HashMap;
 
 use crate::keys::engine_hash::{EngineHasher, ExtraKeyStyle};
-use crate::keys::{prompt_keys, request_root_seed, BlockKey};
+use crate::keys::multimodal::MmItem;
+use crate::keys::{multimodal_prompt_keys, prompt_keys, request_root_seed, BlockKey};
 
 #[derive(Clone, Debug)]
 pub struct EngineKeys {
@@ -84,6 +85,14 @@ impl KeyMode {
     }
 
     /// Keys of a prompt's full blocks, and whether they are engine hashes.
+    /// `mm_items`: the prompt's multimodal items, sorted (see
+    /// `multimodal::sorted_items`).
+    ///
+    /// Engine hashes of blocks with multimodal items are not computed (vLLM
+    /// pickles their `("mm", ...)` keys with memo references this hasher
+    /// does not write): in engine mode a prompt's keys stop before the
+    /// first block an item touches, so it never matches more than a pod
+    /// holds. The service refuses such a request instead.
     pub fn request_keys(
         &self,
         model: &str,
@@ -91,19 +100,30 @@ impl KeyMode {
         cache_salt: Option<&str>,
         tokens: &[u32],
         block_size: usize,
+        mm_items: &[MmItem],
     ) -> (Vec<BlockKey>, bool) {
         match self.engine() {
             Some(e) if e.lora_keyable(lora_name) => {
                 let lora = lora_name.map(|n| (n, e.lora_path(n)));
                 let (first, rest) = e.hasher.request_extras(lora, cache_salt);
+                let keyable = match mm_items.first() {
+                    Some(item) if block_size > 0 => {
+                        &tokens[..(item.offset as usize / block_size) * block_size]
+                    }
+                    _ => tokens,
+                };
                 let keys = e
                     .hasher
-                    .prompt_digests(tokens, block_size, &first, &rest)
+                    .prompt_digests(keyable, block_size, &first, &rest)
                     .iter()
                     .map(|d| BlockKey(d.wire().0))
                     .collect();
                 (keys, true)
             }
+            _ if !mm_items.is_empty() => (
+                multimodal_prompt_keys(model, lora_name, cache_salt, tokens, block_size, mm_items),
+                false,
+            ),
             _ => {
                 let seed = request_root_seed(model, lora_name, cache_salt);
                 (prompt_keys(seed, tokens, block_size), false)

@@ -268,7 +268,8 @@ fn prompt_keys(
 ) -> (Vec<u64>, bool) {
     let path = forest.path(node);
     let lora_name = lora.then_some("sql");
-    let (keys, engine_keys) = mode.request_keys(MODEL, lora_name, None, &forest.tokens(&path), BS);
+    let (keys, engine_keys) =
+        mode.request_keys(MODEL, lora_name, None, &forest.tokens(&path), BS, &[]);
     // Engine keys are the pods' own hashes (the test's are not sha256's).
     let keys: Vec<u64> = if engine_keys {
         path.iter()

@@ -102,17 +102,38 @@ fn probe_tokens(probe: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// A probe's multimodal items (recorded with the requests' `mm_features`),
+/// in prompt order.
+fn probe_mm(probe: &Value) -> Vec<indexer::keys::multimodal::MmItem> {
+    let items = probe["mm_items"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .map(|i| indexer::keys::multimodal::MmItem {
+                    identifier: i["identifier"].as_str().unwrap().to_owned(),
+                    offset: i["offset"].as_u64().unwrap() as u32,
+                    length: i["length"].as_u64().unwrap() as u32,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    indexer::keys::multimodal::sorted_items(items, probe_tokens(probe).len()).unwrap()
+}
+
 /// (got, want) for every probe and pod.
 fn answers(ix: &Indexer, expected: &Value) -> Vec<(String, u64, u64)> {
     let model = expected["meta"]["model"].as_str().unwrap();
     let mut out = Vec::new();
     for probe in expected["probes"].as_array().unwrap() {
         let tokens = probe_tokens(probe);
+        let mm = probe_mm(probe);
         let scored = ix.score(&ScoreQuery {
             model,
             tokens: &tokens,
             lora_name: probe["lora_name"].as_str(),
             cache_salt: probe["cache_salt"].as_str(),
+            mm_items: &mm,
             pods: &[],
         });
         let got: HashMap<&str, u32> = scored
@@ -178,6 +199,15 @@ fn sha256cbor_bytes_stream_array_v0_11() {
 #[test]
 fn lora_and_salt_stream() {
     check("qwen3-lora-salt");
+}
+
+/// Requests with images (vLLM's `mm_features`), with and without LoRA and
+/// a cache salt: every probe, with its items, scores what vLLM holds; the
+/// same token ids without the items, or with another image, match only up
+/// to the first block an image touches.
+#[test]
+fn multimodal_stream() {
+    check("qwen3-multimodal");
 }
 
 #[test]

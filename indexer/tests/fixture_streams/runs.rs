@@ -61,6 +61,7 @@ fn run_answers(
             salt,
             &probe_tokens(probe),
             ix.model_block_size(model) as usize,
+            &super::probe_mm(probe),
         );
         let keys: Vec<u64> = keys.into_iter().map(|k| k.0).collect();
         let ours: HashMap<&str, u32> = runs

@@ -580,6 +580,10 @@ pub struct Probe {
     pub messages: Option<Value>,
     pub lora_name: Option<String>,
     pub cache_salt: Option<String>,
+    /// The request's multimodal items (`mm_features`), if it had any.
+    pub mm_items: Vec<pb::MultimodalItem>,
+    /// The prompt as vLLM's render server answers it (`GenerateRequest`).
+    pub generate_request_json: Option<String>,
     pub text_roundtrips: bool,
     pub chat_roundtrips: bool,
     pub expected: BTreeMap<String, u32>,
@@ -623,6 +627,21 @@ pub fn load_expected(stream: &str) -> Expected {
                 messages: p.get("messages").filter(|m| !m.is_null()).cloned(),
                 lora_name: p["lora_name"].as_str().map(str::to_owned),
                 cache_salt: p["cache_salt"].as_str().map(str::to_owned),
+                mm_items: p["mm_items"]
+                    .as_array()
+                    .map(|items| {
+                        items
+                            .iter()
+                            .map(|i| pb::MultimodalItem {
+                                identifier: i["identifier"].as_str().expect("identifier").into(),
+                                offset: i["offset"].as_u64().expect("offset") as u32,
+                                length: i["length"].as_u64().expect("length") as u32,
+                                modality: i["modality"].as_str().unwrap_or_default().into(),
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                generate_request_json: p["generate_request_json"].as_str().map(str::to_owned),
                 text_roundtrips: p["text_roundtrips"].as_bool().unwrap_or(false),
                 chat_roundtrips: p["chat_roundtrips"].as_bool().unwrap_or(false),
                 expected: p["expected_cached_blocks"]
@@ -653,6 +672,7 @@ pub fn token_request(model: &str, probe: &Probe) -> pb::ScoreRequest {
         })),
         lora_name: probe.lora_name.clone().unwrap_or_default(),
         cache_salt: probe.cache_salt.clone().unwrap_or_default(),
+        mm_items: probe.mm_items.clone(),
         ..Default::default()
     }
 }
