@@ -235,6 +235,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
             config.allow_request_chat_template,
         )
         .with_admin(config.admin.then(|| ingest.control()))
+        .with_render(crate::render::RenderServers::new(&config.render))
         .with_feedback(feedback, ingest.control())
         .with_forwarder(crate::peer::forward::Forwarder::start(
             &config,

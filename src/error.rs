@@ -1,5 +1,6 @@
 //! API errors and the one place they become gRPC status codes.
 
+use crate::render::RenderError;
 use tokenizer::chat::ChatError;
 use tokenizer::load::LoadError;
 use tokenizer::TokenizeError;
@@ -14,6 +15,9 @@ pub enum ApiError {
     /// The request's multimodal items cannot be keyed (the message says why).
     #[error("{0}")]
     BadMultimodal(String),
+    /// The model's render server gave no prompt (`--render-url`).
+    #[error("{0}")]
+    Render(#[from] crate::render::RenderError),
     /// No tokenizer could be found for the model (the message says where
     /// we looked).
     #[error("{0}")]
@@ -123,6 +127,12 @@ impl ApiError {
             ApiError::Overloaded(_) => Code::ResourceExhausted,
             ApiError::DeadlineExceeded(_) => Code::DeadlineExceeded,
             ApiError::Internal(_) => Code::Internal,
+            ApiError::Render(e) => match e {
+                RenderError::Busy(_) => Code::ResourceExhausted,
+                RenderError::Timeout(_) => Code::DeadlineExceeded,
+                RenderError::Refused(..) => Code::InvalidArgument,
+                RenderError::Unreachable(_) | RenderError::Failed(..) => Code::Unavailable,
+            },
         }
     }
 }

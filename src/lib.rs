@@ -39,6 +39,7 @@ mod owners;
 mod peer;
 mod priority;
 mod ratelimit;
+pub mod render;
 pub mod replay;
 pub mod snapshots;
 pub mod token_ids;

@@ -199,3 +199,77 @@ fn large_blocks_and_tuple_extras_match_cpython() {
         }
     }
 }
+
+/// Prompts with multimodal items, hashed by vLLM 0.33's own request block
+/// hasher in every algorithm (`vllm-0.33-mm-hashes.json`, made by
+/// `gen_mm_hashes.py`): the request path (`KeyMode::request_keys`) gives
+/// the same hashes, two items in a block and the same image twice included
+/// (the `"mm"` tag written once per block, then referred back to).
+#[test]
+fn vllm_0_33_multimodal_hash_vectors_all_match() {
+    use indexer::keys::multimodal::{sorted_items, MmItem};
+    use indexer::keys::scheme::{EngineKeys, KeyMode};
+    let doc = load("vllm-0.33-mm-hashes.json");
+    let vectors = doc["vectors"].as_array().unwrap();
+    assert_eq!(vectors.len(), 24);
+    let mut blocks = 0;
+    for v in vectors {
+        let algo = HashAlgo::parse(v["algo"].as_str().unwrap()).unwrap();
+        let hasher = EngineHasher::new(algo, v["seed"].as_str().unwrap(), ExtraKeyStyle::Tagged);
+        assert_eq!(
+            hex(&hasher.none_hash()),
+            v["none_hash_hex"].as_str().unwrap()
+        );
+        let lora = v["lora"].as_object();
+        let mode = KeyMode::Engine(Box::new(EngineKeys {
+            hasher,
+            lora_paths: lora
+                .map(|l| {
+                    [(
+                        l["name"].as_str().unwrap().to_owned(),
+                        l["path"].as_str().unwrap().to_owned(),
+                    )]
+                    .into()
+                })
+                .unwrap_or_default(),
+            assume_prefix_closed: false,
+            self_check_every: 0,
+        }));
+        let tokens: Vec<u32> = v["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let items: Vec<MmItem> = v["mm_items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| MmItem {
+                identifier: i["identifier"].as_str().unwrap().to_owned(),
+                offset: i["offset"].as_u64().unwrap() as u32,
+                length: i["length"].as_u64().unwrap() as u32,
+            })
+            .collect();
+        let items = sorted_items(items, tokens.len()).unwrap();
+        let (keys, engine) = mode.request_keys(
+            "m",
+            lora.map(|l| l["name"].as_str().unwrap()),
+            v["cache_salt"].as_str(),
+            &tokens,
+            v["block_size"].as_u64().unwrap() as usize,
+            &items,
+        );
+        assert!(engine);
+        let want: Vec<u64> = v["wire_u64"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w.as_u64().unwrap())
+            .collect();
+        let got: Vec<u64> = keys.iter().map(|k| k.0).collect();
+        assert_eq!(got, want, "{} {}", v["algo"], v["case"]);
+        blocks += got.len();
+    }
+    assert_eq!(blocks, 60);
+}

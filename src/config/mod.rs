@@ -158,6 +158,8 @@ pub struct Config {
     pub allow_request_chat_template: bool,
     /// Connect/read timeout of one Hugging Face Hub request.
     pub hub_timeout: std::time::Duration,
+    /// Models' vLLM render servers, for chats with media parts.
+    pub render: RenderConfig,
     /// Admin RPCs (`RemovePod`) allowed; otherwise refused.
     pub admin: bool,
     /// Most concurrent gRPC connections (and, separately, metrics HTTP
@@ -168,7 +170,16 @@ pub struct Config {
 }
 
 /// Routing feedback: speculative entries, outcomes, the approximate index.
-#[derive(Clone, Debug, PartialEq)]
+/// `--render-url`, `--render-timeout`, `--render-concurrency`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RenderConfig {
+    /// Model -> render server base URL.
+    pub urls: HashMap<String, String>,
+    pub timeout: std::time::Duration,
+    pub concurrency: usize,
+}
+
+#[derive(Clone, Debug)]
 pub struct RoutingConfig {
     pub ttl: indexer::routing::ttl::TtlPolicy,
     pub approximate_models: Vec<String>,

@@ -366,6 +366,21 @@ settings! {
     /// Connect and read timeout of one Hugging Face Hub request.
     hub_timeout: Duration = "30s",
 
+    /// A model's vLLM render server (`vllm launch render`), `MODEL=URL`: a
+    /// chat `Score` or `RecordRouting` with image, audio or video parts is
+    /// rendered there (`POST URL/v1/chat/completions/render`); text-only
+    /// chats stay in-process. Without one such chats are refused.
+    /// Repeatable or comma-separated.
+    #[arg(value_delimiter = ',')]
+    render_url: Vec<Item<RenderUrl>>,
+
+    /// How long one render may take (and never past the request's deadline).
+    render_timeout: Duration = "5s",
+
+    /// Most renders in flight per render server; more are refused with
+    /// RESOURCE_EXHAUSTED.
+    render_concurrency: usize = "32",
+
     /// Accept a request-level `chat_template` (like vLLM's
     /// `--trust-request-chat-template`); otherwise such requests are refused.
     #[arg(num_args = 0..=1, default_missing_value = "true")]

@@ -17,8 +17,8 @@ use indexer::IndexerConfig;
 use super::settings::Resolved;
 use super::values::*;
 use super::{
-    invalid, Config, ConfigError, Limits, PeerConfig, RoutingConfig, Secret, TlsConfig,
-    BYTES_PER_ENTRY, BYTES_PER_POD, DEFAULT_ROUTING_BYTES, ROUTING_SHARE,
+    invalid, Config, ConfigError, Limits, PeerConfig, RenderConfig, RoutingConfig, Secret,
+    TlsConfig, BYTES_PER_ENTRY, BYTES_PER_POD, DEFAULT_ROUTING_BYTES, ROUTING_SHARE,
 };
 
 pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
@@ -214,6 +214,14 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
         max_models,
         allow_request_chat_template: s.allow_request_chat_template,
         hub_timeout: longer_than_zero("hub_timeout", s.hub_timeout)?,
+        render: RenderConfig {
+            urls: items(s.render_url)
+                .into_iter()
+                .map(|r| (r.model, r.url))
+                .collect(),
+            timeout: longer_than_zero("render_timeout", s.render_timeout)?,
+            concurrency: at_least_one("render_concurrency", s.render_concurrency)?,
+        },
         admin: s.admin,
         max_connections: at_least_one("max_connections", s.max_connections)?,
     })

@@ -150,6 +150,36 @@ impl FromStr for LoraPath {
     }
 }
 
+/// `--render-url MODEL=URL`: a model's vLLM render server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RenderUrl {
+    pub model: String,
+    /// Without a trailing slash.
+    pub url: String,
+}
+
+impl FromStr for RenderUrl {
+    type Err = String;
+    fn from_str(raw: &str) -> Result<Self, String> {
+        let (model, url) = split_pair(raw, "MODEL=URL")?;
+        let Some(rest) = url.strip_prefix("http://").or(url.strip_prefix("https://")) else {
+            return Err("want an http:// or https:// URL".into());
+        };
+        // Credentials would reach error messages and logs with the URL.
+        if rest
+            .split('/')
+            .next()
+            .is_some_and(|host| host.contains('@'))
+        {
+            return Err("credentials in the URL are not supported".into());
+        }
+        Ok(RenderUrl {
+            model: model.to_owned(),
+            url: url.trim_end_matches('/').to_owned(),
+        })
+    }
+}
+
 /// `--tokenizer MODEL=PATH`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TokenizerPath {

@@ -28,16 +28,17 @@ impl KvIndexerService {
         require_model(&req.model)?;
         self.check_candidates(req.pods.len())?;
         let input = PromptInput::from_score(req.input, self.limits.max_prompt_bytes)?;
+        let input = self.render_media(&req.model, input, deadline).await?;
         let (input, mm_items, salt) = with_rendered(input, req.mm_items, &req.cache_salt)?;
         if !mm_items.is_empty() && !matches!(input, PromptInput::TokenIds(_)) {
-            return Err(self.mm_items(&req.model, mm_items, None).unwrap_err());
+            return Err(self.mm_items(mm_items, None).unwrap_err());
         }
         // Held to the end of scoring (the tokenization hands it back).
         let (tokens, _permit) = self
             .prompt_tokens(&req.model, input, req.add_special_tokens, deadline, permit)
             .await?;
         let mm = match &tokens {
-            PromptTokens::Ids(ids) => self.mm_items(&req.model, mm_items, Some(ids))?,
+            PromptTokens::Ids(ids) => self.mm_items(mm_items, Some(ids))?,
             _ => Vec::new(),
         };
         deadline.check("scoring")?;
@@ -254,9 +255,10 @@ impl KvIndexerService {
             }
             input => {
                 let input = PromptInput::from_record(input, self.limits.max_prompt_bytes)?;
+                let input = self.render_media(&req.model, input, deadline).await?;
                 let (input, mm_items, salt) = with_rendered(input, req.mm_items, &req.cache_salt)?;
                 if !mm_items.is_empty() && !matches!(input, PromptInput::TokenIds(_)) {
-                    return Err(self.mm_items(&req.model, mm_items, None).unwrap_err());
+                    return Err(self.mm_items(mm_items, None).unwrap_err());
                 }
                 let (tokens, _permit) = self
                     .prompt_tokens(&req.model, input, req.add_special_tokens, deadline, permit)
@@ -264,7 +266,7 @@ impl KvIndexerService {
                 let (lora, salt) = (non_empty(&req.lora_name), salt.as_deref());
                 match tokens {
                     PromptTokens::Ids(mut tokens) => {
-                        let mm = self.mm_items(&req.model, mm_items, Some(&tokens))?;
+                        let mm = self.mm_items(mm_items, Some(&tokens))?;
                         let bs = if approximate {
                             self.indexer.model_block_size(&req.model)
                         } else {

@@ -61,6 +61,8 @@ pub struct KvIndexerService {
     feedback: Option<(Arc<Feedback>, crate::ingest::Control)>,
     /// Accepted routings to the other replicas (`--peer`).
     forwarder: Option<Arc<crate::peer::forward::Forwarder>>,
+    /// Models' vLLM render servers (`--render-url`), for chats with media.
+    render: crate::render::RenderServers,
 }
 
 impl KvIndexerService {
@@ -83,7 +85,15 @@ impl KvIndexerService {
             unknown_models: RateLimited::new(Duration::from_secs(10)),
             feedback: None,
             forwarder: None,
+            render: crate::render::RenderServers::default(),
         }
+    }
+
+    /// Renders chats with image, audio or video parts on the models' render
+    /// servers (`--render-url`).
+    pub fn with_render(mut self, render: crate::render::RenderServers) -> Self {
+        self.render = render;
+        self
     }
 
     /// Forwards accepted routings to the other replicas.
@@ -306,10 +316,7 @@ impl KvIndexer for KvIndexerService {
         let req = request.into_inner();
         let keys: Vec<BlockKey> = match req.input {
             Some(pb::lookup_blocks_request::Input::BlockKeys(_)) if !req.mm_items.is_empty() => {
-                return Err(self
-                    .mm_items(&req.model, req.mm_items, None)
-                    .unwrap_err()
-                    .into())
+                return Err(self.mm_items(req.mm_items, None).unwrap_err().into())
             }
             Some(pb::lookup_blocks_request::Input::BlockKeys(k)) => {
                 k.keys.into_iter().map(BlockKey).collect()
@@ -321,7 +328,7 @@ impl KvIndexer for KvIndexerService {
                     0 => self.indexer.model_block_size(&req.model),
                     bs => bs,
                 };
-                let mm = self.mm_items(&req.model, req.mm_items, Some(&t.ids))?;
+                let mm = self.mm_items(req.mm_items, Some(&t.ids))?;
                 self.indexer.request_keys(
                     &req.model,
                     non_empty(&req.lora_name),

@@ -148,14 +148,40 @@ impl KvIndexerService {
         }
     }
 
-    /// A request's multimodal items, checked and in prompt order. They go
-    /// with token ids only (a text or chat prompt has no placeholders we
-    /// could place them at), and only for a model keyed by token keys:
-    /// vLLM's engine hashes of such blocks pickle `("mm", ...)` keys in a
-    /// form the engine hasher does not write yet.
-    pub(super) fn mm_items(
+    /// A chat with image, audio or video parts, for a model with a render
+    /// server (`--render-url`): rendered there, its answer read as a
+    /// `generate_request_json` is. Anything else is left as it is.
+    pub(super) async fn render_media(
         &self,
         model: &str,
+        input: Result<PromptInput, Rendered>,
+        deadline: Deadline,
+    ) -> Result<Result<PromptInput, Rendered>, ApiError> {
+        let Ok(PromptInput::Text(TextInput::Chat(chat))) = &input else {
+            return Ok(input);
+        };
+        let Some(server) = self.render.for_model(model) else {
+            return Ok(input);
+        };
+        if !crate::render::has_media(chat) {
+            return Ok(input);
+        }
+        deadline.check("rendering")?;
+        let answer = server.render_chat(model, chat, deadline.0).await?;
+        Rendered::parse(&answer, usize::MAX).map(Err).map_err(|e| {
+            crate::render::RenderError::Failed(
+                200,
+                format!("its answer is no GenerateRequest: {e}"),
+            )
+            .into()
+        })
+    }
+
+    /// A request's multimodal items, checked and in prompt order. They go
+    /// with token ids only: a text or chat prompt has no placeholders we
+    /// could place them at.
+    pub(super) fn mm_items(
+        &self,
         items: Vec<pb::MultimodalItem>,
         tokens: Option<&[u32]>,
     ) -> Result<Vec<MmItem>, ApiError> {
@@ -169,15 +195,6 @@ impl KvIndexerService {
                     .into(),
             ));
         };
-        if matches!(
-            self.indexer.config().keys.for_model(model),
-            indexer::keys::scheme::KeyMode::Engine(_)
-        ) {
-            return Err(ApiError::BadMultimodal(format!(
-                "model {model:?} is keyed by vLLM's engine hashes (--key-mode engine), which \
-                 cannot key multimodal blocks yet: use token key mode for it"
-            )));
-        }
         let items = items
             .into_iter()
             .map(|i| MmItem {

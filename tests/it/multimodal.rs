@@ -202,15 +202,184 @@ async fn items_that_cannot_be_keyed_are_refused_with_the_reason() {
         ],
     )
     .await;
-    // In engine key mode the items are refused, never keyed as text.
-    let engine = Service::start(&["--key-mode", "engine"]).await;
-    let mut client = engine.client().await;
+}
+
+/// `--key-mode engine`: the blocks' keys are vLLM's own hashes, the items'
+/// `("mm", identifier, offset)` keys pickled as vLLM pickles them; with the
+/// adapter's path configured, its blocks too.
+#[tokio::test]
+async fn engine_keys_of_multimodal_blocks_are_vllms() {
+    let args = [
+        "--key-mode",
+        "engine",
+        "--lora-path",
+        "vision-lora=/loras/vision-lora",
+    ];
+    let (service, expected, _publisher) = serve_recorded(STREAM, &args).await;
+    check_probes(&service, &expected).await;
+    let pods = service.list_pods(&expected.model).await;
+    assert!(pods.iter().all(|p| p.key_mode == "engine"), "{pods:?}");
+}
+
+/// A stand-in for `vllm launch render` on loopback: answers each `POST
+/// /v1/chat/completions/render` as `answer` says, and keeps the bodies.
+struct RenderServer {
+    port: u16,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+/// How the stand-in answers: (HTTP status, body, delay).
+type Answer = (u16, String, std::time::Duration);
+
+impl RenderServer {
+    fn start(answer: impl Fn(&str) -> Answer + Send + 'static) -> RenderServer {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = bodies.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut length = 0usize;
+                let mut line = String::new();
+                while reader.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                    line.clear();
+                }
+                let mut body = vec![0u8; length];
+                reader.read_exact(&mut body).unwrap();
+                let body = String::from_utf8(body).unwrap();
+                let (status, text, delay) = answer(&body);
+                kept.lock().unwrap().push(body);
+                std::thread::sleep(delay);
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+                    text.len()
+                );
+            }
+        });
+        RenderServer { port, bodies }
+    }
+
+    fn url(&self, model: &str) -> String {
+        format!("{model}=http://127.0.0.1:{}", self.port)
+    }
+}
+
+/// A chat with an image part and the probe whose prompt the render server
+/// makes of it.
+fn image_chat() -> String {
+    r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AA=="}},{"type":"text","text":"what is this?"}]}]}"#.into()
+}
+
+/// `--render-url`: a chat with an image is rendered by the model's render
+/// server (its `GenerateRequest` is one vLLM's own class made) and scored
+/// with its items; a text chat stays in-process; the server's refusals,
+/// absence and slowness come back as gRPC statuses naming them.
+#[tokio::test]
+async fn render_url_renders_chats_with_images() {
+    let expected = load_expected(STREAM);
+    let probe = expected
+        .probes
+        .iter()
+        .find(|p| p.id == "two-in-one:-:-")
+        .expect("probe")
+        .clone();
+    let rendered = probe.generate_request_json.clone().unwrap();
+    let server = RenderServer::start(move |body| {
+        if body.contains("refuse me") {
+            let error = r#"{"error":{"message":"image could not be decoded","type":"BadRequestError","code":400}}"#;
+            (400, error.into(), std::time::Duration::ZERO)
+        } else if body.contains("slow") {
+            (200, rendered.clone(), std::time::Duration::from_secs(3))
+        } else {
+            (200, rendered.clone(), std::time::Duration::ZERO)
+        }
+    });
+    let tokenizer = qwen3_tokenizer_arg();
+    let args = [
+        "--render-url",
+        &server.url(&expected.model),
+        "--render-timeout",
+        "1s",
+        "--tokenizer",
+        &tokenizer,
+    ];
+    let (service, expected, _publisher) = serve_recorded(STREAM, &args).await;
+    let chat = |body: String| pb::ScoreRequest {
+        model: expected.model.clone(),
+        input: Some(pb::score_request::Input::ChatCompletionJson(body)),
+        ..Default::default()
+    };
+    let mut client = service.client().await;
+    let resp = client
+        .score(chat(image_chat()))
+        .await
+        .expect("Score")
+        .into_inner();
+    assert_matches(&resp, &probe);
+    assert!(resp.pods.iter().any(|p| p.matched_blocks > 1), "{resp:?}");
+    let sent = server.bodies.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1);
+    assert!(
+        sent[0].contains(r#""model":"Qwen/Qwen3-8B""#),
+        "{}",
+        sent[0]
+    );
+    // A text chat is tokenized here: the server hears nothing.
+    let text = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hello"}]}]}"#;
+    client.score(chat(text.into())).await.expect("text chat");
+    assert_eq!(server.bodies.lock().unwrap().len(), 1);
+    let refused = image_chat().replace("what is this?", "refuse me");
+    let slow = image_chat().replace("what is this?", "slow");
+    assert_score_errors(
+        &mut client,
+        [
+            (
+                chat(refused),
+                tonic::Code::InvalidArgument,
+                "image could not be decoded",
+            ),
+            (
+                chat(slow),
+                tonic::Code::DeadlineExceeded,
+                "--render-timeout",
+            ),
+        ],
+    )
+    .await;
+    // A model whose server is down, and one with none configured.
+    let down = free_port();
+    let service = Service::start(&[
+        "--render-url",
+        &format!("{}=http://127.0.0.1:{down}", expected.model),
+        "--tokenizer",
+        &tokenizer,
+    ])
+    .await;
+    let mut client = service.client().await;
     assert_score_errors(
         &mut client,
         [(
-            with_items(probe.mm_items.clone()),
+            chat(image_chat()),
+            tonic::Code::Unavailable,
+            "cannot be reached",
+        )],
+    )
+    .await;
+    let service = Service::start(&["--tokenizer", &tokenizer]).await;
+    let mut client = service.client().await;
+    assert_score_errors(
+        &mut client,
+        [(
+            chat(image_chat()),
             tonic::Code::InvalidArgument,
-            "engine hashes",
+            "--render-url",
         )],
     )
     .await;

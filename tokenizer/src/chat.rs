@@ -188,9 +188,10 @@ fn normalize_message(i: usize, m: &Json) -> Result<Json, ChatError> {
                     // pods never had.
                     (Some(other), _) => {
                         return Err(bad(&format!(
-                            "content part of type {other:?} cannot be tokenized here (text parts \
-                             only): render the chat with vLLM's render server (POST \
-                             /v1/chat/completions/render) and send its token_ids with mm_items"
+                            "content part of type {other:?} needs the model's processor: set \
+                             --render-url MODEL=URL (a vLLM render server) for this model, or \
+                             send the rendered prompt (generate_request_json, or token_ids with \
+                             mm_items)"
                         )))
                     }
                     _ => return Err(bad("content part without text")),

@@ -103,6 +103,12 @@ pub enum PyValue {
     None,
     Int(i64),
     Str(String),
+    /// A string constant of vLLM's code (the `"mm"` of each multimodal
+    /// key): one object however often it appears, so pickle writes it once
+    /// per hashed tuple and refers back to it after (`BINGET`). Strings
+    /// from a request (identifiers, names) are objects of their own once
+    /// the request crossed into the engine process, even when equal.
+    Tag(&'static str),
     Bytes(Vec<u8>),
     Tuple(Vec<PyValue>),
 }
@@ -193,6 +199,18 @@ impl EngineHasher {
         first_extras: &[PyValue],
         rest_extras: &[PyValue],
     ) -> Vec<Digest> {
+        self.prompt_digests_each(tokens, block_size, |i| {
+            std::borrow::Cow::Borrowed(if i == 0 { first_extras } else { rest_extras })
+        })
+    }
+
+    /// `prompt_digests` with each block's extra keys from `extras(block)`.
+    pub fn prompt_digests_each<'e>(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        extras: impl Fn(usize) -> std::borrow::Cow<'e, [PyValue]>,
+    ) -> Vec<Digest> {
         if block_size == 0 {
             return Vec::new();
         }
@@ -200,11 +218,31 @@ impl EngineHasher {
         let mut buf = Vec::with_capacity(block_size * 5 + 96);
         let mut parent = self.none_hash;
         for (i, block) in tokens.chunks_exact(block_size).enumerate() {
-            let extras = if i == 0 { first_extras } else { rest_extras };
-            parent = self.block_digest(&mut buf, &parent, block, extras);
+            parent = self.block_digest(&mut buf, &parent, block, &extras(i));
             out.push(parent);
         }
         out
+    }
+
+    /// The extra keys vLLM (>= 0.31, the tagged style) gives a block for
+    /// the multimodal items it overlaps, `("mm", identifier, offset)`, from
+    /// the pairs `multimodal::block_extras` finds.
+    pub fn mm_extras(pairs: &[crate::event::ExtraKey]) -> Vec<PyValue> {
+        use crate::event::ExtraKey;
+        pairs
+            .iter()
+            .filter_map(|p| match p {
+                ExtraKey::List(items) => match items.as_slice() {
+                    [ExtraKey::Str(id), ExtraKey::Int(offset)] => Some(PyValue::Tuple(vec![
+                        PyValue::Tag("mm"),
+                        PyValue::Str(id.clone()),
+                        PyValue::Int(*offset),
+                    ])),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect()
     }
 
     /// `hash_fn((parent, tuple(tokens), extras or None))`.
@@ -276,6 +314,10 @@ impl Serializer<'_> {
             PyValue::None => self.none(),
             PyValue::Int(i) => self.int(i128::from(*i)),
             PyValue::Str(s) => self.str(s),
+            PyValue::Tag(s) => match self {
+                Serializer::Pickle(p) => p.tag(s),
+                Serializer::Cbor(_) => self.str(s),
+            },
             PyValue::Bytes(b) => self.bytes(b),
             PyValue::Tuple(items) => self.tuple(items.len(), |ser| {
                 for item in items {
@@ -348,7 +390,8 @@ impl Serializer<'_> {
                 3 => 0x87, // TUPLE3
                 _ => b't', // TUPLE
             };
-            p.buf.extend_from_slice(&[op, MEMOIZE]);
+            p.buf.push(op);
+            p.memoize();
         }
     }
 }
@@ -381,13 +424,18 @@ const FRAME_SIZE_TARGET: usize = 64 * 1024;
 /// Frames smaller than this are written without a FRAME header.
 const FRAME_SIZE_MIN: usize = 4;
 
-/// CPython's C pickler, protocol 5, for the object shapes above. Objects are
-/// never shared inside one hashed tuple, so no memo lookups (`BINGET`) occur;
-/// every bytes/str/tuple still gets its `MEMOIZE`, as CPython writes it.
+/// CPython's C pickler, protocol 5, for the object shapes above. Every
+/// bytes/str/tuple gets its `MEMOIZE`, as CPython writes it; the only object
+/// met twice in one hashed tuple is a tag (`PyValue::Tag`), written again
+/// as a memo lookup (`BINGET`).
 struct Pickler<'a> {
     buf: &'a mut Vec<u8>,
     /// Offset of the current frame's header.
     frame_start: usize,
+    /// Objects memoized so far: the next one's memo index.
+    memo: u32,
+    /// Tags written, with their memo indexes.
+    tags: Vec<(&'static str, u32)>,
 }
 
 impl<'a> Pickler<'a> {
@@ -395,7 +443,39 @@ impl<'a> Pickler<'a> {
         buf.extend_from_slice(&[0x80, 5]); // PROTO 5
         let frame_start = buf.len();
         buf.extend_from_slice(&[FRAME, 0, 0, 0, 0, 0, 0, 0, 0]);
-        Pickler { buf, frame_start }
+        Pickler {
+            buf,
+            frame_start,
+            memo: 0,
+            tags: Vec::new(),
+        }
+    }
+
+    /// `MEMOIZE`: the object just written takes the next memo index.
+    fn memoize(&mut self) {
+        self.buf.push(MEMOIZE);
+        self.memo += 1;
+    }
+
+    /// A tag: written the first time, then `BINGET` of its memo index.
+    fn tag(&mut self, s: &'static str) {
+        match self.tags.iter().find(|(t, _)| *t == s) {
+            Some(&(_, at)) => {
+                self.boundary();
+                match u8::try_from(at) {
+                    Ok(at) => self.buf.extend_from_slice(&[b'h', at]), // BINGET
+                    Err(_) => {
+                        self.buf.push(b'j'); // LONG_BINGET
+                        self.buf.extend_from_slice(&at.to_le_bytes());
+                    }
+                }
+            }
+            None => {
+                let at = self.memo;
+                self.str(s);
+                self.tags.push((s, at));
+            }
+        }
     }
 
     /// Before saving each object, CPython commits a frame that reached the
@@ -466,7 +546,7 @@ impl<'a> Pickler<'a> {
             self.buf.extend_from_slice(&(n as u32).to_le_bytes());
         }
         self.buf.extend_from_slice(s.as_bytes());
-        self.buf.push(MEMOIZE);
+        self.memoize();
     }
 
     fn bytes(&mut self, b: &[u8]) {
@@ -479,7 +559,7 @@ impl<'a> Pickler<'a> {
             self.buf.extend_from_slice(&(n as u32).to_le_bytes());
         }
         self.buf.extend_from_slice(b);
-        self.buf.push(MEMOIZE);
+        self.memoize();
     }
 }
 

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use crate::keys::engine_hash::{EngineHasher, ExtraKeyStyle};
-use crate::keys::multimodal::MmItem;
+use crate::keys::multimodal::{self, MmItem};
 use crate::keys::{multimodal_prompt_keys, prompt_keys, request_root_seed, BlockKey};
 
 #[derive(Clone, Debug)]
@@ -88,11 +88,10 @@ impl KeyMode {
     /// `mm_items`: the prompt's multimodal items, sorted (see
     /// `multimodal::sorted_items`).
     ///
-    /// Engine hashes of blocks with multimodal items are not computed (vLLM
-    /// pickles their `("mm", ...)` keys with memo references this hasher
-    /// does not write): in engine mode a prompt's keys stop before the
+    /// Engine hashes of blocks with multimodal items follow vLLM's tagged
+    /// style (>= 0.31); with the bare style a prompt's keys stop before the
     /// first block an item touches, so it never matches more than a pod
-    /// holds. The service refuses such a request instead.
+    /// holds.
     pub fn request_keys(
         &self,
         model: &str,
@@ -106,18 +105,31 @@ impl KeyMode {
             Some(e) if e.lora_keyable(lora_name) => {
                 let lora = lora_name.map(|n| (n, e.lora_path(n)));
                 let (first, rest) = e.hasher.request_extras(lora, cache_salt);
-                let keyable = match mm_items.first() {
-                    Some(item) if block_size > 0 => {
-                        &tokens[..(item.offset as usize / block_size) * block_size]
-                    }
-                    _ => tokens,
+                let digests = if mm_items.is_empty() || block_size == 0 {
+                    e.hasher.prompt_digests(tokens, block_size, &first, &rest)
+                } else {
+                    // vLLM's order: adapter, items, salt (block 0's).
+                    let salt = &first[rest.len()..];
+                    let per_block = |i: usize| {
+                        let start = i * block_size;
+                        let pairs = multimodal::block_extras(mm_items, start, start + block_size);
+                        let mut extras = rest.clone();
+                        extras.extend(EngineHasher::mm_extras(&pairs));
+                        if i == 0 {
+                            extras.extend_from_slice(salt);
+                        }
+                        std::borrow::Cow::Owned(extras)
+                    };
+                    // The bare style: only the blocks before the first item.
+                    let keyable = match e.hasher.style() {
+                        ExtraKeyStyle::Tagged => tokens,
+                        ExtraKeyStyle::Bare => {
+                            &tokens[..(mm_items[0].offset as usize / block_size) * block_size]
+                        }
+                    };
+                    e.hasher.prompt_digests_each(keyable, block_size, per_block)
                 };
-                let keys = e
-                    .hasher
-                    .prompt_digests(keyable, block_size, &first, &rest)
-                    .iter()
-                    .map(|d| BlockKey(d.wire().0))
-                    .collect();
+                let keys = digests.iter().map(|d| BlockKey(d.wire().0)).collect();
                 (keys, true)
             }
             _ if !mm_items.is_empty() => (

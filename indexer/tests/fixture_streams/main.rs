@@ -235,6 +235,15 @@ fn engine_mode_full_replays_match_vllm_exactly() {
         // vLLM 0.11's form has no extra keys: nothing is safely checkable.
         assert_eq!(checks > 0, !stream.ends_with("v0.11"), "{stream}");
     }
+    // Prompts with images: their blocks' engine hashes, `("mm", ...)` keys
+    // pickled as vLLM does, salted ones included (LoRA ones fall back to
+    // token keys, as above).
+    for closed in [false, true] {
+        check_with(
+            "qwen3-multimodal",
+            engine_config(HashAlgo::Sha256, DEFAULT_SEED, closed),
+        );
+    }
 }
 
 #[test]
