@@ -102,6 +102,8 @@ pub struct Metrics {
     /// Where this replica's index started from (`from`: peer, snapshot,
     /// empty): 1 on that one.
     pub started_from: Family<Labels, Gauge>,
+    /// Chats sent to a model's render server (`--render-url`), by outcome.
+    pub renders: Family<Labels, Counter>,
 }
 
 fn latency_buckets() -> Histogram {
@@ -146,6 +148,7 @@ impl Metrics {
             peer_snapshot_bytes_sent: Counter::default(),
             peer_bootstrap_failures: Family::default(),
             started_from: Family::default(),
+            renders: Family::default(),
             peer_routings_forwarded: Family::default(),
             peer_routings_received: Family::default(),
             peer_forward_seconds: latency_buckets(),
@@ -328,6 +331,11 @@ impl Metrics {
             "peer_forward_seconds",
             "From a routing's acceptance here to a peer replica's answer",
             m.peer_forward_seconds.clone(),
+        );
+        r.register(
+            "renders",
+            "Chats sent to a model's render server (--render-url), by outcome (ok, busy, timeout, unreachable, refused, failed)",
+            m.renders.clone(),
         );
         r.register(
             "started_from",

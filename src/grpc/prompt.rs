@@ -167,14 +167,25 @@ impl KvIndexerService {
             return Ok(input);
         }
         deadline.check("rendering")?;
-        let answer = server.render_chat(model, chat, deadline.0).await?;
-        Rendered::parse(&answer, usize::MAX).map(Err).map_err(|e| {
-            crate::render::RenderError::Failed(
-                200,
-                format!("its answer is no GenerateRequest: {e}"),
-            )
-            .into()
-        })
+        use crate::render::RenderError;
+        let rendered = server
+            .render_chat(model, chat, deadline.0)
+            .await
+            .and_then(|answer| {
+                Rendered::parse(&answer, usize::MAX).map_err(|e| {
+                    RenderError::Failed(200, format!("its answer is no GenerateRequest: {e}"))
+                })
+            });
+        let outcome = match &rendered {
+            Ok(_) => "ok",
+            Err(RenderError::Busy(_)) => "busy",
+            Err(RenderError::Timeout(_)) => "timeout",
+            Err(RenderError::Unreachable(_)) => "unreachable",
+            Err(RenderError::Refused(..)) => "refused",
+            Err(RenderError::Failed(..)) => "failed",
+        };
+        Metrics::count(&self.metrics.renders, "outcome", outcome);
+        Ok(Err(rendered?))
     }
 
     /// A request's multimodal items, checked and in prompt order. They go

@@ -353,6 +353,10 @@ async fn render_url_renders_chats_with_images() {
         ],
     )
     .await;
+    for (outcome, n) in [("ok", 1.0), ("refused", 1.0), ("timeout", 1.0)] {
+        let series = format!("kv_indexer_renders_total{{outcome=\"{outcome}\"}}");
+        assert_eq!(service.metric(&series), n, "{series}");
+    }
     // A model whose server is down, and one with none configured.
     let down = free_port();
     let service = Service::start(&[
