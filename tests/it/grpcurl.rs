@@ -103,3 +103,38 @@ async fn grpcurl_lists_describes_scores_and_checks_health() {
     let health = run(&bin, &["-plaintext", &addr, "grpc.health.v1.Health/Check"]);
     assert!(health.contains("SERVING"), "{health}");
 }
+
+/// The README's multimodal example: the render server's answer, as it is,
+/// scored through grpcurl (JSON request, reflection).
+#[tokio::test]
+async fn grpcurl_scores_a_render_servers_answer() {
+    let bin = grpcurl();
+    let (service, expected, _publisher) = serve_recorded("qwen3-multimodal", &[]).await;
+    let probe = expected
+        .probes
+        .iter()
+        .find(|p| p.id == "spanning:-:-")
+        .expect("probe");
+    let request = serde_json::json!({
+        "model": expected.model,
+        "generate_request_json": probe.generate_request_json.clone().unwrap(),
+    })
+    .to_string();
+    let addr = service.grpc_addr();
+    let out = run(
+        &bin,
+        &[
+            "-plaintext",
+            "-d",
+            &request,
+            &addr,
+            "kvindexer.v1.KvIndexer/Score",
+        ],
+    );
+    let resp: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(resp["pods"][0]["pod"], "pod-0", "{out}");
+    assert_eq!(
+        resp["pods"][0]["matchedBlocks"], probe.expected["pod-0"],
+        "{out}"
+    );
+}
