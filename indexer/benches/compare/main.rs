@@ -561,6 +561,10 @@ fn main() {
         profile_find();
         return;
     }
+    if args.iter().any(|a| a == "--profile-tails") {
+        profile_tails();
+        return;
+    }
     if args.iter().any(|a| a == "--profile-clear") {
         profile_clear();
         return;
@@ -699,6 +703,117 @@ fn profile_find() {
             );
         }
     });
+}
+
+/// `--profile-tails`: where the slowest finds come from. Each indexer's
+/// finds (50 passes over the quick trace's prompts, after a warm-up) are
+/// timed one by one, and for each the thread's time waiting for a CPU is
+/// read from `/proc/thread-self/schedstat` before and after (outside the
+/// timed window): a find during which the thread waited was preempted. It
+/// prints p50, p99 and p99.9 of all finds and of the finds no wait touched,
+/// and how many of the slowest 0.1% waited: a tail that vanishes without
+/// the waits is the host's scheduling, not the index. Filters as
+/// `--profile-find`.
+fn profile_tails() {
+    let size_only: Option<usize> = env_filter("COMPARE_SIZE").and_then(|s| s.parse().ok());
+    for_each_profiled(40, |fleet, trace, input, e| {
+        let filled = (e.fill)(trace, input, &mut Measured::default());
+        for (si, size) in SIZES.iter().enumerate() {
+            if size_only.is_some_and(|s| s != *size) {
+                continue;
+            }
+            find_pass(filled.as_ref(), si);
+            let mut samples: Vec<(Duration, u64)> = Vec::new();
+            for _ in 0..50 {
+                for q in 0..filled.queries(si) {
+                    let before = run_queue_wait_ns();
+                    let t = filled.time_find(si, q);
+                    samples.push((t, run_queue_wait_ns().saturating_sub(before)));
+                }
+            }
+            let pct = |mut v: Vec<Duration>, p: f64| {
+                if v.is_empty() {
+                    return f64::NAN;
+                }
+                v.sort_unstable();
+                percentile(&v, p) / 1e3
+            };
+            let all: Vec<Duration> = samples.iter().map(|s| s.0).collect();
+            let calm: Vec<Duration> = samples.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();
+            let mut by_time = samples.clone();
+            by_time.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
+            let top = (samples.len() / 1000).max(1);
+            let waited = by_time[..top].iter().filter(|s| s.1 > 0).count();
+            println!(
+                "{} pods, {}, {}, {size} blocks: {} finds, {} waited for a CPU; \
+                 p50/p99/p99.9 all {:.2}/{:.2}/{:.2} us, unwaited {:.2}/{:.2}/{:.2} us; \
+                 slowest {top}: {waited} waited",
+                fleet.pods,
+                input.name(),
+                e.name,
+                samples.len(),
+                samples.len() - calm.len(),
+                pct(all.clone(), 0.5),
+                pct(all.clone(), 0.99),
+                pct(all.clone(), 0.999),
+                pct(calm.clone(), 0.5),
+                pct(calm.clone(), 0.99),
+                pct(calm, 0.999),
+            );
+            if e.name == "ours" {
+                // The control: fixed work of the same median length, no index.
+                let target = Duration::from_nanos(pct(all.clone(), 0.5) as u64 * 1000);
+                let control = control_times(target, samples.len());
+                println!(
+                    "    control (fixed work, same median, {} runs): p50/p99/p99.9 {:.2}/{:.2}/{:.2} us",
+                    control.len(),
+                    pct(control.clone(), 0.5),
+                    pct(control.clone(), 0.99),
+                    pct(control, 0.999),
+                );
+            }
+        }
+    });
+}
+
+/// `n` timings of one fixed piece of work (xxh3 over a 4 KiB buffer, as
+/// often as makes its median about `target`): what the host alone does to
+/// a computation of that length, without an index or a prompt in memory.
+fn control_times(target: Duration, n: usize) -> Vec<Duration> {
+    let buf: Vec<u8> = (0..4096u32).map(|i| i as u8).collect();
+    let work = |reps: u32| {
+        let mut h = 0u64;
+        for r in 0..reps {
+            h ^= xxhash_rust::xxh3::xxh3_64_with_seed(black_box(&buf), u64::from(r));
+        }
+        black_box(h);
+    };
+    let mut reps = 1u32;
+    loop {
+        let t = Instant::now();
+        work(reps);
+        if t.elapsed() >= target || reps > 1 << 20 {
+            break;
+        }
+        reps *= 2;
+    }
+    // The first power of two past the target: within 2x of it.
+    (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            work(reps);
+            t.elapsed()
+        })
+        .collect()
+}
+
+/// This thread's total time waiting on a run queue, in ns (the second
+/// field of `/proc/thread-self/schedstat`; 0 where there is none).
+fn run_queue_wait_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
 }
 
 fn env_filter(name: &str) -> Option<String> {
