@@ -115,7 +115,7 @@ impl Admission {
         });
         let id = {
             let mut conns = table.conns.lock().unwrap_or_else(|e| e.into_inner());
-            if conns.open.len() >= 2 * table.max {
+            if conns.open.len() >= table.max.saturating_mul(2) {
                 drop(conns);
                 table.metrics.refuse(match table.listener {
                     "grpc" => "grpc_connection",
@@ -222,11 +222,12 @@ impl Admitted {
         }
         if let Some(deadline) = &mut self.first_bytes {
             if deadline.as_mut().poll(cx).is_ready() {
-                self.table.shed("first_bytes");
-                // Counted as shed, so the drop does not count it again.
+                // Counted as shed, so the drop does not count it again; and
+                // once, if the table shed it meanwhile.
                 let mut conns = self.table.conns.lock().unwrap_or_else(|e| e.into_inner());
                 if !self.conn.shed.swap(true, Ordering::Relaxed) {
                     conns.shed += 1;
+                    self.table.shed("first_bytes");
                 }
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,

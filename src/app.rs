@@ -56,8 +56,6 @@ const CHUNK_LIMIT: usize = 1 << 20;
 /// How long in-flight RPCs get to finish after a shutdown signal.
 const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Runs the service until `shutdown` resolves, then stops gracefully:
-/// ingestion first, then in-flight RPCs finish.
 /// How many connections the kernel queues for `accept`. With the usual 128
 /// a burst of new connections (clients reconnecting at once, a flood)
 /// overflows the queue, and a probe's SYN is dropped and resent after 1 s:
@@ -77,6 +75,8 @@ fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(ACCEPT_BACKLOG)
 }
 
+/// Runs the service until `shutdown` resolves, then stops gracefully:
+/// ingestion first, then in-flight RPCs finish.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
     let indexer = Arc::new(Indexer::new(config.indexer.clone()));
     let mut sources = config.tokenizers.clone();

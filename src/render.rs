@@ -49,10 +49,10 @@ pub enum RenderError {
     Timeout(Duration),
     #[error("the render server cannot be reached: {0}")]
     Unreachable(String),
-    /// 4xx: the server refused this chat (its message).
+    /// 400, 413, 422: the server refused this chat (its message).
     #[error("the render server refused the chat (HTTP {0}): {1}")]
     Refused(u16, String),
-    /// 5xx, or an answer that is no prompt.
+    /// Any other status, or an answer that is no prompt.
     #[error("the render server failed (HTTP {0}): {1}")]
     Failed(u16, String),
 }
@@ -132,18 +132,28 @@ impl RenderServer {
             Ok(resp) => read(resp).map_err(|e| RenderError::Failed(200, e)),
             Err(ureq::Error::Status(code, resp)) => {
                 let message = read(resp).map_or_else(|e| e, |body| error_message(&body));
-                if (400..500).contains(&code) {
+                // The chat's fault only when the server says the request is
+                // bad; 401, 404, 408, 429 and the like are the server's or
+                // our configuration's, and a retry may do.
+                if matches!(code, 400 | 413 | 422) {
                     Err(RenderError::Refused(code, message))
                 } else {
                     Err(RenderError::Failed(code, message))
                 }
             }
             Err(ureq::Error::Transport(t)) => {
-                let text = t.to_string();
-                if text.contains("timed out") {
+                let timed_out = std::error::Error::source(&t)
+                    .and_then(|s| s.downcast_ref::<std::io::Error>())
+                    .is_some_and(|e| {
+                        matches!(
+                            e.kind(),
+                            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+                        )
+                    });
+                if timed_out {
                     Err(RenderError::Timeout(timeout))
                 } else {
-                    Err(RenderError::Unreachable(text))
+                    Err(RenderError::Unreachable(t.to_string()))
                 }
             }
         }

@@ -163,19 +163,31 @@ impl KvIndexerService {
         let Some(server) = self.render.for_model(model) else {
             return Ok(input);
         };
+        // The bound a chat tokenized here would meet, before any parsing.
+        if chat.len() > self.limits.max_prompt_bytes {
+            return Err(ApiError::TooLarge {
+                what: "the prompt's size in bytes",
+                got: chat.len(),
+                limit: self.limits.max_prompt_bytes,
+                flag: "max-prompt",
+            });
+        }
         if !crate::render::has_media(chat) {
             return Ok(input);
         }
         deadline.check("rendering")?;
         use crate::render::RenderError;
-        let rendered = server
-            .render_chat(model, chat, deadline.0)
-            .await
-            .and_then(|answer| {
+        let rendered = match server.render_chat(model, chat, deadline.0).await {
+            // Up to 16 MiB of JSON: parsed off the runtime's threads.
+            Ok(answer) => tokio::task::spawn_blocking(move || {
                 Rendered::parse(&answer, usize::MAX).map_err(|e| {
                     RenderError::Failed(200, format!("its answer is no GenerateRequest: {e}"))
                 })
-            });
+            })
+            .await
+            .map_err(|e| ApiError::Internal(format!("render answer task: {e}")))?,
+            Err(e) => Err(e),
+        };
         let outcome = match &rendered {
             Ok(_) => "ok",
             Err(RenderError::Busy(_)) => "busy",

@@ -57,6 +57,20 @@ impl Rendered {
         let body: Body = serde_json::from_str(body).map_err(|e| bad(e.to_string()))?;
         let mut mm_items = Vec::new();
         if let Some(f) = body.features {
+            if let Some(m) = f
+                .mm_placeholders
+                .keys()
+                .find(|m| !f.mm_hashes.contains_key(*m))
+            {
+                return Err(bad(format!("{m} placeholders without hashes")));
+            }
+            let items: usize = f.mm_hashes.values().map(Vec::len).sum();
+            if items > indexer::keys::multimodal::MAX_ITEMS {
+                return Err(bad(format!(
+                    "{items} multimodal items; at most {}",
+                    indexer::keys::multimodal::MAX_ITEMS
+                )));
+            }
             for (modality, hashes) in f.mm_hashes {
                 let places = f.mm_placeholders.get(&modality).map_or(&[][..], |p| p);
                 if places.len() != hashes.len() {
@@ -74,13 +88,6 @@ impl Rendered {
                         modality: modality.clone(),
                     });
                 }
-            }
-            if let Some(m) = f
-                .mm_placeholders
-                .keys()
-                .find(|m| !mm_items.iter().any(|i| &i.modality == *m))
-            {
-                return Err(bad(format!("{m} placeholders without hashes")));
             }
         }
         Ok(Rendered {

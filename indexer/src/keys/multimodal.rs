@@ -70,7 +70,7 @@ pub fn sorted_items(mut items: Vec<MmItem>, prompt_tokens: usize) -> Result<Vec<
     order.sort_by_key(|&i| items[i].offset);
     for w in order.windows(2) {
         let (a, b) = (&items[w[0]], &items[w[1]]);
-        if a.offset + a.length > b.offset {
+        if u64::from(a.offset) + u64::from(a.length) > u64::from(b.offset) {
             return Err(MmError::Overlap(w[0], w[1]));
         }
     }
@@ -82,7 +82,8 @@ pub fn sorted_items(mut items: Vec<MmItem>, prompt_tokens: usize) -> Result<Vec<
 /// offset - start]` pair per item it overlaps, in order (`items` sorted).
 pub fn block_extras(items: &[MmItem], start: usize, end: usize) -> Vec<ExtraKey> {
     // The first item not wholly before the block.
-    let first = items.partition_point(|i| (i.offset + i.length) as usize <= start);
+    let first =
+        items.partition_point(|i| (u64::from(i.offset) + u64::from(i.length)) as usize <= start);
     items[first..]
         .iter()
         .take_while(|i| (i.offset as usize) < end)

@@ -55,6 +55,10 @@ const KEEP_BLOCKS: usize = 16_384;
 /// `SCORE_ID`.
 const INGEST_ID: u64 = 1;
 const SCORE_ID: u64 = 1000;
+/// Pods that publish while Score is measured (`--ingest-rate` stored
+/// blocks/s, turn-shaped batches), from this instance id.
+const BACKGROUND_PODS: usize = 8;
+const BACKGROUND_ID: u64 = 2000;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Side {
@@ -204,10 +208,16 @@ pub async fn run(o: &Opts) -> Value {
             .map(|i| format!("peer-score-{i:02}"))
             .collect(),
     );
+    let mut background_pods = bind_pods(
+        &context,
+        (0..BACKGROUND_PODS)
+            .map(|i| format!("peer-bg-{i}"))
+            .collect(),
+    );
     let ours_endpoints: Vec<String> = shape_pods
         .iter()
         .flatten()
-        .chain([&score_pods])
+        .chain([&score_pods, &background_pods])
         .flat_map(|p| p.endpoints[Side::Ours as usize].iter().cloned())
         .collect();
     let mut peers = start(o, &ours_endpoints).await;
@@ -223,8 +233,21 @@ pub async fn run(o: &Opts) -> Value {
     {
         register(&peers.dynamo, SCORE_ID + i as u64, e).await;
     }
+    for (i, e) in background_pods.endpoints[Side::Dynamo as usize]
+        .iter()
+        .enumerate()
+    {
+        register(&peers.dynamo, BACKGROUND_ID + i as u64, e).await;
+    }
     let (ingest_rows, ingest_best) = ingest::ingest(&mut peers, &mut shape_pods, o.quick).await;
-    let score = score::score(&mut peers, &score_pods, o.quick).await;
+    let score = score::score(
+        &mut peers,
+        &score_pods,
+        &mut background_pods,
+        o.under_ingest.ingest_rate,
+        o.quick,
+    )
+    .await;
     json!({
         "peer": "dynamo",
         "dynamo": {"crate": "dynamo-kv-router 1.6.1 (standalone-indexer, metrics)",

@@ -1,6 +1,8 @@
 //! The peer Score part: one 2,048-block prompt over 64 pods, both answers
 //! checked, then ours (gRPC) and Dynamo (HTTP `/query`) one request at a
-//! time and at open-loop rates, taking turns.
+//! time and at open-loop rates, taking turns, each side's rate steps while
+//! its own background pods publish (`--ingest-rate` stored blocks/s): a
+//! router asks while the fleet's events stream in.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +13,7 @@ use simulator::vllm_wire::{encode_batch, frames, WireEvent};
 
 use super::http::{dynamo_query_time, http_request, Http};
 use super::processes::{Peers, Pods};
-use super::{Side, PROMPT_BLOCKS, SCORE_ID, SCORE_PODS, SIDES};
+use super::{PodStream, Shape, Side, PROMPT_BLOCKS, SCORE_ID, SCORE_PODS, SIDES};
 use crate::score::{open_loop, score_at_rate, score_step, Step};
 use crate::score_client::{grpc_message, ScoreClient};
 use crate::{percentile, pods_named, random_tokens, ZmqMessage, BLOCK, MODEL};
@@ -52,6 +54,59 @@ async fn dynamo_score_step(
     }
 }
 
+/// The background pods of one side, publishing turn-shaped batches at
+/// `blocks_per_s` stored blocks/s on a thread of their own while `during`
+/// runs. Returns its output and the stored blocks sent.
+async fn streaming<T>(
+    pods: &mut Pods,
+    streams: &mut Vec<PodStream>,
+    side: Side,
+    blocks_per_s: f64,
+    during: impl std::future::Future<Output = T>,
+) -> (T, u64) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const SHAPE: Shape = Shape {
+        name: "background",
+        blocks: 16,
+        request: 128,
+        rates: &[],
+    };
+    let publishers = std::mem::take(&mut pods.publishers[side as usize]);
+    let mut pod_streams = std::mem::take(streams);
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopping = stop.clone();
+    let thread = std::thread::spawn(move || {
+        let started = Instant::now();
+        let mut sent = 0u64;
+        let mut next = 0usize;
+        while !stopping.load(Ordering::Relaxed) {
+            let due = (started.elapsed().as_secs_f64() * blocks_per_s) as u64;
+            while sent < due {
+                let i = next % pod_streams.len();
+                next += 1;
+                let (msg, _) = pod_streams[i].batch(&SHAPE);
+                publishers[i]
+                    .as_ref()
+                    .expect("publisher")
+                    .send(&msg)
+                    .expect("publish");
+                sent += SHAPE.blocks as u64;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        (publishers, pod_streams, sent)
+    });
+    let out = during.await;
+    stop.store(true, Ordering::Relaxed);
+    let (publishers, pod_streams, sent) = tokio::task::spawn_blocking(move || thread.join())
+        .await
+        .expect("join")
+        .expect("background publisher");
+    pods.publishers[side as usize] = publishers;
+    *streams = pod_streams;
+    (out, sent)
+}
+
 /// Dynamo's answer to `/query`, as matched blocks per instance id.
 fn dynamo_matched(body: &[u8]) -> Vec<(u64, u32)> {
     let v: Value = serde_json::from_slice(body).expect("/query answer is JSON");
@@ -71,7 +126,22 @@ fn dynamo_matched(body: &[u8]) -> Vec<(u64, u32)> {
     out
 }
 
-pub(super) async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value {
+pub(super) async fn score(
+    peers: &mut Peers,
+    pods: &Pods,
+    background: &mut Pods,
+    ingest_rate: f64,
+    quick: bool,
+) -> Value {
+    // Each side's background pods stream from the same seeds: the same bytes.
+    let mut streams: [Vec<PodStream>; 2] = SIDES.map(|_| {
+        background
+            .names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| PodStream::new(name.clone(), 0xb9 + i as u64))
+            .collect()
+    });
     // The e2e Score shape: 64 pods hold the first 32, 64, ... 2048 blocks
     // of one 2048-block prompt.
     let mut x = 42u64;
@@ -191,7 +261,8 @@ pub(super) async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value 
     println!(
         "\npeer Score, token ids: 2048 blocks (32768 tokens), 64 pods at 64 depths, open loop; \
          ours: gRPC, 8 HTTP/2 connections; dynamo: HTTP/1.1 POST /query (JSON), {connections} keep-alive connections; \
-         {repeats} run(s) each, taking turns; per rate the run with the median p99"
+         {repeats} run(s) each, taking turns; per rate the run with the median p99; \
+         while each side's 8 background pods publish {ingest_rate:.0} stored blocks/s"
     );
     println!(
         "{:>9} | {:>8} {:>8} {:>8} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>7} | {:>9} {:>6}",
@@ -215,6 +286,8 @@ pub(super) async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value 
     // p99 over a second): it sits out its remaining runs and higher rates,
     // which would only measure its queue.
     let mut saturated: [Option<f64>; 2] = [None, None];
+    // Stored blocks each side's background pods sent during its steps.
+    let mut streamed = [0u64; 2];
     for rate in [500.0, 1000.0, 2000.0] {
         let mut runs: [Vec<Step>; 2] = [Vec::new(), Vec::new()];
         for _ in 0..repeats {
@@ -223,19 +296,26 @@ pub(super) async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value 
                 if saturated[i].is_some() {
                     continue;
                 }
-                let step = match side {
-                    Side::Ours => {
-                        score_step(
-                            &scores,
-                            &message,
-                            Some(peers.ours_metrics.as_str()),
-                            rate,
-                            seconds,
-                        )
-                        .await
+                let during = async {
+                    match side {
+                        Side::Ours => {
+                            score_step(
+                                &scores,
+                                &message,
+                                Some(peers.ours_metrics.as_str()),
+                                rate,
+                                seconds,
+                            )
+                            .await
+                        }
+                        Side::Dynamo => {
+                            dynamo_score_step(&peers.dynamo, &query, rate, seconds).await
+                        }
                     }
-                    Side::Dynamo => dynamo_score_step(&peers.dynamo, &query, rate, seconds).await,
                 };
+                let (step, sent) =
+                    streaming(background, &mut streams[i], side, ingest_rate, during).await;
+                streamed[i] += sent;
                 if step.achieved < 0.8 * rate || step.p99 > 1e6 {
                     saturated[i] = Some(rate);
                 }
@@ -305,7 +385,13 @@ pub(super) async fn score(peers: &mut Peers, pods: &Pods, quick: bool) -> Value 
             );
         }
     }
+    println!(
+        "background during the rate steps: {ingest_rate:.0} stored blocks/s offered; sent ours {}, dynamo {}",
+        streamed[0], streamed[1]
+    );
     json!({"one_at_a_time": alone_json, "rates": rows, "dynamo_connections": connections,
+        "background_stored_blocks_per_s": ingest_rate,
+        "background_sent": {"ours": streamed[0], "dynamo": streamed[1]},
         "fell_behind_at": {"ours": saturated[0], "dynamo": saturated[1]},
         "goal_p99_at_most_0_3x_met": all_met})
 }
