@@ -639,10 +639,27 @@ async fn probes_answer_within_a_second_under_a_connection_flood() {
         ));
         assert!(full > 0.0, "{listener}: none shed");
     }
-    // Slowloris on gRPC is closed for not sending its preface in time (on
-    // HTTP, hyper's header timeout closes it first).
-    let slow = service
-        .metric("kv_indexer_connections_shed_total{listener=\"grpc\",reason=\"first_bytes\"}");
-    assert!(slow > 0.0, "no slow gRPC connection shed");
     assert!(reopened.iter().all(|&n| n > 0), "reopened {reopened:?}");
+}
+
+/// A connection that sends a byte now and then, never a whole HTTP/2
+/// preface, is closed once it had 5 s for it, and counted; one that sent
+/// its preface stays.
+#[tokio::test]
+async fn a_grpc_connection_that_never_sends_its_preface_is_closed() {
+    let service = Service::start(&[]).await;
+    let mut slow = TcpStream::connect(("127.0.0.1", service.grpc_port)).unwrap();
+    let mut prompt = TcpStream::connect(("127.0.0.1", service.grpc_port)).unwrap();
+    prompt
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .unwrap();
+    for byte in b"PRI" {
+        slow.write_all(&[*byte]).unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    assert!(closed_by_peer(&mut slow, crate::common::budget(10)));
+    let series = "kv_indexer_connections_shed_total{listener=\"grpc\",reason=\"first_bytes\"}";
+    assert_eq!(service.metric(series), 1.0);
+    // The other one is open: the server's SETTINGS came, no EOF since.
+    assert!(!closed_by_peer(&mut prompt, Duration::from_millis(500)));
 }
