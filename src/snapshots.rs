@@ -62,10 +62,18 @@ pub fn load(dir: &Path, indexer: &Indexer, last: &LastSnapshot) -> bool {
 }
 
 /// Writes the indexer's state to `dir`, atomically.
+///
+/// The temp file has a name of its own, so that replicas sharing one
+/// directory (the Helm chart's `snapshots` volume) never write into each
+/// other's: each rename replaces the snapshot whole, and a reader opens
+/// the last one renamed.
 pub fn write(dir: &Path, indexer: &Indexer, last: &LastSnapshot) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!("{FILE}.tmp"));
-    let file = std::fs::File::create(&tmp)?;
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("{FILE}."))
+        .suffix(".tmp")
+        .tempfile_in(dir)?;
+    let (file, tmp) = tmp.into_parts();
     let file = indexer
         .export(BufWriter::with_capacity(1 << 16, file))?
         .into_inner()
@@ -73,7 +81,7 @@ pub fn write(dir: &Path, indexer: &Indexer, last: &LastSnapshot) -> std::io::Res
     file.sync_all()?;
     let bytes = file.metadata()?.len();
     drop(file);
-    std::fs::rename(&tmp, path(dir))?;
+    tmp.persist(path(dir)).map_err(|e| e.error)?;
     // The rename itself must survive a crash.
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
@@ -103,5 +111,69 @@ pub fn age_seconds(last: &LastSnapshot) -> i64 {
     match last.load(Ordering::Relaxed) {
         0 => -1,
         t => now().saturating_sub(t) as i64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use indexer::event::{BlockStored, EngineHash, EventBatch, KvEvent};
+    use indexer::IndexerConfig;
+
+    /// An index of `pods` pods holding `blocks` blocks each.
+    fn filled(pods: usize, blocks: u32) -> Indexer {
+        let ix = Indexer::new(IndexerConfig::default());
+        for p in 0..pods {
+            let pod = ix.pod("m", &format!("pod-{p}"), None);
+            let hashes: Vec<EngineHash> = (0..u64::from(blocks))
+                .map(|b| EngineHash((p as u64) << 32 | b))
+                .collect();
+            let tokens: Vec<u32> = (0..blocks * 16).map(|t| t + p as u32).collect();
+            let stored = KvEvent::Stored(BlockStored {
+                block_hashes: hashes,
+                token_ids: tokens,
+                block_size: Some(16),
+                ..Default::default()
+            });
+            let batch = EventBatch {
+                events: vec![stored],
+                ..Default::default()
+            };
+            ix.apply(&pod, 0, &batch);
+        }
+        ix
+    }
+
+    /// Replicas sharing one snapshot directory: while two write over and
+    /// over, every load finds a whole snapshot, one of the two.
+    #[test]
+    fn writers_sharing_a_directory_never_leave_a_torn_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (filled(3, 2000), filled(5, 1000));
+        write(dir.path(), &a, &LastSnapshot::default()).unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for ix in [&a, &b] {
+                let (dir, stop) = (dir.path(), &stop);
+                s.spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        write(dir, ix, &LastSnapshot::default()).unwrap();
+                    }
+                });
+            }
+            for _ in 0..40 {
+                let fresh = Indexer::new(IndexerConfig::default());
+                assert!(
+                    load(dir.path(), &fresh, &LastSnapshot::default()),
+                    "a torn or missing snapshot"
+                );
+                let entries = fresh.entries();
+                assert!(
+                    entries == a.entries() || entries == b.entries(),
+                    "{entries} entries, neither writer's"
+                );
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
     }
 }
