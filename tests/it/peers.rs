@@ -789,3 +789,81 @@ async fn a_forwarded_routing_ends_at_the_instant_it_was_given() {
         "ended at the instant given, not 60 s on"
     );
 }
+
+/// A peer that accepts connections and never answers (a hung replica, a
+/// partition that drops packets after the handshake): recording routings
+/// goes on, every one accepted, while what cannot reach the peer waits in
+/// a bounded queue; beyond it, routings are dropped and counted, and the
+/// sends that time out are counted as failed.
+#[tokio::test]
+async fn a_peer_that_never_answers_neither_slows_nor_fails_recording() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(&dir, "token", "fleet-secret");
+    // Accepts, holds every connection, says nothing.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in silent.incoming() {
+            held.extend(conn.ok());
+        }
+    });
+    let a = Service::start(&[
+        "--peer",
+        &silent_addr,
+        "--peer-wait",
+        "1s",
+        "--peer-token-file",
+        &token,
+    ])
+    .await;
+    let stream = load_frames(STREAM);
+    let expected = load_expected(STREAM);
+    let mut publisher = Publisher::connect(a.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&a, "marker").await;
+    publisher.publish_all(&stream).await;
+    a.wait_applied(&expected.model, &batches_per_pod(&stream))
+        .await;
+    // Four times the peer's queue (4,096) from 16 clients at once: more
+    // than the queue holds while one send waits out its 1 s timeout.
+    let mut clients = Vec::new();
+    for c in 0..16u32 {
+        let mut client = a.client().await;
+        let (model, pod, bs) = (
+            expected.model.clone(),
+            expected.pods[0].clone(),
+            expected.block_size,
+        );
+        clients.push(tokio::spawn(async move {
+            for i in 0..1024u32 {
+                let first = 700_000 + (c * 1024 + i) * 64;
+                let tokens: Vec<u32> = (0..2 * bs).map(|t| first + t).collect();
+                let recorded = client
+                    .record_routing(pb::RecordRoutingRequest {
+                        model: model.clone(),
+                        pod: pod.clone(),
+                        input: Some(pb::record_routing_request::Input::TokenIds(pb::TokenIds {
+                            ids: tokens,
+                        })),
+                        ..Default::default()
+                    })
+                    .await
+                    .expect("RecordRouting")
+                    .into_inner();
+                assert_eq!(recorded.speculative_blocks, 2);
+            }
+        }));
+    }
+    for c in clients {
+        c.await.unwrap();
+    }
+    let dropped = a.metric("kv_indexer_peer_routings_forwarded_total{outcome=\"dropped\"}");
+    assert!(dropped > 0.0, "nothing dropped");
+    a.wait_metric(
+        "kv_indexer_peer_routings_forwarded_total{outcome=\"failed\"}",
+        |failed| failed > 0.0,
+    )
+    .await;
+    let sent = a.metric("kv_indexer_peer_routings_forwarded_total{outcome=\"sent\"}");
+    assert_eq!(sent, 0.0);
+}
