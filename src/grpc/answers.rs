@@ -30,15 +30,13 @@ impl KvIndexerService {
         let input = PromptInput::from_score(req.input, self.limits.max_prompt_bytes)?;
         let input = self.render_media(&req.model, input, deadline).await?;
         let (input, mm_items, salt) = with_rendered(input, req.mm_items, &req.cache_salt)?;
-        if !mm_items.is_empty() && !matches!(input, PromptInput::TokenIds(_)) {
-            return Err(self.mm_items(mm_items, None).unwrap_err());
-        }
+        items_need_token_ids(&input, &mm_items)?;
         // Held to the end of scoring (the tokenization hands it back).
         let (tokens, _permit) = self
             .prompt_tokens(&req.model, input, req.add_special_tokens, deadline, permit)
             .await?;
         let mm = match &tokens {
-            PromptTokens::Ids(ids) => self.mm_items(mm_items, Some(ids))?,
+            PromptTokens::Ids(ids) => self.mm_items(mm_items, ids)?,
             _ => Vec::new(),
         };
         deadline.check("scoring")?;
@@ -257,16 +255,14 @@ impl KvIndexerService {
                 let input = PromptInput::from_record(input, self.limits.max_prompt_bytes)?;
                 let input = self.render_media(&req.model, input, deadline).await?;
                 let (input, mm_items, salt) = with_rendered(input, req.mm_items, &req.cache_salt)?;
-                if !mm_items.is_empty() && !matches!(input, PromptInput::TokenIds(_)) {
-                    return Err(self.mm_items(mm_items, None).unwrap_err());
-                }
+                items_need_token_ids(&input, &mm_items)?;
                 let (tokens, _permit) = self
                     .prompt_tokens(&req.model, input, req.add_special_tokens, deadline, permit)
                     .await?;
                 let (lora, salt) = (non_empty(&req.lora_name), salt.as_deref());
                 match tokens {
                     PromptTokens::Ids(mut tokens) => {
-                        let mm = self.mm_items(mm_items, Some(&tokens))?;
+                        let mm = self.mm_items(mm_items, &tokens)?;
                         let bs = if approximate {
                             self.indexer.model_block_size(&req.model)
                         } else {

@@ -316,7 +316,10 @@ impl KvIndexer for KvIndexerService {
         let req = request.into_inner();
         let keys: Vec<BlockKey> = match req.input {
             Some(pb::lookup_blocks_request::Input::BlockKeys(_)) if !req.mm_items.is_empty() => {
-                return Err(self.mm_items(req.mm_items, None).unwrap_err().into())
+                return Err(ApiError::BadMultimodal(
+                    "mm_items go with token_ids: block_keys are keyed already".into(),
+                )
+                .into())
             }
             Some(pb::lookup_blocks_request::Input::BlockKeys(k)) => {
                 k.keys.into_iter().map(BlockKey).collect()
@@ -328,7 +331,7 @@ impl KvIndexer for KvIndexerService {
                     0 => self.indexer.model_block_size(&req.model),
                     bs => bs,
                 };
-                let mm = self.mm_items(req.mm_items, Some(&t.ids))?;
+                let mm = self.mm_items(req.mm_items, &t.ids)?;
                 self.indexer.request_keys(
                     &req.model,
                     non_empty(&req.lora_name),

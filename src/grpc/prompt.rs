@@ -200,24 +200,16 @@ impl KvIndexerService {
         Ok(Err(rendered?))
     }
 
-    /// A request's multimodal items, checked and in prompt order. They go
-    /// with token ids only: a text or chat prompt has no placeholders we
-    /// could place them at.
+    /// A request's multimodal items, checked against its token ids and
+    /// put in prompt order.
     pub(super) fn mm_items(
         &self,
         items: Vec<pb::MultimodalItem>,
-        tokens: Option<&[u32]>,
+        tokens: &[u32],
     ) -> Result<Vec<MmItem>, ApiError> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        let Some(tokens) = tokens else {
-            return Err(ApiError::BadMultimodal(
-                "mm_items go with token_ids: send the prompt as rendered (vLLM's render server \
-                 returns token_ids and each item's placeholders)"
-                    .into(),
-            ));
-        };
         let items = items
             .into_iter()
             .map(|i| MmItem {
@@ -343,6 +335,22 @@ pub(super) fn shorten(s: &str) -> &str {
         end -= 1;
     }
     &s[..end]
+}
+
+/// Multimodal items go with token ids only: a text or chat prompt has no
+/// placeholders to put them at.
+pub(super) fn items_need_token_ids(
+    input: &PromptInput,
+    items: &[pb::MultimodalItem],
+) -> Result<(), ApiError> {
+    if items.is_empty() || matches!(input, PromptInput::TokenIds(_)) {
+        return Ok(());
+    }
+    Err(ApiError::BadMultimodal(
+        "mm_items go with token_ids: send the prompt as rendered (vLLM's render server returns \
+         token_ids and each item's placeholders)"
+            .into(),
+    ))
 }
 
 /// Proto3 strings are never absent: empty means "not set".
