@@ -271,6 +271,49 @@ impl RenderServer {
     }
 }
 
+/// `--render-concurrency`: one render in flight at a time per server; a
+/// second chat with an image while the first waits on the server is
+/// refused at once, and counted, not queued.
+#[tokio::test]
+async fn renders_beyond_render_concurrency_are_refused_at_once() {
+    let expected = load_expected(STREAM);
+    let rendered = expected.probes[0].generate_request_json.clone().unwrap();
+    let server =
+        RenderServer::start(move |_| (200, rendered.clone(), std::time::Duration::from_secs(2)));
+    let service = Service::start(&[
+        "--render-url",
+        &server.url(&expected.model),
+        "--render-concurrency",
+        "1",
+    ])
+    .await;
+    let chat = pb::ScoreRequest {
+        model: expected.model.clone(),
+        input: Some(pb::score_request::Input::ChatCompletionJson(image_chat())),
+        ..Default::default()
+    };
+    let mut first = service.client().await;
+    let first_chat = chat.clone();
+    let slow = tokio::spawn(async move { first.score(first_chat).await });
+    // The first is at the server (it keeps the body before it sleeps).
+    service
+        .wait_until("the first render at the server", async || {
+            !server.bodies.lock().unwrap().is_empty()
+        })
+        .await;
+    let mut second = service.client().await;
+    assert_score_errors(
+        &mut second,
+        [(chat, tonic::Code::ResourceExhausted, "--render-concurrency")],
+    )
+    .await;
+    slow.await.unwrap().expect("the first render is answered");
+    assert_eq!(
+        service.metric("kv_indexer_renders_total{outcome=\"busy\"}"),
+        1.0
+    );
+}
+
 /// A chat with an image part and the probe whose prompt the render server
 /// makes of it.
 fn image_chat() -> String {
@@ -357,6 +400,8 @@ async fn render_url_renders_chats_with_images() {
         let series = format!("kv_indexer_renders_total{{outcome=\"{outcome}\"}}");
         assert_eq!(service.metric(&series), n, "{series}");
     }
+    drop(client);
+    drop(service);
     // A model whose server is down, and one with none configured.
     let down = free_port();
     let service = Service::start(&[
