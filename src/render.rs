@@ -87,12 +87,12 @@ impl RenderServers {
 }
 
 impl RenderServer {
-    /// The server's `GenerateRequest` (JSON) for a chat completions body,
-    /// before `deadline` (if any).
+    /// The server's `GenerateRequest` (JSON) for a chat completions body
+    /// (as `media_chat` parsed it), before `deadline` (if any).
     pub async fn render_chat(
         self: Arc<Self>,
         model: &str,
-        chat: &str,
+        mut chat: serde_json::Map<String, serde_json::Value>,
         deadline: Option<Instant>,
     ) -> Result<String, RenderError> {
         let Ok(slot) = self.slots.clone().try_acquire_owned() else {
@@ -102,13 +102,8 @@ impl RenderServer {
             .map(|d| d.saturating_duration_since(Instant::now()))
             .map_or(self.timeout, |left| left.min(self.timeout));
         // vLLM requires the model; a router's body may leave it out.
-        let body = match serde_json::from_str::<serde_json::Value>(chat) {
-            Ok(serde_json::Value::Object(mut map)) => {
-                map.entry("model").or_insert_with(|| model.into());
-                serde_json::Value::Object(map).to_string()
-            }
-            _ => chat.to_owned(),
-        };
+        chat.entry("model").or_insert_with(|| model.into());
+        let body = serde_json::Value::Object(chat).to_string();
         let server = self.clone();
         let call = tokio::task::spawn_blocking(move || {
             let _slot = slot;
@@ -189,13 +184,15 @@ fn error_message(body: &str) -> String {
     }
 }
 
-/// Whether a chat completions body has a part that is not text (an image,
-/// audio, video): those need the model's processor.
-pub fn has_media(chat: &str) -> bool {
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(chat) else {
-        return false;
+/// A chat completions body, parsed, if it has a part that is not text (an
+/// image, audio, video): those need the model's processor. `None` for
+/// anything else, malformed bodies included (the tokenizer says why).
+pub fn media_chat(chat: &str) -> Option<serde_json::Map<String, serde_json::Value>> {
+    let serde_json::Value::Object(body) = serde_json::from_str(chat).ok()? else {
+        return None;
     };
-    v.get("messages")
+    let media = body
+        .get("messages")
         .and_then(|m| m.as_array())
         .into_iter()
         .flatten()
@@ -205,7 +202,8 @@ pub fn has_media(chat: &str) -> bool {
             part.get("type")
                 .and_then(|t| t.as_str())
                 .is_some_and(|t| t != "text")
-        })
+        });
+    media.then_some(body)
 }
 
 #[cfg(test)]
@@ -216,11 +214,9 @@ mod tests {
     fn media_parts_are_told_from_text() {
         let text = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}"#;
         let image = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"data:"}}]}]}"#;
-        assert!(!has_media(text));
-        assert!(!has_media(
-            r#"{"messages":[{"role":"user","content":"hi"}]}"#
-        ));
-        assert!(has_media(image));
+        assert!(media_chat(text).is_none());
+        assert!(media_chat(r#"{"messages":[{"role":"user","content":"hi"}]}"#).is_none());
+        assert!(media_chat(image).is_some());
     }
 
     #[test]

@@ -28,6 +28,23 @@ impl Deadline {
     }
 }
 
+/// `--max-prompt` (`limit` bytes) for `what`, of `bytes`.
+pub(super) fn within_max_prompt(
+    what: &'static str,
+    bytes: usize,
+    limit: usize,
+) -> Result<(), ApiError> {
+    if bytes > limit {
+        return Err(ApiError::TooLarge {
+            what,
+            got: bytes,
+            limit,
+            flag: "max-prompt",
+        });
+    }
+    Ok(())
+}
+
 /// `grpc-timeout`: digits then H, M, S, m (ms), u (us) or n (ns).
 pub(super) fn parse_grpc_timeout(v: &str) -> Option<Duration> {
     let (num, unit) = v.split_at(v.len().checked_sub(1)?);
@@ -61,6 +78,15 @@ impl KvIndexerService {
             .and_then(parse_grpc_timeout)
             .map(|d| Instant::now() + d.saturating_sub(DEADLINE_MARGIN.min(d / 10)));
         Ok((permit, Deadline(deadline)))
+    }
+
+    /// `--max-prompt`, for a text prompt or chat body (`what`) of `bytes`.
+    pub(super) fn check_prompt_bytes(
+        &self,
+        what: &'static str,
+        bytes: usize,
+    ) -> Result<(), ApiError> {
+        within_max_prompt(what, bytes, self.limits.max_prompt_bytes)
     }
 
     pub(super) fn check_tokens(&self, n: usize) -> Result<(), ApiError> {

@@ -55,14 +55,7 @@ impl KvIndexerService {
         let bytes = match &input {
             TextInput::Prompt(t) | TextInput::Chat(t) => t.len(),
         };
-        if bytes > self.limits.max_prompt_bytes {
-            return Err(ApiError::TooLarge {
-                what: "the prompt's size in bytes",
-                got: bytes,
-                limit: self.limits.max_prompt_bytes,
-                flag: "max-prompt",
-            });
-        }
+        self.check_prompt_bytes("the prompt's size in bytes", bytes)?;
         deadline.check("tokenization")?;
         let tok = self.tokenizer_for(model, deadline).await?;
         let kind = input.kind();
@@ -164,23 +157,17 @@ impl KvIndexerService {
             return Ok(input);
         };
         // The bound a chat tokenized here would meet, before any parsing.
-        if chat.len() > self.limits.max_prompt_bytes {
-            return Err(ApiError::TooLarge {
-                what: "the prompt's size in bytes",
-                got: chat.len(),
-                limit: self.limits.max_prompt_bytes,
-                flag: "max-prompt",
-            });
-        }
-        if !crate::render::has_media(chat) {
+        self.check_prompt_bytes("the prompt's size in bytes", chat.len())?;
+        let Some(chat) = crate::render::media_chat(chat) else {
             return Ok(input);
-        }
+        };
         deadline.check("rendering")?;
         use crate::render::RenderError;
         let rendered = match server.render_chat(model, chat, deadline.0).await {
             // Up to 16 MiB of JSON: parsed off the runtime's threads.
             Ok(answer) => tokio::task::spawn_blocking(move || {
-                Rendered::parse(&answer, usize::MAX).map_err(|e| {
+                // Bounded already: the render client reads at most 16 MiB.
+                Rendered::parse(&answer).map_err(|e| {
                     RenderError::Failed(200, format!("its answer is no GenerateRequest: {e}"))
                 })
             })
@@ -249,7 +236,7 @@ impl PromptInput {
             Some(Input::Prompt(text)) => PromptInput::Text(TextInput::Prompt(text)),
             Some(Input::ChatCompletionJson(body)) => PromptInput::Text(TextInput::Chat(body)),
             Some(Input::GenerateRequestJson(body)) => {
-                return Ok(Err(Rendered::parse(&body, max_bytes)?))
+                return Ok(Err(Rendered::from_request(&body, max_bytes)?))
             }
             None => {
                 return Err(ApiError::MissingInput(
@@ -270,7 +257,7 @@ impl PromptInput {
             Some(Input::Prompt(text)) => PromptInput::Text(TextInput::Prompt(text)),
             Some(Input::ChatCompletionJson(body)) => PromptInput::Text(TextInput::Chat(body)),
             Some(Input::GenerateRequestJson(body)) => {
-                return Ok(Err(Rendered::parse(&body, max_bytes)?))
+                return Ok(Err(Rendered::from_request(&body, max_bytes)?))
             }
             Some(Input::PromptHandle(_)) | None => {
                 return Err(ApiError::MissingInput(

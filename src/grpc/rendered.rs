@@ -43,16 +43,19 @@ struct Placeholder {
 }
 
 impl Rendered {
-    /// `body`, a `GenerateRequest` in JSON; at most `max_bytes` of it.
-    pub(super) fn parse(body: &str, max_bytes: usize) -> Result<Rendered, ApiError> {
-        if body.len() > max_bytes {
-            return Err(ApiError::TooLarge {
-                what: "generate_request_json's size in bytes",
-                got: body.len(),
-                limit: max_bytes,
-                flag: "max-prompt",
-            });
-        }
+    /// A request's `generate_request_json`, at most `max_bytes` of it
+    /// (`--max-prompt`).
+    pub(super) fn from_request(body: &str, max_bytes: usize) -> Result<Rendered, ApiError> {
+        super::admission::within_max_prompt(
+            "generate_request_json's size in bytes",
+            body.len(),
+            max_bytes,
+        )?;
+        Rendered::parse(body)
+    }
+
+    /// `body`, a `GenerateRequest` in JSON (bounded by the caller).
+    pub(super) fn parse(body: &str) -> Result<Rendered, ApiError> {
         let bad = |why: String| ApiError::BadMultimodal(format!("generate_request_json: {why}"));
         let body: Body = serde_json::from_str(body).map_err(|e| bad(e.to_string()))?;
         let mut mm_items = Vec::new();
