@@ -32,6 +32,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::task::AtomicWaker;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
@@ -52,12 +54,17 @@ pub struct Admission {
 }
 
 struct Table {
-    /// `grpc` or `http`, for metrics.
-    listener: &'static str,
     max: usize,
     first_bytes_timeout: Duration,
     epoch: Instant,
     conns: Mutex<Conns>,
+    /// This listener's series, found once: connections open, shed for a
+    /// newer one, shed for sending nothing in time.
+    open: Gauge,
+    shed_full: Counter,
+    shed_first_bytes: Counter,
+    /// `kv_indexer_refused_total`'s `what` for this listener.
+    refused: &'static str,
     metrics: Arc<Metrics>,
 }
 
@@ -90,13 +97,33 @@ impl Admission {
         first_bytes_timeout: Duration,
         metrics: Arc<Metrics>,
     ) -> Admission {
+        let shed = |reason: &str| {
+            metrics
+                .connections_shed
+                .get_or_create(&vec![
+                    ("listener", listener.to_owned()),
+                    ("reason", reason.to_owned()),
+                ])
+                .clone()
+        };
+        let open = metrics
+            .connections
+            .get_or_create(&vec![("listener", listener.to_owned())])
+            .clone();
+        let (shed_full, shed_first_bytes) = (shed("full"), shed("first_bytes"));
         Admission {
             table: Arc::new(Table {
-                listener,
                 max,
                 first_bytes_timeout,
                 epoch: Instant::now(),
                 conns: Mutex::new(Conns::default()),
+                open,
+                shed_full,
+                shed_first_bytes,
+                refused: match listener {
+                    "grpc" => "grpc_connection",
+                    _ => "http_connection",
+                },
                 metrics,
             }),
         }
@@ -117,10 +144,7 @@ impl Admission {
             let mut conns = table.conns.lock().unwrap_or_else(|e| e.into_inner());
             if conns.open.len() >= table.max.saturating_mul(2) {
                 drop(conns);
-                table.metrics.refuse(match table.listener {
-                    "grpc" => "grpc_connection",
-                    _ => "http_connection",
-                });
+                table.metrics.refuse(table.refused);
                 return None;
             }
             if conns.open.len() - conns.shed >= table.max {
@@ -133,7 +157,7 @@ impl Admission {
                 if let Some(victim) = victim {
                     victim.shed();
                     conns.shed += 1;
-                    table.shed("full");
+                    table.shed_full.inc();
                 }
             }
             let id = conns.next_id;
@@ -141,7 +165,7 @@ impl Admission {
             conns.open.insert(id, conn.clone());
             id
         };
-        table.open_gauge().inc();
+        table.open.inc();
         Some(Admitted {
             stream,
             conn,
@@ -156,23 +180,6 @@ impl Admission {
 impl Table {
     fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
-    }
-
-    fn shed(&self, reason: &'static str) {
-        self.metrics
-            .connections_shed
-            .get_or_create(&vec![
-                ("listener", self.listener.to_owned()),
-                ("reason", reason.to_owned()),
-            ])
-            .inc();
-    }
-
-    fn open_gauge(&self) -> prometheus_client::metrics::gauge::Gauge {
-        self.metrics
-            .connections
-            .get_or_create(&vec![("listener", self.listener.to_owned())])
-            .clone()
     }
 }
 
@@ -202,7 +209,7 @@ impl Drop for Admitted {
             conns.shed -= 1;
         }
         drop(conns);
-        self.table.open_gauge().dec();
+        self.table.open.dec();
     }
 }
 
@@ -227,7 +234,7 @@ impl Admitted {
                 let mut conns = self.table.conns.lock().unwrap_or_else(|e| e.into_inner());
                 if !self.conn.shed.swap(true, Ordering::Relaxed) {
                     conns.shed += 1;
-                    self.table.shed("first_bytes");
+                    self.table.shed_first_bytes.inc();
                 }
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
