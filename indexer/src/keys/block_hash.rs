@@ -163,7 +163,11 @@ mod ni {
         }
     }
 
-    /// `hash` of a block of whole chunks (a multiple of 4 token ids).
+    /// `hash` of a block of whole chunks (a multiple of 4 token ids): the
+    /// same rounds, read a pair of chunks at a time. It is `hash` written
+    /// again on purpose: one function over chunk indexes serving both (a
+    /// loader closure per chunk) measured 6.2 against 4.5 us for a
+    /// 2,048-block prompt (`cargo bench -p indexer --bench keys`).
     #[inline]
     #[target_feature(enable = "aes,sse4.1")]
     fn hash_whole(tokens: &[u32]) -> u64 {
