@@ -681,27 +681,20 @@ fn profile_find() {
     let passes: usize = env_filter("COMPARE_FIND_PASSES")
         .and_then(|p| p.parse().ok())
         .unwrap_or(19);
-    let size_only: Option<usize> = env_filter("COMPARE_SIZE").and_then(|s| s.parse().ok());
-    for_each_profiled(40, |fleet, trace, input, e| {
-        let filled = (e.fill)(trace, input, &mut Measured::default());
-        for (si, size) in SIZES.iter().enumerate() {
-            if size_only.is_some_and(|s| s != *size) {
-                continue;
-            }
-            // The warm-up, not through `find_pass`: it stays out of the profile.
-            for q in 0..filled.queries(si) {
-                filled.time_find(si, q);
-            }
-            let t0 = Instant::now();
-            let finds: usize = (0..passes).map(|_| find_pass(filled.as_ref(), si)).sum();
-            let ns = t0.elapsed().as_nanos() as f64 / finds as f64;
-            println!(
-                "{} pods, {}, {}, {size} blocks: {finds} finds profiled, {ns:.0} ns each",
-                fleet.pods,
-                input.name(),
-                e.name,
-            );
+    for_each_profiled_size(|fleet, input, e, filled, si, size| {
+        // The warm-up, not through `find_pass`: it stays out of the profile.
+        for q in 0..filled.queries(si) {
+            filled.time_find(si, q);
         }
+        let t0 = Instant::now();
+        let finds: usize = (0..passes).map(|_| find_pass(filled, si)).sum();
+        let ns = t0.elapsed().as_nanos() as f64 / finds as f64;
+        println!(
+            "{} pods, {}, {}, {size} blocks: {finds} finds profiled, {ns:.0} ns each",
+            fleet.pods,
+            input.name(),
+            e.name,
+        );
     });
 }
 
@@ -715,63 +708,56 @@ fn profile_find() {
 /// the waits is the host's scheduling, not the index. Filters as
 /// `--profile-find`.
 fn profile_tails() {
-    let size_only: Option<usize> = env_filter("COMPARE_SIZE").and_then(|s| s.parse().ok());
-    for_each_profiled(40, |fleet, trace, input, e| {
-        let filled = (e.fill)(trace, input, &mut Measured::default());
-        for (si, size) in SIZES.iter().enumerate() {
-            if size_only.is_some_and(|s| s != *size) {
-                continue;
+    for_each_profiled_size(|fleet, input, e, filled, si, size| {
+        find_pass(filled, si);
+        let mut samples: Vec<(Duration, u64)> = Vec::new();
+        for _ in 0..50 {
+            for q in 0..filled.queries(si) {
+                let before = run_queue_wait_ns();
+                let t = filled.time_find(si, q);
+                samples.push((t, run_queue_wait_ns().saturating_sub(before)));
             }
-            find_pass(filled.as_ref(), si);
-            let mut samples: Vec<(Duration, u64)> = Vec::new();
-            for _ in 0..50 {
-                for q in 0..filled.queries(si) {
-                    let before = run_queue_wait_ns();
-                    let t = filled.time_find(si, q);
-                    samples.push((t, run_queue_wait_ns().saturating_sub(before)));
-                }
+        }
+        let pct = |mut v: Vec<Duration>, p: f64| {
+            if v.is_empty() {
+                return f64::NAN;
             }
-            let pct = |mut v: Vec<Duration>, p: f64| {
-                if v.is_empty() {
-                    return f64::NAN;
-                }
-                v.sort_unstable();
-                percentile(&v, p) / 1e3
-            };
-            let all: Vec<Duration> = samples.iter().map(|s| s.0).collect();
-            let calm: Vec<Duration> = samples.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();
-            let mut by_time = samples.clone();
-            by_time.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
-            let top = (samples.len() / 1000).max(1);
-            let waited = by_time[..top].iter().filter(|s| s.1 > 0).count();
-            println!(
-                "{} pods, {}, {}, {size} blocks: {} finds, {} waited for a CPU; \
+            v.sort_unstable();
+            percentile(&v, p) / 1e3
+        };
+        let all: Vec<Duration> = samples.iter().map(|s| s.0).collect();
+        let calm: Vec<Duration> = samples.iter().filter(|s| s.1 == 0).map(|s| s.0).collect();
+        let mut by_time = samples.clone();
+        by_time.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
+        let top = (samples.len() / 1000).max(1);
+        let waited = by_time[..top].iter().filter(|s| s.1 > 0).count();
+        println!(
+            "{} pods, {}, {}, {size} blocks: {} finds, {} waited for a CPU; \
                  p50/p99/p99.9 all {:.2}/{:.2}/{:.2} us, unwaited {:.2}/{:.2}/{:.2} us; \
                  slowest {top}: {waited} waited",
-                fleet.pods,
-                input.name(),
-                e.name,
-                samples.len(),
-                samples.len() - calm.len(),
-                pct(all.clone(), 0.5),
-                pct(all.clone(), 0.99),
-                pct(all.clone(), 0.999),
-                pct(calm.clone(), 0.5),
-                pct(calm.clone(), 0.99),
-                pct(calm, 0.999),
-            );
-            if e.name == "ours" {
-                // The control: fixed work of the same median length, no index.
-                let target = Duration::from_nanos(pct(all.clone(), 0.5) as u64 * 1000);
-                let control = control_times(target, samples.len());
-                println!(
+            fleet.pods,
+            input.name(),
+            e.name,
+            samples.len(),
+            samples.len() - calm.len(),
+            pct(all.clone(), 0.5),
+            pct(all.clone(), 0.99),
+            pct(all.clone(), 0.999),
+            pct(calm.clone(), 0.5),
+            pct(calm.clone(), 0.99),
+            pct(calm, 0.999),
+        );
+        if e.name == "ours" {
+            // The control: fixed work of the same median length, no index.
+            let target = Duration::from_nanos(pct(all.clone(), 0.5) as u64 * 1000);
+            let control = control_times(target, samples.len());
+            println!(
                     "    control (fixed work, same median, {} runs): p50/p99/p99.9 {:.2}/{:.2}/{:.2} us",
                     control.len(),
                     pct(control.clone(), 0.5),
                     pct(control.clone(), 0.99),
                     pct(control, 0.999),
                 );
-            }
         }
     });
 }
@@ -1011,6 +997,21 @@ fn for_each_profiled(queries_per_size: usize, mut each: impl FnMut(&Fleet, &Trac
             }
         }
     }
+}
+
+/// Each indexer of `for_each_profiled` (40 queries per size) filled with its
+/// trace, then `each` for every query size `COMPARE_SIZE` lets through:
+/// (fleet, input, indexer, the filled indexer, size index, size).
+fn for_each_profiled_size(mut each: impl FnMut(&Fleet, Input, &Entry, &dyn Filled, usize, usize)) {
+    let size_only: Option<usize> = env_filter("COMPARE_SIZE").and_then(|s| s.parse().ok());
+    for_each_profiled(40, |fleet, trace, input, e| {
+        let filled = (e.fill)(trace, input, &mut Measured::default());
+        for (si, size) in SIZES.iter().enumerate() {
+            if size_only.is_none_or(|s| s == *size) {
+                each(fleet, input, e, filled.as_ref(), si, *size);
+            }
+        }
+    });
 }
 
 /// One untimed pass over a query set: the timed rounds' warm-up, and what
