@@ -14,6 +14,20 @@ fn load(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// A JSON array of numbers, as token ids.
+fn u32s(v: &Value) -> Vec<u32> {
+    u64s(v).into_iter().map(|t| t as u32).collect()
+}
+
+/// A JSON array of numbers.
+fn u64s(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .collect()
+}
+
 fn hex(d: &Digest) -> String {
     d.as_bytes().iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -65,18 +79,7 @@ fn vllm_0_33_engine_hash_vectors_all_match() {
             v["none_hash_hex"].as_str().unwrap(),
             "{what}"
         );
-        let blocks: Vec<Vec<u32>> = v["blocks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|b| {
-                b.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|t| t.as_u64().unwrap() as u32)
-                    .collect()
-            })
-            .collect();
+        let blocks: Vec<Vec<u32>> = v["blocks"].as_array().unwrap().iter().map(u32s).collect();
         let digests = chain(&h, &blocks, v["extra_keys"].as_array().unwrap());
         for (i, d) in digests.iter().enumerate() {
             assert_eq!(
@@ -112,24 +115,14 @@ fn request_extras_reproduce_lora_and_salt_vectors() {
             .as_array()
             .unwrap()
             .iter()
-            .flat_map(|b| {
-                b.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|t| t.as_u64().unwrap() as u32)
-            })
+            .flat_map(u32s)
             .collect();
         let wire: Vec<u64> = h
             .prompt_digests(&tokens, bs, &first, &rest)
             .iter()
             .map(|d| d.wire().0)
             .collect();
-        let want: Vec<u64> = v["wire_u64"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| w.as_u64().unwrap())
-            .collect();
+        let want = u64s(&v["wire_u64"]);
         assert_eq!(wire, want, "{} {} {}", v["algo"], v["seed"], v["case"]);
     }
 }
@@ -148,12 +141,7 @@ fn real_vllm_recordings_match_including_bare_lora_name() {
             rec["hash_seed"].as_str().unwrap(),
             ExtraKeyStyle::Bare,
         );
-        let tokens: Vec<u32> = rec["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
+        let tokens = u32s(&rec["token_ids"]);
         let bs = rec["block_size"].as_u64().unwrap() as usize;
         let lora = rec["lora_name"]
             .as_str()
@@ -164,12 +152,7 @@ fn real_vllm_recordings_match_including_bare_lora_name() {
             .iter()
             .map(|d| d.wire().0)
             .collect();
-        let want: Vec<u64> = rec["block_hashes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| w.as_u64().unwrap())
-            .collect();
+        let want = u64s(&rec["block_hashes"]);
         assert_eq!(got.len(), 25, "{name}");
         assert_eq!(got, want, "{name}");
     }
@@ -235,12 +218,7 @@ fn vllm_0_33_multimodal_hash_vectors_all_match() {
             assume_prefix_closed: false,
             self_check_every: 0,
         }));
-        let tokens: Vec<u32> = v["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
+        let tokens = u32s(&v["token_ids"]);
         let items: Vec<MmItem> = v["mm_items"]
             .as_array()
             .unwrap()
@@ -261,12 +239,7 @@ fn vllm_0_33_multimodal_hash_vectors_all_match() {
             &items,
         );
         assert!(engine);
-        let want: Vec<u64> = v["wire_u64"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| w.as_u64().unwrap())
-            .collect();
+        let want = u64s(&v["wire_u64"]);
         let got: Vec<u64> = keys.iter().map(|k| k.0).collect();
         assert_eq!(got, want, "{} {}", v["algo"], v["case"]);
         blocks += got.len();
