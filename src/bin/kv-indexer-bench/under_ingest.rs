@@ -87,7 +87,7 @@ const CYCLE: usize = 1 + TURNS_PER_PREFILL * (1 + DECODES_PER_TURN);
 const POD_CAPACITY: usize = 16 * 1024;
 
 /// One vLLM-like pod: where it is in its cycle and what it holds.
-struct LoadPod {
+pub(crate) struct LoadPod {
     name: String,
     socket: Option<Publisher>,
     seq: u64,
@@ -109,8 +109,17 @@ struct Batch {
 impl LoadPod {
     fn new(context: &zmq::Context, zmq: &str, i: usize) -> LoadPod {
         LoadPod {
-            name: format!("load-{i}"),
             socket: Some(Publisher::connect(context, zmq).expect("connect PUB")),
+            ..LoadPod::named(format!("load-{i}"), i)
+        }
+    }
+
+    /// Pod `i` of a load, named `name`, publishing through sockets kept
+    /// elsewhere (handed to `publish` with its timeline).
+    pub(crate) fn named(name: String, i: usize) -> LoadPod {
+        LoadPod {
+            name,
+            socket: None,
             seq: 0,
             // Pods start at different points of the cycle: prefills spread.
             phase: i * CYCLE / LOAD_PODS,
@@ -164,16 +173,16 @@ impl LoadPod {
 
 /// A step's batches in the order they leave, each with when (after the
 /// start) and from which pod.
-struct Timeline {
-    sends: Vec<(Duration, usize, ZmqMessage)>,
-    stored: u64,
+pub(crate) struct Timeline {
+    pub(crate) sends: Vec<(Duration, usize, ZmqMessage)>,
+    pub(crate) stored: u64,
     removed: u64,
 }
 
 /// Pre-encodes `seconds` of load at `rate` stored blocks/s over the pods:
 /// each pod's batch leaves when its stored blocks so far reach its share
 /// of the rate (open loop).
-fn timeline(pods: &mut [LoadPod], rate: f64, seconds: f64) -> Timeline {
+pub(crate) fn timeline(pods: &mut [LoadPod], rate: f64, seconds: f64) -> Timeline {
     let per_pod = rate / pods.len() as f64;
     let budget = (per_pod * seconds) as u64;
     let mut t = Timeline {
@@ -199,7 +208,7 @@ fn timeline(pods: &mut [LoadPod], rate: f64, seconds: f64) -> Timeline {
 /// Publishes a timeline from a thread of its own (libzmq sends block the
 /// caller; pacing must not wait on the Score client's runtime). Returns
 /// the sockets and how late the latest send left.
-fn publish(
+pub(crate) fn publish(
     sockets: Vec<Publisher>,
     sends: Vec<(Duration, usize, ZmqMessage)>,
 ) -> std::thread::JoinHandle<(Vec<Publisher>, Duration)> {

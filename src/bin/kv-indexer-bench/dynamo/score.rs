@@ -13,9 +13,10 @@ use simulator::vllm_wire::{encode_batch, frames, WireEvent};
 
 use super::http::{dynamo_query_time, http_request, Http};
 use super::processes::{Peers, Pods};
-use super::{PodStream, Shape, Side, PROMPT_BLOCKS, SCORE_ID, SCORE_PODS, SIDES};
+use super::{Side, PROMPT_BLOCKS, SCORE_ID, SCORE_PODS, SIDES};
 use crate::score::{open_loop, score_at_rate, score_step, Step};
 use crate::score_client::{grpc_message, ScoreClient};
+use crate::under_ingest::{publish, timeline, LoadPod};
 use crate::{percentile, pods_named, random_tokens, ZmqMessage, BLOCK, MODEL};
 
 /// Like `score_at_rate`, against Dynamo's `/query`.
@@ -54,57 +55,32 @@ async fn dynamo_score_step(
     }
 }
 
-/// The background pods of one side, publishing turn-shaped batches at
-/// `blocks_per_s` stored blocks/s on a thread of their own while `during`
-/// runs. Returns its output and the stored blocks sent.
+/// Runs `during` while one side's background pods publish `blocks_per_s`
+/// stored blocks/s for `seconds`: the under-ingest bench's load (each pod
+/// a cycle of a 2,048-block prefill, 16-block turns and one-block decodes,
+/// evicting its oldest chains), pre-encoded and paced on a thread of its
+/// own. Returns its output and the stored blocks sent.
 async fn streaming<T>(
     pods: &mut Pods,
-    streams: &mut Vec<PodStream>,
+    load: &mut [LoadPod],
     side: Side,
     blocks_per_s: f64,
+    seconds: f64,
     during: impl std::future::Future<Output = T>,
 ) -> (T, u64) {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    const SHAPE: Shape = Shape {
-        name: "background",
-        blocks: 16,
-        request: 128,
-        rates: &[],
-    };
-    let publishers = std::mem::take(&mut pods.publishers[side as usize]);
-    let mut pod_streams = std::mem::take(streams);
-    let stop = Arc::new(AtomicBool::new(false));
-    let stopping = stop.clone();
-    let thread = std::thread::spawn(move || {
-        let started = Instant::now();
-        let mut sent = 0u64;
-        let mut next = 0usize;
-        while !stopping.load(Ordering::Relaxed) {
-            let due = (started.elapsed().as_secs_f64() * blocks_per_s) as u64;
-            while sent < due {
-                let i = next % pod_streams.len();
-                next += 1;
-                let (msg, _) = pod_streams[i].batch(&SHAPE);
-                publishers[i]
-                    .as_ref()
-                    .expect("publisher")
-                    .send(&msg)
-                    .expect("publish");
-                sent += SHAPE.blocks as u64;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        (publishers, pod_streams, sent)
-    });
+    let plan = timeline(load, blocks_per_s, seconds);
+    let sockets = pods.publishers[side as usize]
+        .iter_mut()
+        .map(|p| p.take().expect("publisher"))
+        .collect();
+    let publisher = publish(sockets, plan.sends);
     let out = during.await;
-    stop.store(true, Ordering::Relaxed);
-    let (publishers, pod_streams, sent) = tokio::task::spawn_blocking(move || thread.join())
+    let (sockets, _late) = tokio::task::spawn_blocking(move || publisher.join())
         .await
         .expect("join")
         .expect("background publisher");
-    pods.publishers[side as usize] = publishers;
-    *streams = pod_streams;
-    (out, sent)
+    pods.publishers[side as usize] = sockets.into_iter().map(Some).collect();
+    (out, plan.stored)
 }
 
 /// Dynamo's answer to `/query`, as matched blocks per instance id.
@@ -134,12 +110,12 @@ pub(super) async fn score(
     quick: bool,
 ) -> Value {
     // Each side's background pods stream from the same seeds: the same bytes.
-    let mut streams: [Vec<PodStream>; 2] = SIDES.map(|_| {
+    let mut load: [Vec<LoadPod>; 2] = SIDES.map(|_| {
         background
             .names
             .iter()
             .enumerate()
-            .map(|(i, name)| PodStream::new(name.clone(), 0xb9 + i as u64))
+            .map(|(i, name)| LoadPod::named(name.clone(), i))
             .collect()
     });
     // The e2e Score shape: 64 pods hold the first 32, 64, ... 2048 blocks
@@ -262,7 +238,7 @@ pub(super) async fn score(
         "\npeer Score, token ids: 2048 blocks (32768 tokens), 64 pods at 64 depths, open loop; \
          ours: gRPC, 8 HTTP/2 connections; dynamo: HTTP/1.1 POST /query (JSON), {connections} keep-alive connections; \
          {repeats} run(s) each, taking turns; per rate the run with the median p99; \
-         while each side's 8 background pods publish {ingest_rate:.0} stored blocks/s"
+         while each side's 8 background pods publish {ingest_rate:.0} stored blocks/s (under-ingest's load)"
     );
     println!(
         "{:>9} | {:>8} {:>8} {:>8} {:>8} {:>7} | {:>8} {:>8} {:>8} {:>8} {:>7} | {:>9} {:>6}",
@@ -314,7 +290,7 @@ pub(super) async fn score(
                     }
                 };
                 let (step, sent) =
-                    streaming(background, &mut streams[i], side, ingest_rate, during).await;
+                    streaming(background, &mut load[i], side, ingest_rate, seconds, during).await;
                 streamed[i] += sent;
                 if step.achieved < 0.8 * rate || step.p99 > 1e6 {
                     saturated[i] = Some(rate);
