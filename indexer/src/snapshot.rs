@@ -30,10 +30,11 @@
 
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 
+use serde::de::{self, DeserializeSeed, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::index::Dump;
+use crate::index::{RepeatRecord, RunRecord};
 
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
 pub const VERSION: u32 = 3;
@@ -87,11 +88,60 @@ pub struct PodSnapshot {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
     Pod(Box<PodSnapshot>),
-    /// Every block of one model of one key kind (version 3).
+    /// Every block of one model of one key kind (version 3), handed to the
+    /// reader's `RunsSink` run by run as it was read.
     Runs {
         model: String,
-        dump: Box<Dump>,
     },
+}
+
+/// Takes a runs record as it is read, a run at a time: a dump is about
+/// the size of the index, and restoring it from a decoded copy would hold
+/// the index twice. `begin`, then `run` for each run in order, then `end`;
+/// an error refuses the snapshot.
+pub trait RunsSink {
+    fn begin(&mut self, model: &str, token_keys: bool, clock: u32) -> Result<(), String>;
+    fn run(&mut self, run: RunRecord) -> Result<(), String>;
+    fn end(&mut self, repeats: Vec<RepeatRecord>) -> Result<(), String>;
+}
+
+/// Reads runs and keeps none (a check that they decode).
+pub struct SkipRuns;
+
+impl RunsSink for SkipRuns {
+    fn begin(&mut self, _: &str, _: bool, _: u32) -> Result<(), String> {
+        Ok(())
+    }
+    fn run(&mut self, _: RunRecord) -> Result<(), String> {
+        Ok(())
+    }
+    fn end(&mut self, _: Vec<RepeatRecord>) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Each runs record whole, as a `Dump` (tests, tools: small snapshots).
+#[derive(Debug, Default)]
+pub struct CollectRuns(pub Vec<(String, crate::index::Dump)>);
+
+impl RunsSink for CollectRuns {
+    fn begin(&mut self, model: &str, token_keys: bool, clock: u32) -> Result<(), String> {
+        let dump = crate::index::Dump {
+            token_keys,
+            clock,
+            ..Default::default()
+        };
+        self.0.push((model.to_string(), dump));
+        Ok(())
+    }
+    fn run(&mut self, run: RunRecord) -> Result<(), String> {
+        self.0.last_mut().expect("begun").1.runs.push(run);
+        Ok(())
+    }
+    fn end(&mut self, repeats: Vec<RepeatRecord>) -> Result<(), String> {
+        self.0.last_mut().expect("begun").1.repeats = repeats;
+        Ok(())
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -158,8 +208,9 @@ impl<W: Write> SnapshotWriter<W> {
         rmp_serde::encode::write(self, pod).map_err(io::Error::other)
     }
 
-    /// The blocks of one model of one key kind, after every pod.
-    pub fn runs(&mut self, model: &str, dump: &Dump) -> io::Result<()> {
+    /// The blocks of one model of one key kind, after every pod: a `Dump`,
+    /// or a `DumpView` of the index itself.
+    pub fn runs(&mut self, model: &str, dump: &impl Serialize) -> io::Result<()> {
         self.write_all(&[RUNS])?;
         rmp_serde::encode::write(self, &(model, dump)).map_err(io::Error::other)
     }
@@ -224,7 +275,7 @@ impl<R: Read + Seek> SnapshotReader<R> {
             end: len - TRAILER - 1,
         };
         reader.start()?;
-        while reader.next_record()?.is_some() {}
+        while reader.next_record(&mut SkipRuns)?.is_some() {}
         reader.start()?;
         Ok(reader)
     }
@@ -247,8 +298,12 @@ impl<R: Read + Seek> SnapshotReader<R> {
         self.version
     }
 
-    /// The next record, or `None` after the last.
-    pub fn next_record(&mut self) -> Result<Option<Record>, SnapshotError> {
+    /// The next record, or `None` after the last. A runs record's runs go
+    /// to `sink` as they are read.
+    pub fn next_record(
+        &mut self,
+        sink: &mut dyn RunsSink,
+    ) -> Result<Option<Record>, SnapshotError> {
         let [mark] = read_array(&mut self.input)?;
         let decoded = |e: rmp_serde::decode::Error| SnapshotError::Decode(e.to_string());
         match mark {
@@ -258,13 +313,10 @@ impl<R: Read + Seek> SnapshotReader<R> {
                 .map(|p| Some(Record::Pod(Box::new(p))))
                 .map_err(decoded),
             RUNS if self.input.n <= self.end && self.version >= 3 => {
-                rmp_serde::from_read(&mut self.input)
-                    .map(|(model, dump)| {
-                        Some(Record::Runs {
-                            model,
-                            dump: Box::new(dump),
-                        })
-                    })
+                let mut input = rmp_serde::Deserializer::new(&mut self.input);
+                RunsRecord(sink)
+                    .deserialize(&mut input)
+                    .map(|model| Some(Record::Runs { model }))
                     .map_err(decoded)
             }
             _ => Err(SnapshotError::Decode(format!(
@@ -272,6 +324,97 @@ impl<R: Read + Seek> SnapshotReader<R> {
                 self.input.n - 1
             ))),
         }
+    }
+}
+
+/// A runs record, `(model, Dump)`, read into a sink: `Dump`'s fields in
+/// its order, its runs one at a time.
+struct RunsRecord<'s>(&'s mut dyn RunsSink);
+
+impl<'de> DeserializeSeed<'de> for RunsRecord<'_> {
+    type Value = String;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
+        d.deserialize_tuple(2, self)
+    }
+}
+
+impl<'de> Visitor<'de> for RunsRecord<'_> {
+    type Value = String;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a model and its runs")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<String, A::Error> {
+        let missing = || de::Error::custom("a runs record ends early");
+        let model: String = seq.next_element()?.ok_or_else(missing)?;
+        seq.next_element_seed(DumpFields {
+            model: &model,
+            sink: self.0,
+        })?
+        .ok_or_else(missing)?;
+        Ok(model)
+    }
+}
+
+struct DumpFields<'a, 's> {
+    model: &'a str,
+    sink: &'s mut dyn RunsSink,
+}
+
+impl<'de> DeserializeSeed<'de> for DumpFields<'_, '_> {
+    type Value = ();
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        const FIELDS: &[&str] = &["token_keys", "clock", "runs", "repeats"];
+        d.deserialize_struct("Dump", FIELDS, self)
+    }
+}
+
+impl<'de> Visitor<'de> for DumpFields<'_, '_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a dump")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let missing = || de::Error::custom("a dump ends early");
+        let token_keys: bool = seq.next_element()?.ok_or_else(missing)?;
+        let clock: u32 = seq.next_element()?.ok_or_else(missing)?;
+        self.sink
+            .begin(self.model, token_keys, clock)
+            .map_err(de::Error::custom)?;
+        seq.next_element_seed(Runs(&mut *self.sink))?
+            .ok_or_else(missing)?;
+        let repeats: Vec<RepeatRecord> = seq.next_element()?.ok_or_else(missing)?;
+        self.sink.end(repeats).map_err(de::Error::custom)
+    }
+}
+
+struct Runs<'s>(&'s mut dyn RunsSink);
+
+impl<'de> DeserializeSeed<'de> for Runs<'_> {
+    type Value = ();
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Runs<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("runs")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(run) = seq.next_element::<RunRecord>()? {
+            self.0.run(run).map_err(de::Error::custom)?;
+        }
+        Ok(())
     }
 }
 
@@ -300,6 +443,7 @@ mod tests {
     use std::io::Cursor;
 
     use super::*;
+    use crate::index::Dump;
 
     fn pod(name: &str, blocks: Vec<SnapshotBlock>) -> PodSnapshot {
         let parents = (0..blocks.len())
@@ -354,14 +498,17 @@ mod tests {
 
     fn decode_all(bytes: &[u8]) -> Result<Decoded, SnapshotError> {
         let mut r = SnapshotReader::open(Cursor::new(bytes))?;
-        let (mut pods, mut runs) = (Vec::new(), Vec::new());
-        while let Some(record) = r.next_record()? {
+        let (mut pods, mut runs) = (Vec::new(), CollectRuns::default());
+        let mut models = Vec::new();
+        while let Some(record) = r.next_record(&mut runs)? {
             match record {
                 Record::Pod(p) => pods.push(*p),
-                Record::Runs { model, dump } => runs.push((model, *dump)),
+                Record::Runs { model } => models.push(model),
             }
         }
-        Ok((r.keys_fingerprint(), pods, runs))
+        let named: Vec<&String> = runs.0.iter().map(|(m, _)| m).collect();
+        assert_eq!(models.iter().collect::<Vec<_>>(), named);
+        Ok((r.keys_fingerprint(), pods, runs.0))
     }
 
     /// Both key kinds' runs, after the pods, as an index dumps them.
@@ -420,6 +567,25 @@ mod tests {
         assert_eq!(decode_all(&bytes).unwrap(), (7, sample(), sample_runs()));
     }
 
+    /// An index's view writes what its dump does, byte for byte: the
+    /// format is `Dump`'s, whichever wrote it.
+    #[test]
+    fn a_view_of_the_index_writes_its_dump() {
+        let ix = crate::index::RunIndex::new();
+        ix.store(3, crate::event::Tier::Gpu, None, &[11, 12, 13]);
+        ix.store(4, crate::event::Tier::Cpu, Some(12), &[14, 15]);
+        ix.store(4, crate::event::Tier::Cpu, Some(12), &[14]);
+        ix.remove(3, crate::event::Tier::Gpu, &[13]);
+        let dump = ix.dump();
+        assert!(dump.runs.len() > 1 && !dump.repeats.is_empty());
+        let written = rmp_serde::to_vec(&("m", &dump)).unwrap();
+        let view = ix.dump_view();
+        assert!(!view.is_empty());
+        assert_eq!(rmp_serde::to_vec(&("m", &view)).unwrap(), written);
+        drop(view);
+        assert!(crate::index::RunIndex::new().dump_view().is_empty());
+    }
+
     /// A version 2 file (pods with their blocks) still reads; a runs
     /// record, which version 2 did not have, in one is refused.
     #[test]
@@ -430,7 +596,7 @@ mod tests {
         let mut r = SnapshotReader::open(Cursor::new(&bytes)).unwrap();
         assert_eq!(r.version(), 2);
         assert_eq!(
-            r.next_record().unwrap(),
+            r.next_record(&mut SkipRuns).unwrap(),
             Some(Record::Pod(Box::new(sample()[0].clone())))
         );
         let mut bytes = encode_with(7, &sample(), &sample_runs());

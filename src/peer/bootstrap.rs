@@ -7,10 +7,10 @@
 //! only once it is Ready, so two replicas starting together never wait on
 //! each other past `--peer-wait`.
 //!
-//! The snapshot is spooled to an unnamed temporary file (never the whole
-//! index twice in memory), then loaded with every check a snapshot file
-//! gets (format, checksum, key fingerprint): nothing of a refused or broken
-//! copy is kept.
+//! The snapshot is spooled to an unnamed temporary file, then loaded run
+//! by run (never the whole index twice in memory) with every check a
+//! snapshot file gets (format, checksum, key fingerprint): nothing of a
+//! refused or broken copy is kept.
 
 use std::collections::HashSet;
 use std::io::{Seek, Write};

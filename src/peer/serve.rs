@@ -1,14 +1,15 @@
 //! `KvIndexerPeer`: this replica's index to a starting one.
 //!
 //! The snapshot is cut as `--snapshot-dir`'s is (`Indexer::export`: the
-//! pods' locks held while their blocks are copied, released before a byte
-//! is written), then written on a blocking thread into a channel of a few
-//! chunks that the gRPC stream drains: ingest waits only for the copy,
-//! `Score` never (its reads take no lock), and a slow reader holds at most
-//! the channel's chunks beside the copy. One copy at a time: a second
-//! caller is told to try another peer.
+//! pods' locks held while their blocks are written, run by run, never
+//! copied), into an unnamed file in the temporary directory, on a blocking
+//! thread; then the file is read into a channel of a few chunks that the
+//! gRPC stream drains. Ingest waits only for the file's writing, never for
+//! the reader, `Score` never (its reads take no lock), and memory grows by
+//! the channel's chunks, not by a copy of the index. One copy at a time: a
+//! second caller is told to try another peer.
 
-use std::io::Write;
+use std::io::{Seek, Write};
 use std::sync::Arc;
 
 use indexer::keys::BlockKey;
@@ -163,7 +164,9 @@ impl KvIndexerPeer for PeerService {
                 buf: Vec::with_capacity(CHUNK),
                 metrics: metrics.clone(),
             };
-            let sent = indexer.export(&mut out).and_then(|out| out.flush());
+            let sent = spool(&indexer)
+                .and_then(|mut file| std::io::copy(&mut file, &mut out))
+                .and_then(|_| out.flush());
             let outcome = match sent {
                 Ok(()) => "sent",
                 Err(e) => {
@@ -296,6 +299,18 @@ const MAX_KEYS: usize = 1 << 16;
 
 /// The snapshot's bytes as chunks into the stream's channel, waiting for
 /// room (so memory stays at `AHEAD` chunks whatever the reader's pace).
+/// The index as a snapshot, in an unnamed temporary file (gone when
+/// dropped), from its start.
+fn spool(indexer: &Indexer) -> std::io::Result<std::fs::File> {
+    let file = tempfile::tempfile()?;
+    let mut file = indexer
+        .export(std::io::BufWriter::with_capacity(1 << 16, file))?
+        .into_inner()
+        .map_err(|e| e.into_error())?;
+    file.rewind()?;
+    Ok(file)
+}
+
 struct Chunks {
     tx: mpsc::Sender<Result<pb::PeerSnapshotChunk, Status>>,
     buf: Vec<u8>,

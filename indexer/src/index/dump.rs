@@ -120,46 +120,63 @@ fn holder_of(pod: u32, tier: u8) -> Option<u32> {
 
 impl Writer {
     pub fn dump(&self) -> Dump {
-        // Where each live run lands in the dump.
+        let at = self.dump_positions();
+        Dump {
+            token_keys: self.token_keys,
+            clock: self.clock,
+            runs: self
+                .live_runs()
+                .map(|id| self.run_record(id, &at))
+                .collect(),
+            repeats: self.repeat_records(),
+        }
+    }
+
+    /// The ids of the runs a dump lists, in its order.
+    fn live_runs(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.runs.len() as u32).filter(|&id| !self.runs[id as usize].is_empty())
+    }
+
+    /// Where each run lands in a dump (`u32::MAX`: nowhere, it is empty).
+    fn dump_positions(&self) -> Vec<u32> {
         let mut at = vec![u32::MAX; self.runs.len()];
-        let mut live = 0;
-        for (id, r) in self.runs.iter().enumerate() {
-            if !r.is_empty() {
-                at[id] = live;
-                live += 1;
-            }
+        for (i, id) in self.live_runs().enumerate() {
+            at[id as usize] = i as u32;
         }
-        let mut runs = Vec::new();
-        for r in &self.runs {
-            if r.is_empty() {
-                continue;
-            }
-            let parent = r.parent.and_then(|p| {
-                let live = self.runs[p.run as usize].len() > p.off;
-                live.then(|| (at[p.run as usize], p.off))
-            });
-            let keys: Vec<u64> = (0..r.len()).filter_map(|off| r.hash(off)).collect();
-            let (engines, aliases) = r.names().map_or((Vec::new(), Vec::new()), |n| {
-                (n.engines.clone(), n.aliases.clone())
-            });
-            let holdings = r
-                .holdings
-                .iter()
-                .map(|h| HoldingRecord {
-                    pod: h.holder >> TIER_BITS,
-                    tier: tier_of(h.holder),
-                    stamp: h.stamp,
-                    spans: h.spans.iter().map(|s| (s.start, s.end)).collect(),
-                })
-                .collect();
-            runs.push(RunRecord {
-                keys,
-                engines,
-                aliases,
-                holdings,
-                parent,
-            });
+        at
+    }
+
+    /// Run `id` as a dump lists it (`at`: `dump_positions`).
+    fn run_record(&self, id: u32, at: &[u32]) -> RunRecord {
+        let r = &self.runs[id as usize];
+        let parent = r.parent.and_then(|p| {
+            let live = self.runs[p.run as usize].len() > p.off;
+            live.then(|| (at[p.run as usize], p.off))
+        });
+        let keys: Vec<u64> = (0..r.len()).filter_map(|off| r.hash(off)).collect();
+        let (engines, aliases) = r.names().map_or((Vec::new(), Vec::new()), |n| {
+            (n.engines.clone(), n.aliases.clone())
+        });
+        let holdings = r
+            .holdings
+            .iter()
+            .map(|h| HoldingRecord {
+                pod: h.holder >> TIER_BITS,
+                tier: tier_of(h.holder),
+                stamp: h.stamp,
+                spans: h.spans.iter().map(|s| (s.start, s.end)).collect(),
+            })
+            .collect();
+        RunRecord {
+            keys,
+            engines,
+            aliases,
+            holdings,
+            parent,
         }
+    }
+
+    fn repeat_records(&self) -> Vec<RepeatRecord> {
         let mut repeats: Vec<RepeatRecord> = self
             .repeats()
             .map(|((holder, name), count)| RepeatRecord {
@@ -171,148 +188,237 @@ impl Writer {
             .collect();
         // In a stable order: two dumps of the same index are equal.
         repeats.sort_unstable_by_key(|r| (r.pod, r.tier, r.name));
-        Dump {
-            token_keys: self.token_keys,
-            clock: self.clock,
-            runs,
-            repeats,
-        }
+        repeats
     }
+}
 
+/// The index as a `Dump` serializes, byte for byte, read from the writer
+/// run by run while its lock is held: a snapshot written from it holds one
+/// run's record at a time, never a copy of the index (a copy of every run
+/// is about the size of the index itself).
+pub struct DumpView<'a>(pub(super) parking_lot::MutexGuard<'a, Writer>);
+
+impl DumpView<'_> {
+    /// Nothing to dump.
+    pub fn is_empty(&self) -> bool {
+        self.0.live_runs().next().is_none()
+    }
+}
+
+impl Serialize for DumpView<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        // `Dump`'s fields, in its order.
+        let w = &*self.0;
+        let mut dump = s.serialize_struct("Dump", 4)?;
+        dump.serialize_field("token_keys", &w.token_keys)?;
+        dump.serialize_field("clock", &w.clock)?;
+        dump.serialize_field("runs", &RunsView(w))?;
+        dump.serialize_field("repeats", &w.repeat_records())?;
+        dump.end()
+    }
+}
+
+struct RunsView<'a>(&'a Writer);
+
+impl Serialize for RunsView<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let w = self.0;
+        let at = w.dump_positions();
+        let live = at.iter().filter(|&&i| i != u32::MAX).count();
+        let mut runs = s.serialize_seq(Some(live))?;
+        for id in w.live_runs() {
+            runs.serialize_element(&w.run_record(id, &at))?;
+        }
+        runs.end()
+    }
+}
+
+/// A restore under way: a dump's runs arrive one at a time (`RunIndex::
+/// restore_run`), so restoring from a file holds one run's record, not the
+/// dump. What a rule needs of runs yet to come (each parent is a run of the
+/// dump, no two holdings share a stamp) is checked at the end, from a few
+/// numbers per run kept meanwhile.
+pub struct Restore {
+    clock: u32,
+    /// Each holding's stamp.
+    stamps: Vec<u32>,
+    runs: Vec<Restored>,
+}
+
+/// A run restored: its length, its id now and its parent in the dump
+/// (run, offset).
+type Restored = (u32, u32, Option<(u32, u32)>);
+
+impl Writer {
     /// Rebuilds an empty writer's runs from `dump`, checking it first as
     /// it goes; on an error the writer must be dropped (it holds part).
     pub fn restore(&mut self, heads: &Heads, arena: &Arena, dump: Dump) -> Result<(), DumpError> {
+        let mut restore = self.restore_begin(dump.token_keys, dump.clock)?;
+        for record in dump.runs {
+            self.restore_run(heads, arena, &mut restore, record)?;
+        }
+        self.restore_end(arena, restore, dump.repeats)
+    }
+
+    /// Starts restoring a dump of `token_keys` keys whose clock was
+    /// `clock` into this empty writer.
+    pub fn restore_begin(&self, token_keys: bool, clock: u32) -> Result<Restore, DumpError> {
         debug_assert!(self.runs.is_empty(), "restored into an empty index");
-        if dump.token_keys != self.token_keys {
-            return Err(DumpError::KeyMode(if dump.token_keys {
+        if token_keys != self.token_keys {
+            return Err(DumpError::KeyMode(if token_keys {
                 "token"
             } else {
                 "engine"
             }));
         }
+        Ok(Restore {
+            clock,
+            stamps: Vec::new(),
+            runs: Vec::new(),
+        })
+    }
+
+    /// The dump's next run, checked as it is restored.
+    pub fn restore_run(
+        &mut self,
+        heads: &Heads,
+        arena: &Arena,
+        restore: &mut Restore,
+        record: RunRecord,
+    ) -> Result<(), DumpError> {
+        let i = restore.runs.len();
+        let why = |why| DumpError::Run { run: i, why };
+        let len = record.keys.len();
+        if len == 0 || len > MAX_RUN as usize {
+            return Err(why("no blocks, or more than a run holds"));
+        }
+        let engines = if self.token_keys {
+            if record.engines.len() != len {
+                return Err(why("not an engine hash per block"));
+            }
+            &record.engines
+        } else {
+            if !record.engines.is_empty() || !record.aliases.is_empty() {
+                return Err(why("engine keys have no other names"));
+            }
+            &record.keys
+        };
+        // Every name new, every key new where readers look it up (the runs
+        // restored before this one are in the table already).
+        let mut names = engines.clone();
+        names.extend(record.aliases.iter().map(|(_, e)| *e));
+        names.sort_unstable();
+        let distinct = names.windows(2).all(|w| w[0] != w[1]);
+        if !distinct
+            || names.iter().any(|e| self.table.find(*e).is_some())
+            || heads.find(record.keys[0]).is_some()
+        {
+            return Err(why("a block named twice"));
+        }
+        if record.aliases.iter().any(|(off, _)| *off as usize >= len) {
+            return Err(why("an alias past the run"));
+        }
+        // Holders counted by their spans' edges, then summed: a span
+        // costs two steps however long it is.
+        let mut edges = vec![0i64; len + 1];
+        let mut last = None;
+        for h in &record.holdings {
+            let holder = holder_of(h.pod, h.tier).ok_or_else(|| why("no such holder"))?;
+            if last.is_some_and(|l| l >= holder) || h.spans.is_empty() {
+                return Err(why("holdings out of order, or empty"));
+            }
+            last = Some(holder);
+            let mut end = None;
+            for &(s, e) in &h.spans {
+                if s >= e || e as usize > len || end.is_some_and(|end| end >= s) {
+                    return Err(why("spans out of order, touching or past the run"));
+                }
+                end = Some(e);
+                edges[s as usize] += 1;
+                edges[e as usize] -= 1;
+            }
+        }
+        // A pod's spans in a run, over its tiers, are counted in 24 bits
+        // where readers read them (`published`).
+        let mut per_pod: Vec<(u32, usize)> = Vec::new();
+        for h in &record.holdings {
+            match per_pod.last_mut() {
+                Some((pod, n)) if *pod == h.pod => *n += h.spans.len(),
+                _ => per_pod.push((h.pod, h.spans.len())),
+            }
+        }
+        if per_pod.iter().any(|(_, n)| *n >= MAX_RUN as usize) {
+            return Err(why("a pod with more spans than a run can say"));
+        }
+        let mut holders_of = Vec::with_capacity(len);
+        let mut held = 0i64;
+        for edge in &edges[..len] {
+            held += edge;
+            holders_of.push(held as u32);
+        }
+        if holders_of.last() == Some(&0) {
+            return Err(why("its last block is held by no one"));
+        }
+        let run = self.new_run();
+        restore.runs.push((len as u32, run, record.parent));
+        for (off, (&k, &e)) in record.keys.iter().zip(engines).enumerate() {
+            let loc = self.push(heads, arena, run, e, k);
+            debug_assert_eq!(loc.off, off as u32);
+        }
+        for (off, e) in record.aliases {
+            self.alias(e, Loc { run, off });
+        }
+        for h in record.holdings {
+            restore.stamps.push(h.stamp);
+            let holder = holder_of(h.pod, h.tier).expect("checked");
+            let spans = h
+                .spans
+                .iter()
+                .map(|&(start, end)| Span { start, end })
+                .collect();
+            self.adopt(run, holder, h.stamp, spans);
+        }
+        self.runs[run as usize].holders_of = holders_of;
+        Ok(())
+    }
+
+    /// Ends a restore: the runs' parents, the store order, the repeats
+    /// (after every run: they name blocks anywhere), then readers see it.
+    pub fn restore_end(
+        &mut self,
+        arena: &Arena,
+        mut restore: Restore,
+        repeats: Vec<RepeatRecord>,
+    ) -> Result<(), DumpError> {
         // Every store stamps the holdings it goes through afresh, so no two
         // holdings share a stamp (eviction's order relies on it).
-        let mut stamps: Vec<u32> = dump
-            .runs
-            .iter()
-            .flat_map(|r| r.holdings.iter().map(|h| h.stamp))
-            .collect();
-        stamps.sort_unstable();
-        if stamps.windows(2).any(|w| w[0] == w[1]) {
+        restore.stamps.sort_unstable();
+        if restore.stamps.windows(2).any(|w| w[0] == w[1]) {
             return Err(DumpError::Stamps);
         }
-        let clock = dump.clock.max(stamps.last().copied().unwrap_or(0));
-        let lens: Vec<usize> = dump.runs.iter().map(|r| r.keys.len()).collect();
-        let mut ids = Vec::with_capacity(dump.runs.len());
-        let mut parents = Vec::with_capacity(dump.runs.len());
-        for (i, record) in dump.runs.into_iter().enumerate() {
-            let why = |why| DumpError::Run { run: i, why };
-            let len = record.keys.len();
-            if len == 0 || len > MAX_RUN as usize {
-                return Err(why("no blocks, or more than a run holds"));
-            }
-            let engines = if self.token_keys {
-                if record.engines.len() != len {
-                    return Err(why("not an engine hash per block"));
-                }
-                &record.engines
-            } else {
-                if !record.engines.is_empty() || !record.aliases.is_empty() {
-                    return Err(why("engine keys have no other names"));
-                }
-                &record.keys
-            };
-            // Every name new, every key new where readers look it up.
-            let mut names = engines.clone();
-            names.extend(record.aliases.iter().map(|(_, e)| *e));
-            names.sort_unstable();
-            let distinct = names.windows(2).all(|w| w[0] != w[1]);
-            if !distinct
-                || names.iter().any(|e| self.table.find(*e).is_some())
-                || heads.find(record.keys[0]).is_some()
-            {
-                return Err(why("a block named twice"));
-            }
-            if record.aliases.iter().any(|(off, _)| *off as usize >= len) {
-                return Err(why("an alias past the run"));
-            }
-            let parent_in_dump = record.parent.is_none_or(|(run, off)| {
-                lens.get(run as usize).is_some_and(|l| (off as usize) < *l)
-            });
-            if !parent_in_dump {
-                return Err(why("a parent that is no block of the dump"));
-            }
-            // Holders counted by their spans' edges, then summed: a span
-            // costs two steps however long it is.
-            let mut edges = vec![0i64; len + 1];
-            let mut last = None;
-            for h in &record.holdings {
-                let holder = holder_of(h.pod, h.tier).ok_or_else(|| why("no such holder"))?;
-                if last.is_some_and(|l| l >= holder) || h.spans.is_empty() {
-                    return Err(why("holdings out of order, or empty"));
-                }
-                last = Some(holder);
-                let mut end = None;
-                for &(s, e) in &h.spans {
-                    if s >= e || e as usize > len || end.is_some_and(|end| end >= s) {
-                        return Err(why("spans out of order, touching or past the run"));
+        let runs = &restore.runs;
+        for (i, &(_, run, parent)) in runs.iter().enumerate() {
+            let parent = match parent {
+                None => None,
+                Some((of, off)) => match runs.get(of as usize) {
+                    Some(&(len, id, _)) if off < len => Some(Loc { run: id, off }),
+                    _ => {
+                        return Err(DumpError::Run {
+                            run: i,
+                            why: "a parent that is no block of the dump",
+                        })
                     }
-                    end = Some(e);
-                    edges[s as usize] += 1;
-                    edges[e as usize] -= 1;
-                }
-            }
-            // A pod's spans in a run, over its tiers, are counted in 24 bits
-            // where readers read them (`published`).
-            let mut per_pod: Vec<(u32, usize)> = Vec::new();
-            for h in &record.holdings {
-                match per_pod.last_mut() {
-                    Some((pod, n)) if *pod == h.pod => *n += h.spans.len(),
-                    _ => per_pod.push((h.pod, h.spans.len())),
-                }
-            }
-            if per_pod.iter().any(|(_, n)| *n >= MAX_RUN as usize) {
-                return Err(why("a pod with more spans than a run can say"));
-            }
-            let mut holders_of = Vec::with_capacity(len);
-            let mut held = 0i64;
-            for edge in &edges[..len] {
-                held += edge;
-                holders_of.push(held as u32);
-            }
-            if holders_of.last() == Some(&0) {
-                return Err(why("its last block is held by no one"));
-            }
-            let run = self.new_run();
-            ids.push(run);
-            parents.push(record.parent);
-            for (off, (&k, &e)) in record.keys.iter().zip(engines).enumerate() {
-                let loc = self.push(heads, arena, run, e, k);
-                debug_assert_eq!(loc.off, off as u32);
-            }
-            for (off, e) in record.aliases {
-                self.alias(e, Loc { run, off });
-            }
-            for h in record.holdings {
-                let holder = holder_of(h.pod, h.tier).expect("checked");
-                let spans = h
-                    .spans
-                    .iter()
-                    .map(|&(start, end)| Span { start, end })
-                    .collect();
-                self.adopt(run, holder, h.stamp, spans);
-            }
-            self.runs[run as usize].holders_of = holders_of;
+                },
+            };
+            self.runs[run as usize].parent = parent;
         }
-        for (&run, parent) in ids.iter().zip(parents) {
-            self.runs[run as usize].parent = parent.map(|(i, off)| Loc {
-                run: ids[i as usize],
-                off,
-            });
-        }
-        self.clock = clock;
+        self.clock = restore
+            .clock
+            .max(restore.stamps.last().copied().unwrap_or(0));
         self.sort_queues();
-        for (i, r) in dump.repeats.into_iter().enumerate() {
+        for (i, r) in repeats.into_iter().enumerate() {
             let holder = holder_of(r.pod, r.tier).ok_or(DumpError::Repeat(i))?;
             let held = self.table.find(r.name).is_some_and(|loc| {
                 self.runs[loc.run as usize]

@@ -69,7 +69,7 @@ mod published;
 mod read;
 mod write;
 
-pub use dump::{Dump, DumpError, HoldingRecord, RepeatRecord, RunRecord};
+pub use dump::{Dump, DumpError, DumpView, HoldingRecord, RepeatRecord, Restore, RunRecord};
 
 use parking_lot::Mutex;
 
@@ -276,6 +276,35 @@ impl RunIndex {
         self.writer
             .lock()
             .restore(&self.heads, &self.published, dump)
+    }
+
+    /// The index as a `Dump` serializes, read run by run under the
+    /// writer's lock, which it holds: stores wait until it is dropped.
+    pub fn dump_view(&self) -> DumpView<'_> {
+        DumpView(self.writer.lock())
+    }
+
+    /// `restore` a run at a time, as a dump is read from a file: begin,
+    /// each run in the dump's order, end. On an error the index holds
+    /// part of the dump: drop it (or clear its pods).
+    pub fn restore_begin(&self, token_keys: bool, clock: u32) -> Result<Restore, DumpError> {
+        self.writer.lock().restore_begin(token_keys, clock)
+    }
+
+    pub fn restore_run(&self, restore: &mut Restore, run: RunRecord) -> Result<(), DumpError> {
+        self.writer
+            .lock()
+            .restore_run(&self.heads, &self.published, restore, run)
+    }
+
+    pub fn restore_end(
+        &self,
+        restore: Restore,
+        repeats: Vec<RepeatRecord>,
+    ) -> Result<(), DumpError> {
+        self.writer
+            .lock()
+            .restore_end(&self.published, restore, repeats)
     }
 
     /// Drops up to `n` of `pod`'s (tier, block) entries to bound memory:

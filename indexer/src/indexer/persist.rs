@@ -1,8 +1,8 @@
 use std::collections::HashMap;
 
 use super::*;
-use crate::index::{Dump, DumpError};
-use crate::snapshot::Record;
+use crate::index::{DumpError, RepeatRecord, RunRecord};
+use crate::snapshot::{Record, RunsSink};
 
 impl Indexer {
     /// Fingerprint of the key configuration: keys in a snapshot are only
@@ -43,12 +43,12 @@ impl Indexer {
     /// Every pod's place and the blocks are taken at one instant: a
     /// restored pod's stream resumes after the last batch its blocks
     /// include, and a batch applied twice would count its stores twice. So
-    /// the pods' locks are all held while the runs are copied (taken in id
-    /// order; nothing else holds two pods' locks, and a writer holding one
-    /// takes the runs' lock only after it), and released before a byte is
-    /// written. Ingest waits for the copy, which is about the size of the
-    /// index; a pod created meanwhile has no record, and its blocks in the
-    /// copy are dropped on restore.
+    /// the pods' locks are all held while everything is written (taken in
+    /// id order; nothing else holds two pods' locks, and a writer holding
+    /// one takes the runs' lock only after it). Ingest waits meanwhile;
+    /// memory does not grow by a copy of the index (which would be about
+    /// its size). A pod created meanwhile has no record, and its blocks
+    /// are dropped on restore.
     pub fn export<W: std::io::Write>(&self, out: W) -> std::io::Result<W> {
         let mut snapshot = SnapshotWriter::new(out, self.keys_fingerprint())?;
         // The pods and their models' runs from one reading of the table.
@@ -62,45 +62,36 @@ impl Indexer {
             (pods, models)
         };
         pods.sort_unstable_by_key(|p| p.id);
-        let (records, dumps) = {
-            let guards: Vec<_> = pods.iter().map(|p| self.lock(p)).collect();
-            let dumps: Vec<(&str, Dump)> = models
-                .iter()
-                .flat_map(|(name, runs)| {
-                    [runs.engine.dump(), runs.token.dump()].map(|d| (name.as_str(), d))
-                })
-                .filter(|(_, d)| !d.runs.is_empty())
-                .collect();
-            let records: Vec<PodSnapshot> = pods
-                .iter()
-                .zip(&guards)
-                .map(|(p, inner)| {
-                    let (non_full_groups, block_size, offload_block_size) =
-                        inner.state.rules_state();
-                    PodSnapshot {
-                        model: p.model.clone(),
-                        pod: p.topic_pod.clone(),
-                        dp_rank: p.dp_rank,
-                        block_size,
-                        last_seq: inner.progress.last_seq,
-                        last_fingerprint: inner.progress.last_fingerprint,
-                        incomplete: p.incomplete.load(Ordering::Relaxed),
-                        non_full_groups,
-                        blocks: Vec::new(),
-                        parents: Vec::new(),
-                        offload_block_size,
-                        runs_id: Some(p.id.0),
-                    }
-                })
-                .collect();
-            (records, dumps)
-        };
-        for record in &records {
-            snapshot.pod(record)?;
+        // Written as they are read, under the pods' locks: the runs are
+        // never copied (`DumpView`), so `out` should be a file, not a slow
+        // reader (ingest waits until the last run is written).
+        let guards: Vec<_> = pods.iter().map(|p| self.lock(p)).collect();
+        for (p, inner) in pods.iter().zip(&guards) {
+            let (non_full_groups, block_size, offload_block_size) = inner.state.rules_state();
+            snapshot.pod(&PodSnapshot {
+                model: p.model.clone(),
+                pod: p.topic_pod.clone(),
+                dp_rank: p.dp_rank,
+                block_size,
+                last_seq: inner.progress.last_seq,
+                last_fingerprint: inner.progress.last_fingerprint,
+                incomplete: p.incomplete.load(Ordering::Relaxed),
+                non_full_groups,
+                blocks: Vec::new(),
+                parents: Vec::new(),
+                offload_block_size,
+                runs_id: Some(p.id.0),
+            })?;
         }
-        for (model, dump) in &dumps {
-            snapshot.runs(model, dump)?;
+        for (name, runs) in &models {
+            for index in [&runs.engine, &runs.token] {
+                let view = index.dump_view();
+                if !view.is_empty() {
+                    snapshot.runs(name, &view)?;
+                }
+            }
         }
+        drop(guards);
         snapshot.finish()
     }
 
@@ -121,36 +112,36 @@ impl Indexer {
             return Err(SnapshotError::KeysChanged);
         }
         let mut restored: Vec<Arc<Pod>> = Vec::new();
-        // A pod's id in the snapshot's runs, and now.
-        let mut renamed: HashMap<u32, u32> = HashMap::new();
+        let mut runs = ImportRuns {
+            indexer: self,
+            renamed: HashMap::new(),
+            at: None,
+            refused: false,
+        };
         loop {
-            let record = match snapshot.next_record() {
+            let record = match snapshot.next_record(&mut runs) {
                 Ok(Some(record)) => record,
                 Ok(None) => break,
                 Err(e) => {
                     // Nothing of a snapshot that fails is kept.
+                    runs.abandon();
                     for pod in &restored {
                         self.remove_pod(pod);
                     }
-                    return Err(e);
+                    return Err(match e {
+                        SnapshotError::Decode(why) if runs.refused => {
+                            SnapshotError::Decode(format!("runs: {why}"))
+                        }
+                        e => e,
+                    });
                 }
             };
-            match record {
-                Record::Pod(ps) => {
-                    if let Some(pod) = self.import_pod(&ps) {
-                        if let Some(id) = ps.runs_id {
-                            renamed.insert(id, pod.id.0);
-                        }
-                        restored.push(pod);
+            if let Record::Pod(ps) = record {
+                if let Some(pod) = self.import_pod(&ps) {
+                    if let Some(id) = ps.runs_id {
+                        runs.renamed.insert(id, pod.id.0);
                     }
-                }
-                Record::Runs { model, dump } => {
-                    if let Err(e) = self.import_runs(&model, *dump, &renamed) {
-                        for pod in &restored {
-                            self.remove_pod(pod);
-                        }
-                        return Err(SnapshotError::Decode(format!("runs: {e}")));
-                    }
+                    restored.push(pod);
                 }
             }
         }
@@ -194,37 +185,119 @@ impl Indexer {
         }
         Some(pod)
     }
+}
 
-    /// One model's runs of one key kind, its pods given their new ids
-    /// (`renamed`). Blocks of pods without one (refused now, or created
-    /// after the snapshot listed its pods) are held under ids no pod has,
-    /// then dropped; a model none of whose pods was restored has no runs
-    /// now, and its blocks are skipped. On an error the index may hold part
-    /// of the runs: the caller drops every restored pod.
-    fn import_runs(
-        &self,
-        model: &str,
-        mut dump: Dump,
-        renamed: &HashMap<u32, u32>,
-    ) -> Result<(), DumpError> {
-        let Some(runs) = self.table.read().model(model).map(|m| m.runs.clone()) else {
+/// A snapshot's runs restored as they are read: one model's runs of one
+/// key kind at a time, its pods given their new ids (`renamed`). Blocks of
+/// pods without one (refused now, or created after the snapshot listed
+/// its pods) are held under ids no pod has, then dropped; a model none of
+/// whose pods was restored has no runs now, and its blocks are skipped.
+struct ImportRuns<'a> {
+    indexer: &'a Indexer,
+    /// A pod's id in the snapshot's runs, and now.
+    renamed: HashMap<u32, u32>,
+    at: Option<Importing>,
+    /// A rule of the index refused a run (not the file's encoding).
+    refused: bool,
+}
+
+struct Importing {
+    runs: Arc<KeyedRuns>,
+    token_keys: bool,
+    restore: crate::index::Restore,
+    /// Pods of the dump without an id now, and the stray id each is held
+    /// under meanwhile.
+    strays: HashMap<u32, u32>,
+}
+
+impl Importing {
+    fn index(&self) -> &crate::index::RunIndex {
+        self.runs.for_request(!self.token_keys)
+    }
+
+    fn rename(&mut self, pod: u32, renamed: &HashMap<u32, u32>) -> u32 {
+        if let Some(id) = renamed.get(&pod) {
+            return *id;
+        }
+        let k = self.strays.len() as u32;
+        *self
+            .strays
+            .entry(pod)
+            .or_insert(crate::index::MAX_POD - 1 - k)
+    }
+
+    fn clear_strays(&self) {
+        for &id in self.strays.values() {
+            self.index().clear(id);
+        }
+    }
+}
+
+impl ImportRuns<'_> {
+    fn refuse(&mut self, e: DumpError) -> String {
+        self.refused = true;
+        e.to_string()
+    }
+
+    /// After an error: the strays' blocks go (the restored pods' are the
+    /// caller's to drop).
+    fn abandon(&mut self) {
+        if let Some(at) = self.at.take() {
+            at.clear_strays();
+        }
+    }
+}
+
+impl RunsSink for ImportRuns<'_> {
+    fn begin(&mut self, model: &str, token_keys: bool, clock: u32) -> Result<(), String> {
+        let runs = self
+            .indexer
+            .table
+            .read()
+            .model(model)
+            .map(|m| m.runs.clone());
+        let Some(runs) = runs else {
+            self.at = None;
             return Ok(());
         };
-        let strays: Vec<u32> = dump
-            .pods()
-            .into_iter()
-            .filter(|p| !renamed.contains_key(p))
-            .collect();
-        let stray_id = |k: usize| crate::index::MAX_POD - 1 - k as u32;
-        dump.rename_pods(|p| match renamed.get(&p) {
-            Some(id) => *id,
-            None => stray_id(strays.binary_search(&p).expect("a stray")),
+        let restore = runs
+            .for_request(!token_keys)
+            .restore_begin(token_keys, clock)
+            .map_err(|e| self.refuse(e))?;
+        self.at = Some(Importing {
+            runs,
+            token_keys,
+            restore,
+            strays: HashMap::new(),
         });
-        let runs = runs.for_request(!dump.token_keys);
-        let result = runs.restore(dump);
-        for k in 0..strays.len() {
-            runs.clear(stray_id(k));
+        Ok(())
+    }
+
+    fn run(&mut self, mut run: RunRecord) -> Result<(), String> {
+        let Some(at) = self.at.as_mut() else {
+            return Ok(());
+        };
+        for h in &mut run.holdings {
+            h.pod = at.rename(h.pod, &self.renamed);
         }
-        result
+        run.holdings.sort_by_key(|h| (h.pod, h.tier));
+        let index = at.runs.for_request(!at.token_keys);
+        let result = index.restore_run(&mut at.restore, run);
+        result.map_err(|e| self.refuse(e))
+    }
+
+    fn end(&mut self, mut repeats: Vec<RepeatRecord>) -> Result<(), String> {
+        let Some(mut at) = self.at.take() else {
+            return Ok(());
+        };
+        for r in &mut repeats {
+            r.pod = at.rename(r.pod, &self.renamed);
+        }
+        let index = at.runs.for_request(!at.token_keys);
+        let result = index.restore_end(at.restore, repeats);
+        for &id in at.strays.values() {
+            index.clear(id);
+        }
+        result.map_err(|e| self.refuse(e))
     }
 }

@@ -36,7 +36,7 @@ pub(crate) async fn run(o: &Opts, quick: bool) -> Value {
         "\nBootstrap: a replica started with --peer copies a running one ({PODS} pods, each group of pods storing one chain; Score on the source at {RATE:.0}/s, 2,048-block prompts)"
     );
     println!(
-        "{:>11} {:>7} {:>10} {:>12} {:>13} {:>14} {:>14} {:>15} {:>11} {:>11} {:>13} {:>13}",
+        "{:>11} {:>7} {:>10} {:>12} {:>13} {:>14} {:>14} {:>15} {:>11} {:>11} {:>11} {:>11} {:>13} {:>13}",
         "entries",
         "groups",
         "ready s",
@@ -46,6 +46,8 @@ pub(crate) async fn run(o: &Opts, quick: bool) -> Value {
         "idle p999 us",
         "during p999 us",
         "source MB",
+        "peak MB",
+        "replica MB",
         "peak MB",
         "fwd p50 us",
         "fwd p99 us"
@@ -110,6 +112,10 @@ async fn one(o: &Opts, entries: u64, groups: usize) -> Value {
     let during = load.await.expect("Score load");
     let bytes = sent_bytes(&metrics) - bytes_before;
     let peak = memory_kb(source.0.id(), "VmHWM");
+    // The replica's RSS once Ready and its peak since it started: the
+    // copy's load never holds the index twice.
+    let replica_rss = memory_kb(replica.0.id(), "VmRSS");
+    let replica_peak = memory_kb(replica.0.id(), "VmHWM");
     let mut replica_client = connect(&replica_grpc).await;
     let copied = held_entries(&mut replica_client).await;
     let visible = forwarding(&mut client, &mut replica_client).await;
@@ -118,13 +124,15 @@ async fn one(o: &Opts, entries: u64, groups: usize) -> Value {
     assert_eq!(copied, entries, "the replica holds every entry");
     let mb = bytes / 1e6;
     println!(
-        "{entries:>11} {groups:>7} {ready:>10.2} {mb:>12.1} {:>13.0} {:>14.0} {:>14.0} {:>15.0} {:>11.0} {:>11.0} {:>13.0} {:>13.0}",
+        "{entries:>11} {groups:>7} {ready:>10.2} {mb:>12.1} {:>13.0} {:>14.0} {:>14.0} {:>15.0} {:>11.0} {:>11.0} {:>11.0} {:>11.0} {:>13.0} {:>13.0}",
         idle.p99,
         during.p99,
         idle.p999,
         during.p999,
         rss_before / 1024.0,
         peak / 1024.0,
+        replica_rss / 1024.0,
+        replica_peak / 1024.0,
         visible.0,
         visible.1
     );
@@ -136,6 +144,8 @@ async fn one(o: &Opts, entries: u64, groups: usize) -> Value {
         "score_rate_per_s": RATE,
         "source_rss_mb_before": rss_before / 1024.0,
         "source_peak_rss_mb_during": peak / 1024.0,
+        "replica_rss_mb_ready": replica_rss / 1024.0,
+        "replica_peak_rss_mb": replica_peak / 1024.0,
         "routing_visible_on_peer_p50_us": visible.0,
         "routing_visible_on_peer_p99_us": visible.1,
         "idle": step_json(&idle),
