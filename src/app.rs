@@ -14,7 +14,7 @@ use tonic::codegen::http;
 use tonic::transport::Server;
 
 use crate::config::Config;
-use crate::first_catch_ups::FirstCatchUps;
+use crate::first_catch_ups::{FirstCatchUps, Waits};
 use crate::grpc::KvIndexerService;
 use crate::ingest::Ingest;
 use crate::metrics::{serve_http, Metrics};
@@ -158,9 +158,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         config.ingest_workers,
         metrics.clone(),
     ));
-    // A restored index is exact once each dialed pod's buffer is applied.
+    // A restored index is exact once each pod is followed to now: from its
+    // buffer when dialed, from its first live batch when it connects to us.
     let dialing = !config.zmq_connect.is_empty() || config.discovery.is_enabled();
-    let first_catch_ups = FirstCatchUps::new(dialing && started_from != "empty");
+    let first_catch_ups = FirstCatchUps::new(match started_from {
+        "empty" => Waits::Nothing,
+        _ if dialing => Waits::Dialed,
+        _ => Waits::Restored,
+    });
     let ingest = Ingest::start(
         &config,
         indexer.clone(),
@@ -178,7 +183,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         tracing::warn!(
             pods = left,
             wait = ?config.catch_up_wait,
-            "dialed pods not caught up from their replay buffers within --catch-up-wait: ready without them"
+            "pods not caught up within --catch-up-wait (dialed: from their replay buffers; bound: from their first batch): ready without them"
         );
     }
     let snapshotter = config.snapshot_dir.clone().map(|dir| {

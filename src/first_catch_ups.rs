@@ -1,27 +1,44 @@
 //! What readiness waits for after a restored start (a peer's index or the
-//! snapshot file): the first catch-up of every pod dialed at start.
+//! snapshot file): the first catch-up of every pod.
 //!
-//! A restored index is the pods as they were when it was cut; each dialed
-//! pod's replay buffer, fetched when its connection comes up, brings it to
-//! now (or shows that the pod restarted, or that the gap cannot be
-//! repaired: the pod is then flagged incomplete). Until that is applied the
-//! index could still credit a pod with blocks it has since evicted. So the
-//! service reports Ready once every pod it dials at start has been caught
-//! up, or its catch-up failed (the stream repairs on its next gap), or the
-//! wait (`--catch-up-wait`) is over: a pod that never connects does not
-//! hold a replica back for longer.
+//! A restored index is the pods as they were when it was cut. Until each
+//! pod's stream is followed from there to now the index could still
+//! credit a pod with blocks it has since evicted. So the service reports
+//! Ready once every pod is caught up, or its catch-up failed (the pod is
+//! flagged incomplete, or the stream repairs on its next gap), or the wait
+//! (`--catch-up-wait`) is over: a pod that never connects or never
+//! publishes does not hold a replica back for longer.
 //!
-//! Each pod dialed while the window is open holds a `Pending`, passed with
-//! its catch-up to the workers that apply it; the last clone dropped counts
-//! that pod done.
+//! - Dial mode (`Waits::Dialed`): each pod dialed at start; its replay
+//!   buffer, fetched when its connection comes up, brings it to now.
+//! - Bind mode (`Waits::Restored`): each restored pod, until its first live
+//!   batch is applied with the gap before it repaired from its replay
+//!   endpoint (`--replay-endpoint`), or found lost.
+//!
+//! Each such pod holds a `Pending`, passed with its catch-up to the workers
+//! that apply it (dial mode) or kept by its stream until it is caught up
+//! (bind mode); the last clone dropped counts that pod done.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Which pods readiness waits for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Waits {
+    /// None: the index started empty.
+    #[default]
+    Nothing,
+    /// The pods dialed at start.
+    Dialed,
+    /// The pods restored (they connect to us).
+    Restored,
+}
+
 #[derive(Default)]
 pub struct FirstCatchUps {
-    /// Pods dialed from now on are waited for.
+    waits: Waits,
+    /// Pods tracked from now on are waited for.
     open: AtomicBool,
     /// The dial thread has taken its first list of targets.
     listed: AtomicBool,
@@ -38,25 +55,40 @@ impl Drop for Pending {
 }
 
 impl FirstCatchUps {
-    /// Waiting for nothing (`open: false`), or for the pods dialed until
-    /// `close`.
-    pub fn new(open: bool) -> Arc<FirstCatchUps> {
+    /// Waiting for `waits`' pods until the wait is over.
+    pub fn new(waits: Waits) -> Arc<FirstCatchUps> {
         Arc::new(FirstCatchUps {
-            open: AtomicBool::new(open),
+            waits,
+            open: AtomicBool::new(waits != Waits::Nothing),
             ..FirstCatchUps::default()
         })
     }
 
     /// A pod being dialed: waited for, if the window is open.
     pub fn track(self: &Arc<Self>) -> Option<Arc<Pending>> {
-        if !self.open.load(Ordering::Acquire) {
+        self.track_if(Waits::Dialed)
+    }
+
+    /// A restored pod given to its writer: waited for in bind mode.
+    pub fn track_restored(self: &Arc<Self>) -> Option<Arc<Pending>> {
+        self.track_if(Waits::Restored)
+    }
+
+    /// Whether restored pods are what is waited for.
+    pub fn waits_for_restored(&self) -> bool {
+        self.waits == Waits::Restored
+    }
+
+    fn track_if(self: &Arc<Self>, waits: Waits) -> Option<Arc<Pending>> {
+        if self.waits != waits || !self.open.load(Ordering::Acquire) {
             return None;
         }
         self.pending.fetch_add(1, Ordering::AcqRel);
         Some(Arc::new(Pending(self.clone())))
     }
 
-    /// The dial thread has its first list of targets (they are tracked).
+    /// Every pod waited for is tracked: the dial thread's first list of
+    /// targets, or every restored pod.
     pub fn listed(&self) {
         self.listed.store(true, Ordering::Release);
     }
@@ -90,7 +122,7 @@ mod tests {
 
     #[tokio::test]
     async fn waits_for_every_clone_of_every_pending_pod() {
-        let first = FirstCatchUps::new(true);
+        let first = FirstCatchUps::new(Waits::Dialed);
         let a = first.track().unwrap();
         let b = first.track().unwrap();
         let a2 = a.clone();
@@ -104,17 +136,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn each_mode_waits_for_its_own_pods() {
+        let bound = FirstCatchUps::new(Waits::Restored);
+        assert!(bound.track().is_none(), "nothing is dialed");
+        let held = bound.track_restored().unwrap();
+        bound.listed();
+        assert_eq!(bound.wait(Duration::from_millis(20)).await, 1);
+        drop(held);
+        let dialing = FirstCatchUps::new(Waits::Dialed);
+        assert!(dialing.track_restored().is_none(), "dialed pods only");
+        assert!(dialing.track().is_some());
+    }
+
+    #[tokio::test]
     async fn a_closed_window_waits_for_nothing() {
-        let first = FirstCatchUps::new(false);
+        let first = FirstCatchUps::new(Waits::Nothing);
         assert!(first.track().is_none());
         assert_eq!(first.wait(Duration::from_secs(60)).await, 0);
     }
 
     #[tokio::test]
     async fn nothing_listed_yet_is_not_done() {
-        let first = FirstCatchUps::new(true);
+        let first = FirstCatchUps::new(Waits::Dialed);
         assert_eq!(first.wait(Duration::from_millis(20)).await, 0);
-        let first = FirstCatchUps::new(true);
+        let first = FirstCatchUps::new(Waits::Dialed);
         let _held = first.track();
         assert_eq!(first.wait(Duration::from_millis(20)).await, 1);
     }

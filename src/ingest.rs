@@ -226,10 +226,15 @@ impl Ingest {
             workers.push(handle);
         }
         // Pods restored from a snapshot: each owner looks after its own
-        // (they expire like any other pod that never comes back).
+        // (they expire like any other pod that never comes back). In bind
+        // mode readiness waits for each one's first catch-up.
         for pod in indexer.list_pod_handles() {
             let owner = owners.owner(&pod.topic_pod, &pod.model);
-            let _ = controls[owner].send_async(Work::Adopt(pod)).await;
+            let first = first_catch_ups.track_restored();
+            let _ = controls[owner].send_async(Work::Adopt(pod, first)).await;
+        }
+        if first_catch_ups.waits_for_restored() {
+            first_catch_ups.listed();
         }
         let dispatcher = Dispatcher {
             workers: senders.clone(),

@@ -133,8 +133,8 @@ pub struct Config {
     pub snapshot_dir: Option<PathBuf>,
     pub snapshot_interval: std::time::Duration,
     pub peers: PeerConfig,
-    /// After a restored start: the longest wait for dialed pods' first
-    /// catch-ups before Ready.
+    /// After a restored start: the longest wait for pods' first catch-ups
+    /// before Ready.
     pub catch_up_wait: std::time::Duration,
     pub tokenizers: tokenizer::load::Sources,
     /// Tokenization cache bytes, per model.

@@ -97,7 +97,8 @@ pub enum Work {
     Evict,
     /// A pod restored from a snapshot: looked after (and forgotten after
     /// `--pod-expiry` if it never comes back) like any other.
-    Adopt(Arc<Pod>),
+    /// A restored pod, and its first catch-up if readiness waits for it.
+    Adopt(Arc<Pod>, Option<Arc<crate::first_catch_ups::Pending>>),
     /// A routing another replica accepted (`KvIndexerPeer/Routed`): the
     /// pod's blocks of the prompt speculative here too, until `until`.
     Speculate {
@@ -163,6 +164,9 @@ struct Stream {
     machine: StreamMachine<EventBatch>,
     /// The connection its last live batch came on.
     conn: Option<ConnId>,
+    /// A restored pod in bind mode: readiness waits until its stream is
+    /// caught up (see `first_catch_ups`).
+    first: Option<Arc<crate::first_catch_ups::Pending>>,
 }
 
 pub struct Worker<'a> {
@@ -370,7 +374,7 @@ impl<'a> Worker<'a> {
                 self.config.evict_pending.store(false, Ordering::Relaxed);
                 self.enforce_capacity();
             }
-            Work::Adopt(pod) => self.adopt(pod),
+            Work::Adopt(pod, first) => self.adopt(pod, first),
             Work::Record {
                 routing,
                 approximate,

@@ -3,6 +3,7 @@
 //! connection, pod or topic kept in step.
 
 use super::*;
+use crate::first_catch_ups::Pending;
 
 impl Worker<'_> {
     /// Records that `key` arrives on `conn`; a stream that moved to a new
@@ -42,7 +43,16 @@ impl Worker<'_> {
     ) -> usize {
         let mut actions = std::mem::take(&mut self.actions);
         if let Some(stream) = self.streams.get_mut(key) {
+            let batches = matches!(
+                input,
+                Input::Live(_) | Input::CatchUp(_) | Input::Replayed { .. }
+            );
             stream.machine.handle(input, now, &mut actions);
+            // A restored pod is caught up once batches came and no gap
+            // before them is being repaired (a lost one is flagged below).
+            if batches && !stream.machine.repairing() {
+                stream.first = None;
+            }
         }
         let applied = actions
             .iter()
@@ -251,6 +261,7 @@ impl Worker<'_> {
             pod,
             replay,
             conn: None,
+            first: None,
         })
     }
 
@@ -273,7 +284,7 @@ impl Worker<'_> {
 
     /// A pod restored from a snapshot, not heard from yet: disconnected
     /// until it publishes.
-    pub(super) fn adopt(&mut self, pod: Arc<Pod>) {
+    pub(super) fn adopt(&mut self, pod: Arc<Pod>, first: Option<Arc<Pending>>) {
         let topic = Bytes::from(format!("kv@{}@{}", pod.topic_pod, pod.model));
         let key = (topic, pod.dp_rank);
         if self.streams.contains_key(&key) {
@@ -281,7 +292,7 @@ impl Worker<'_> {
         }
         if let Err(to) = self.claim(&key.0) {
             // Never wait on another worker's queue (see `enforce_capacity`).
-            let _ = self.config.control[to].try_send(Work::Adopt(pod));
+            let _ = self.config.control[to].try_send(Work::Adopt(pod, first));
             return;
         }
         let now = Instant::now();
@@ -300,6 +311,7 @@ impl Worker<'_> {
                 replay,
                 machine,
                 conn: None,
+                first,
             },
         );
     }

@@ -7,6 +7,8 @@
 
 use std::collections::BTreeMap;
 
+use bytes::Bytes;
+
 use crate::common::vllm_pod::{Fleet, PodOptions};
 use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
@@ -204,6 +206,103 @@ async fn a_restored_replica_is_ready_only_once_its_dialed_pods_are_caught_up() {
         second.metric("kv_indexer_started_from{from=\"snapshot\"}"),
         1.0
     );
+}
+
+/// The same in bind mode: the pods connect to the replica and their
+/// replay endpoints are configured (`--replay-endpoint`). A restored
+/// replica is Ready only once each pod's first live batch was applied with
+/// the gap before it repaired from the pod's buffer (answered 300 ms late);
+/// it used to be Ready at once, its pods where the snapshot left them until
+/// they next published.
+#[tokio::test]
+async fn a_restored_replica_in_bind_mode_is_ready_only_once_its_pods_are_caught_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let snap = dir.path().to_str().unwrap();
+    let fleet = Fleet::start(STREAM, |_| PodOptions {
+        reply_delay: std::time::Duration::from_millis(300),
+        ..PodOptions::default()
+    });
+    let model = fleet.expected.model.clone();
+    let replay: Vec<String> = fleet
+        .pubs
+        .iter()
+        .map(|(pod, p)| format!("{pod}={}", p.target.split("replay=").nth(1).unwrap()))
+        .collect();
+    let zmq = format!("tcp://127.0.0.1:{}", free_port());
+    let mut args = vec!["--zmq-bind", &zmq, "--snapshot-dir", snap];
+    for r in &replay {
+        args.extend(["--replay-endpoint", r.as_str()]);
+    }
+    // Each pod's batch at position `at`, sent to the replica as its PUB
+    // would (the pod's own PUB has no subscriber here).
+    let live = |at: &dyn Fn(u64) -> u64| -> Vec<ZmqMessage> {
+        fleet
+            .pubs
+            .iter()
+            .map(|(pod, p)| {
+                let (topic, seq, payload) =
+                    p.frames()[at(fleet.per_pod[pod.as_str()]) as usize].clone();
+                zmq_message(vec![
+                    topic,
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    payload,
+                ])
+            })
+            .collect()
+    };
+    let half = |n: u64| n / 2;
+    let first = Service::start_raw(&args, Some(zmq.clone())).await;
+    let mut publisher = Publisher::connect(&zmq).await;
+    publisher.wait_subscribed(&first, "first").await;
+    let frames = load_frames(STREAM);
+    for (pod, p) in &fleet.pubs {
+        let n = fleet.per_pod[pod.as_str()];
+        p.publish(0, half(n) as usize, &Default::default());
+        for f in frames
+            .iter()
+            .filter(|f| f.pod() == pod.as_str() && f.seq < half(n))
+        {
+            publisher.send(f.message()).await;
+        }
+    }
+    let applied: BTreeMap<String, u64> = fleet
+        .per_pod
+        .iter()
+        .map(|(p, n)| (p.clone(), half(*n)))
+        .collect();
+    wait_last_seq(&first, &model, &applied).await;
+    assert!(first.terminate().await.success());
+    // While it is down: three batches more per pod, in their buffers.
+    let more = |n: u64| (half(n) + 3).min(n);
+    fleet.publish(|n| (half(n), more(n)));
+
+    // The last of them, sent live (again and again: a PUB drops what it
+    // sends before the replica subscribed) while the replica starts.
+    let last = live(&|n| more(n) - 1);
+    let sender = tokio::spawn({
+        let zmq = zmq.clone();
+        async move {
+            let mut publisher = Publisher::connect(&zmq).await;
+            loop {
+                for m in &last {
+                    publisher.send(m.clone()).await;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    });
+    let second = Service::start_raw(&args, Some(zmq.clone())).await;
+    let pods = second.list_pods(&model).await;
+    sender.abort();
+    for (pod, n) in &fleet.per_pod {
+        let p = pods.iter().find(|p| &p.pod == pod).expect("restored");
+        assert_eq!(
+            p.last_seq,
+            Some(more(*n) - 1),
+            "{pod} caught up before Ready: {p:?}"
+        );
+        assert!(!p.incomplete, "{p:?}");
+    }
 }
 
 /// Every pod's matched blocks for every probe, by probe and pod.
