@@ -887,6 +887,65 @@ async fn a_forwarded_routing_ends_at_the_instant_it_was_given() {
         0,
         "ended at the instant given, not 60 s on"
     );
+
+    // An end an hour away (a wrong clock, a wrong peer) is held to ten
+    // minutes: what the replica gives a copying peer says when it ends.
+    let far = pb::PeerRouting {
+        expires_unix_ms: now_ms + 3_600_000,
+        ..routed().into_inner().routings.remove(0)
+    };
+    let sent_ms = unix_ms();
+    assert_eq!(
+        peer.routed(with_secret(vec![far]))
+            .await
+            .unwrap()
+            .into_inner()
+            .written,
+        1
+    );
+    b.wait_until("the far routing speculative", async || {
+        speculative().await == 4
+    })
+    .await;
+    let mut live = tonic::Request::new(pb::PeerSnapshotRequest {
+        keys: default_keys_configuration(),
+        format: indexer::snapshot::VERSION,
+        replica: 7,
+    });
+    live.metadata_mut()
+        .insert("authorization", "Bearer fleet-secret".parse().unwrap());
+    let mut stream = peer.live(live).await.expect("Live").into_inner();
+    let mut ends = Vec::new();
+    while let Some(m) = stream.message().await.expect("Live stream") {
+        ends.extend(m.routings.iter().map(|r| r.expires_unix_ms));
+    }
+    assert_eq!(ends.len(), 1, "{ends:?}");
+    let ten_minutes = 600_000;
+    assert!(
+        ends[0] <= unix_ms() + ten_minutes && ends[0] + 5_000 >= sent_ms + ten_minutes,
+        "held to ten minutes from when it was received: ends at {}, sent at {sent_ms}",
+        ends[0]
+    );
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// The key configuration a replica with the default settings has, as a
+/// copying peer presents it.
+fn default_keys_configuration() -> String {
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        settings: kv_indexer::config::Settings,
+    }
+    let flags = <Flags as clap::Parser>::parse_from(["kv-indexer"]);
+    let config = kv_indexer::config::Config::load(flags.settings, None).expect("defaults");
+    indexer::Indexer::new(config.indexer).keys_configuration()
 }
 
 /// A peer that accepts connections and never answers (a hung replica, a
@@ -965,4 +1024,91 @@ async fn a_peer_that_never_answers_neither_slows_nor_fails_recording() {
     .await;
     let sent = a.metric("kv_indexer_peer_routings_forwarded_total{outcome=\"sent\"}");
     assert_eq!(sent, 0.0);
+}
+
+/// One copy at a time. A caller that takes a copy and reads nothing holds
+/// it (the source's file is written; its stream stalls once the channel
+/// and the connection's buffers are full: the index's snapshot is about
+/// 14 MB here); a second caller meanwhile is refused `RESOURCE_EXHAUSTED`,
+/// told to try another peer, and counted `busy`. Once the first caller is
+/// gone, the next copy is given whole.
+#[tokio::test]
+async fn a_second_copy_while_one_is_under_way_is_refused_as_busy() {
+    use simulator::vllm_wire::{encode_batch, frames, WireEvent};
+
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(&dir, "token", "fleet-secret");
+    let a = Service::start(&["--peer-token-file", &token]).await;
+    let mut publisher = Publisher::connect(a.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&a, "marker").await;
+    // 1M distinct blocks: one chain of 256-block batches.
+    let (batches, per_batch, bs) = (4_096u64, 256usize, 16usize);
+    let mut parent = None;
+    for seq in 0..batches {
+        let hashes: Vec<u64> = (0..per_batch as u64)
+            .map(|i| seq * per_batch as u64 + i + 1)
+            .collect();
+        let tokens: Vec<u32> = (0..per_batch * bs)
+            .map(|i| (seq as u32).wrapping_mul(7_919) ^ i as u32)
+            .collect();
+        let payload = encode_batch(&[WireEvent::Stored {
+            hashes: &hashes,
+            parent,
+            tokens: &tokens,
+            block_size: bs,
+        }]);
+        parent = hashes.last().copied();
+        publisher
+            .send(zmq_message(frames("busy", "m", seq, payload)))
+            .await;
+    }
+    let want = BTreeMap::from([("busy".to_string(), batches)]);
+    a.wait_applied("m", &want).await;
+
+    let copy = || {
+        let mut r = tonic::Request::new(pb::PeerSnapshotRequest {
+            keys: default_keys_configuration(),
+            format: indexer::snapshot::VERSION,
+            replica: 7,
+        });
+        r.metadata_mut()
+            .insert("authorization", "Bearer fleet-secret".parse().unwrap());
+        r
+    };
+    let peer = || async {
+        let channel = tonic::transport::Channel::from_shared(format!("http://{}", a.grpc_addr()))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        pb::kv_indexer_peer_client::KvIndexerPeerClient::new(channel)
+    };
+    let mut first = peer().await;
+    let stalled = first.snapshot(copy()).await.expect("the first copy");
+    // Long enough for the source to fill every buffer and stall.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let mut second = peer().await;
+    let refused = second.snapshot(copy()).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(refused.message().contains("another peer"), "{refused:?}");
+    assert_eq!(
+        a.metric("kv_indexer_peer_snapshots_served_total{outcome=\"busy\"}"),
+        1.0
+    );
+    drop(stalled);
+    drop(first);
+    a.wait_until("the stalled copy given up", async || {
+        a.metric("kv_indexer_peer_snapshots_served_total{outcome=\"aborted\"}") == 1.0
+    })
+    .await;
+    let mut stream = second.snapshot(copy()).await.expect("a copy").into_inner();
+    let mut bytes = 0;
+    while let Some(chunk) = stream.message().await.expect("the copy's stream") {
+        bytes += chunk.data.len();
+    }
+    assert!(bytes > 12_000_000, "{bytes} bytes");
 }
