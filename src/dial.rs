@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use indexer::topic::parse_topic;
 
 use crate::config::DialTarget;
@@ -31,7 +32,6 @@ pub struct DialContext {
     /// Replay fetches in flight at once, shared with the workers' repairs.
     pub replay_slots: Arc<tokio::sync::Semaphore>,
     pub limits: ReceiveLimits,
-    pub topic_filter: String,
     pub dispatcher: Dispatcher,
     pub runtime: tokio::runtime::Handle,
     /// `--ingest-priority`, for this thread (and so for its contexts').
@@ -98,6 +98,8 @@ struct Dialed {
     context_slot: usize,
     /// Dialed at a restored start: readiness waits for its first catch-up.
     first: Option<Arc<Pending>>,
+    /// `pod=`/`model=`: the topic every message here goes by.
+    named: Option<Bytes>,
 }
 
 /// libzmq allows 1,023 sockets per context by default (`ZMQ_MAX_SOCKETS`,
@@ -362,7 +364,10 @@ fn open(
 ) -> zmq::Result<Dialed> {
     let socket = context.socket(zmq::SUB)?;
     zmq_io::limit(&socket, ctx.limits)?;
-    socket.set_subscribe(ctx.topic_filter.as_bytes())?;
+    // Every topic: a named pod's is ignored (SGLang's is empty), and an
+    // empty one from a pod not named is refused by name, not filtered out
+    // unseen (the dispatcher applies `--topic-filter`).
+    socket.set_subscribe(b"")?;
     let monitor = zmq_io::monitor(context, &socket, &format!("dial-{n}"))?;
     socket.connect(&target.endpoint)?;
     Ok(Dialed {
@@ -375,6 +380,7 @@ fn open(
         connected: false,
         context_slot,
         first: ctx.first_catch_ups.track(),
+        named: target.named.as_ref().map(|t| Bytes::from(t.clone())),
     })
 }
 
@@ -384,7 +390,11 @@ fn receive_burst(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, warn: &
         &d.socket,
         BURST,
         &target.endpoint,
-        Source::Dialed(d.conn, d.replay.as_ref()),
+        Source::Dialed {
+            conn: d.conn,
+            replay: d.replay.as_ref(),
+            named: d.named.as_ref(),
+        },
         warn,
         &mut d.last_topic,
         |topic| {
@@ -418,6 +428,7 @@ fn on_event(ctx: &DialContext, target: &DialTarget, d: &mut Dialed, event: &zmq_
                     d.seen.iter().cloned().collect(),
                     d.conn,
                     first,
+                    d.named.clone(),
                 );
             }
         }
@@ -443,6 +454,7 @@ fn catch_up(
     seen: Vec<Vec<u8>>,
     conn: ConnId,
     first: Option<Arc<Pending>>,
+    named: Option<Bytes>,
 ) {
     let (context, limits, dispatcher) = (ctx.context.clone(), ctx.limits, ctx.dispatcher.clone());
     let slots = ctx.replay_slots.clone();
@@ -460,7 +472,13 @@ fn catch_up(
             })
             .await;
         match fetched {
-            Ok(Ok((endpoint, items))) => {
+            Ok(Ok((endpoint, mut items))) => {
+                // A named pod's buffer is its own, whatever its topic.
+                if let Some(named) = named {
+                    for item in &mut items {
+                        item.topic = Some(named.clone());
+                    }
+                }
                 let _ = tokio::task::spawn_blocking(move || {
                     dispatcher.catch_up(&endpoint, items, &seen, conn, first)
                 })

@@ -24,10 +24,17 @@ enum PodsFile {
 #[serde(untagged)]
 enum PodEntry {
     Line(String),
+    /// As `--zmq-connect`'s options (`dp_ranks`: `dp-ranks`).
     Full {
         endpoint: String,
         #[serde(default)]
         replay: Option<String>,
+        #[serde(default)]
+        pod: Option<String>,
+        #[serde(default)]
+        model: Option<String>,
+        #[serde(default)]
+        dp_ranks: Option<u16>,
     },
 }
 
@@ -47,14 +54,32 @@ pub fn parse_pods_file(text: &str) -> Result<Vec<DialTarget>, String> {
         .map(|e| {
             let line = match e {
                 PodEntry::Line(l) => l,
-                PodEntry::Full { endpoint, replay } => match replay {
-                    Some(r) => format!("{endpoint},replay={r}"),
-                    None => endpoint,
-                },
+                PodEntry::Full {
+                    endpoint,
+                    replay,
+                    pod,
+                    model,
+                    dp_ranks,
+                } => {
+                    let mut line = endpoint;
+                    let options = [
+                        ("replay", replay),
+                        ("pod", pod),
+                        ("model", model),
+                        ("dp-ranks", dp_ranks.map(|n| n.to_string())),
+                    ];
+                    for (name, value) in options {
+                        if let Some(v) = value {
+                            line.push_str(&format!(",{name}={v}"));
+                        }
+                    }
+                    line
+                }
             };
-            crate::config::dial_target(&line).map_err(|e| e.to_string())
+            crate::config::dial_targets(&line).map_err(|e| e.to_string())
         })
-        .collect()
+        .collect::<Result<Vec<Vec<DialTarget>>, String>>()
+        .map(|t| t.into_iter().flatten().collect())
 }
 
 /// `tcp://IP:PORT` (IPv6 in brackets).
@@ -99,13 +124,17 @@ async fn resolve(
         },
     };
     let unique: BTreeSet<IpAddr> = ips.into_iter().collect();
-    Ok(unique
-        .into_iter()
-        .map(|ip| DialTarget {
+    let mut targets = Vec::new();
+    for ip in unique {
+        let base = DialTarget {
             endpoint: endpoint(ip, target.port),
             replay: target.replay_port.map(|p| endpoint(ip, p)),
-        })
-        .collect())
+            // Topic-less pods are named by their address.
+            named: target.model.as_ref().map(|m| format!("kv@{ip}@{m}")),
+        };
+        targets.extend(base.ranks(target.dp_ranks)?);
+    }
+    Ok(targets)
 }
 
 /// Runs discovery forever, calling `apply` with the full desired set each
@@ -118,7 +147,7 @@ pub async fn run(
     let mut from_file: Vec<DialTarget> = Vec::new();
     let mut file_seen: Option<String> = None;
     let mut from_dns: Vec<Vec<DialTarget>> = vec![Vec::new(); config.dns.len()];
-    let mut last: Option<BTreeSet<(String, Option<String>)>> = None;
+    let mut last: Option<BTreeSet<DialTarget>> = None;
     let mut ticker = tokio::time::interval(config.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -157,10 +186,7 @@ pub async fn run(
         let mut desired: Vec<DialTarget> = static_targets.clone();
         desired.extend(from_file.iter().cloned());
         desired.extend(from_dns.iter().flatten().cloned());
-        let key: BTreeSet<(String, Option<String>)> = desired
-            .iter()
-            .map(|t| (t.endpoint.clone(), t.replay.clone()))
-            .collect();
+        let key: BTreeSet<DialTarget> = desired.iter().cloned().collect();
         if last.as_ref() != Some(&key) {
             last = Some(key);
             apply(desired);

@@ -23,6 +23,11 @@ pub enum FrameProblem {
     FrameCount,
     Topic,
     Seq,
+    /// An empty topic (SGLang's default) from a pod its dial target does
+    /// not name: nothing tells which pod sent it.
+    NoTopic,
+    /// A topic outside `--topic-filter`.
+    Filtered,
 }
 
 impl FrameProblem {
@@ -31,6 +36,8 @@ impl FrameProblem {
             FrameProblem::FrameCount => "frame_count",
             FrameProblem::Topic => "topic",
             FrameProblem::Seq => "seq",
+            FrameProblem::NoTopic => "no_topic",
+            FrameProblem::Filtered => "filtered",
         }
     }
 }
@@ -55,6 +62,7 @@ fn check_frames(
             payload: Bytes::copy_from_slice(payload),
             replay: None,
             conn,
+            named: false,
         },
         owner,
     ))
@@ -121,8 +129,13 @@ impl Connections {
 
 /// Where a receive loop's messages come from.
 pub enum Source<'a> {
-    /// A dialed socket: one connection, and the pod's replay endpoint.
-    Dialed(ConnId, Option<&'a Arc<str>>),
+    /// A dialed socket: one connection, the pod's replay endpoint, and the
+    /// topic every message goes by if the target names its pod.
+    Dialed {
+        conn: ConnId,
+        replay: Option<&'a Arc<str>>,
+        named: Option<&'a Bytes>,
+    },
     /// The bind socket: many, told apart by fd.
     Bound(&'a mut Connections),
 }
@@ -145,6 +158,9 @@ pub struct Dispatcher {
     pub metrics: Arc<Metrics>,
     pub warn: Arc<RateLimited>,
     pub dropped: Arc<RateLimited>,
+    /// `--topic-filter`: sockets take every topic (to tell an empty one,
+    /// which is refused by name, from another consumer's) and filter here.
+    pub topic_filter: Bytes,
 }
 
 impl Dispatcher {
@@ -234,19 +250,32 @@ impl Dispatcher {
         for _ in 0..burst {
             match zmq_io::recv_message(socket, zmq::DONTWAIT, want_fd) {
                 Ok(received) => {
-                    let frames = received.three();
+                    let mut frames = received.three();
+                    let mut named = false;
+                    if let (Some([topic, ..]), Source::Dialed { named: Some(n), .. }) =
+                        (&mut frames, &source)
+                    {
+                        *topic = n;
+                        named = true;
+                    }
+                    if let (Some([topic, ..]), false) = (frames, named) {
+                        if let Some(problem) = self.unusable_topic(topic) {
+                            self.skip(label, problem);
+                            continue;
+                        }
+                    }
                     if let Some([topic, ..]) = frames {
                         if !last_topic.repeats(topic) {
                             new_topic(topic);
                         }
                     }
                     let (conn, replay) = match &mut source {
-                        Source::Dialed(conn, replay) => (*conn, *replay),
+                        Source::Dialed { conn, replay, .. } => (*conn, *replay),
                         Source::Bound(conns) => {
                             (conns.of(i64::from(received.fd.unwrap_or(-1))), None)
                         }
                     };
-                    self.dispatch(frames, label, conn, replay, last_topic);
+                    self.dispatch(frames, label, conn, replay, named, last_topic);
                 }
                 Err(zmq::Error::EAGAIN) => return,
                 Err(e) => {
@@ -263,12 +292,14 @@ impl Dispatcher {
         source: &str,
         conn: ConnId,
         replay: Option<&Arc<str>>,
+        named: bool,
         last_topic: &mut LastTopic,
     ) {
         self.metrics.messages_received.inc();
         match check_frames(frames, conn, &self.owners, last_topic) {
             Ok((mut frame, owner)) => {
                 frame.replay = replay.cloned();
+                frame.named = named;
                 // Never wait on index work: a full queue (in messages or
                 // bytes) drops, notes the drop for the owner, and the gap
                 // is repaired through replay.
@@ -279,12 +310,33 @@ impl Dispatcher {
                     });
                 }
             }
-            Err(problem) => {
-                self.metrics.skip_message(problem.label());
-                self.warn.warn(|suppressed| {
-                    tracing::warn!(%source, ?problem, suppressed, "skipping malformed ZeroMQ message")
-                });
-            }
+            Err(problem) => self.skip(source, problem),
+        }
+    }
+
+    /// Why a message of `topic` from a pod its dial target does not name
+    /// cannot be taken, if it cannot.
+    fn unusable_topic(&self, topic: &[u8]) -> Option<FrameProblem> {
+        if topic.is_empty() {
+            Some(FrameProblem::NoTopic)
+        } else if !topic.starts_with(&self.topic_filter) {
+            Some(FrameProblem::Filtered)
+        } else {
+            None
+        }
+    }
+
+    fn skip(&self, source: &str, problem: FrameProblem) {
+        self.metrics.skip_message(problem.label());
+        match problem {
+            // Not a peer's mistake: another consumer's topic.
+            FrameProblem::Filtered => {}
+            FrameProblem::NoTopic => self.warn.warn(|suppressed| {
+                tracing::warn!(%source, suppressed, "skipping ZeroMQ messages with an empty topic (SGLang's default): nothing tells which pod sent them; dial the pod naming it (--zmq-connect tcp://POD:PORT,pod=NAME,model=MODEL) or have it publish on kv@POD@MODEL")
+            }),
+            _ => self.warn.warn(|suppressed| {
+                tracing::warn!(%source, ?problem, suppressed, "skipping malformed ZeroMQ message")
+            }),
         }
     }
 }

@@ -244,6 +244,7 @@ impl Ingest {
             metrics: metrics.clone(),
             warn: Arc::new(RateLimited::new(Duration::from_secs(10))),
             dropped: Arc::new(RateLimited::new(Duration::from_secs(10))),
+            topic_filter: bytes::Bytes::from(config.topic_filter.clone()),
         };
         let control = Control {
             workers: controls,
@@ -267,9 +268,10 @@ impl Ingest {
                     .set_zap_domain(crate::zap::DOMAIN)
                     .map_err(IngestError::Socket)?;
             }
-            socket
-                .set_subscribe(config.topic_filter.as_bytes())
-                .map_err(IngestError::Socket)?;
+            // Every topic: an empty one (SGLang's default) is refused by
+            // name and counted, not filtered out unseen; the dispatcher
+            // applies `--topic-filter`.
+            socket.set_subscribe(b"").map_err(IngestError::Socket)?;
             let monitor =
                 zmq_io::monitor(&context, &socket, "bind").map_err(IngestError::Socket)?;
             socket
@@ -296,7 +298,6 @@ impl Ingest {
                     context,
                     replay_slots,
                     limits,
-                    topic_filter: config.topic_filter.clone(),
                     dispatcher,
                     runtime: tokio::runtime::Handle::current(),
                     priority: config.ingest_priority,

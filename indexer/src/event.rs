@@ -17,14 +17,17 @@ pub const TIERS: usize = 3;
 impl Tier {
     pub const ALL: [Tier; TIERS] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
 
-    /// vLLM's `medium` string. `None` is GPU (vLLM omits it for the device
-    /// cache); anything that is neither GPU nor CPU (disk, remote stores,
-    /// connector-specific names) is the storage tier.
+    /// An engine's `medium` string. `None` is GPU (vLLM omits it for the
+    /// device cache); CPU memory is `CPU` (vLLM) or `CPU_PINNED` (SGLang's
+    /// HiCache host tier); anything else (`DISK`, SGLang's `EXTERNAL`,
+    /// remote stores, connector-specific names) is the storage tier.
     pub fn from_medium(medium: Option<&str>) -> Tier {
         match medium {
             None => Tier::Gpu,
             Some(m) if m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("cuda") => Tier::Gpu,
-            Some(m) if m.eq_ignore_ascii_case("cpu") => Tier::Cpu,
+            Some(m) if m.eq_ignore_ascii_case("cpu") || m.eq_ignore_ascii_case("cpu_pinned") => {
+                Tier::Cpu
+            }
             Some(_) => Tier::Storage,
         }
     }
@@ -101,6 +104,35 @@ pub enum ExtraKey {
     List(Vec<ExtraKey>),
 }
 
+/// The engine a pod runs, as its events show it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Engine {
+    /// No store seen yet.
+    #[default]
+    Unknown = 0,
+    Vllm = 1,
+    Sglang = 2,
+}
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Unknown => "",
+            Engine::Vllm => "vllm",
+            Engine::Sglang => "sglang",
+        }
+    }
+
+    pub fn from_u8(v: u8) -> Engine {
+        match v {
+            1 => Engine::Vllm,
+            2 => Engine::Sglang,
+            _ => Engine::Unknown,
+        }
+    }
+}
+
 /// `BlockStored`: the pod now holds these blocks.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct BlockStored {
@@ -114,6 +146,15 @@ pub struct BlockStored {
     pub lora_id: Option<i64>,
     pub medium: Option<String>,
     pub lora_name: Option<String>,
+    /// SGLang: the request's cache salt, named beside the blocks (vLLM
+    /// puts it in block 0's `extra_keys`). It scopes a chain's first block.
+    pub cache_salt: Option<String>,
+    /// Who published it, by its form: vLLM's map form always has a
+    /// `lora_name` key and never `cache_salt`; SGLang's omits `lora_name`
+    /// when there is none and names a salt in `cache_salt` (a store under
+    /// an adapter and no salt looks like vLLM's: a pod's other stores
+    /// tell). Positional forms are vLLM's.
+    pub engine: Engine,
     /// Per block: `None` or the block's extra keys.
     pub extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
     pub group_idx: Option<u32>,
@@ -226,7 +267,13 @@ mod tests {
         assert_eq!(Tier::from_medium(None), Tier::Gpu);
         assert_eq!(Tier::from_medium(Some("GPU")), Tier::Gpu);
         assert_eq!(Tier::from_medium(Some("cpu")), Tier::Cpu);
+        assert_eq!(
+            Tier::from_medium(Some("CPU_PINNED")),
+            Tier::Cpu,
+            "SGLang's host tier"
+        );
         assert_eq!(Tier::from_medium(Some("DISK")), Tier::Storage);
+        assert_eq!(Tier::from_medium(Some("EXTERNAL")), Tier::Storage);
         assert_eq!(Tier::from_medium(Some("lmcache")), Tier::Storage);
         let remote = BlockStored {
             medium: Some("GPU".into()),

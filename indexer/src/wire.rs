@@ -15,7 +15,7 @@
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::fmt;
 
-use crate::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKey, KvEvent};
+use crate::event::{BlockRemoved, BlockStored, Engine, EngineHash, EventBatch, ExtraKey, KvEvent};
 
 #[cfg(test)]
 mod diff_tests;
@@ -343,7 +343,10 @@ impl<'de> Visitor<'de> for EventVisitor {
         let mut tag: Option<String> = None;
         let mut f = Fields::default();
         let mut unknown = 0u32;
+        let (mut lora_name_key, mut salt_key) = (false, false);
         while let Some(key) = map.next_key::<KeyName>()? {
+            lora_name_key |= key.0 == "lora_name";
+            salt_key |= key.0 == "cache_salt";
             match key.0.as_str() {
                 "type" => tag = Some(map.next_value()?),
                 "block_hashes" => f.block_hashes = Some(map.next_value()?),
@@ -353,6 +356,7 @@ impl<'de> Visitor<'de> for EventVisitor {
                 "lora_id" => f.lora_id = map.next_value()?,
                 "medium" => f.medium = map.next_value()?,
                 "lora_name" => f.lora_name = map.next_value()?,
+                "cache_salt" => f.cache_salt = map.next_value()?,
                 "extra_keys" => f.extra_keys = map.next_value()?,
                 "group_idx" => f.group_idx = map.next_value()?,
                 "kv_cache_spec_kind" => f.kv_cache_spec_kind = map.next_value()?,
@@ -366,6 +370,11 @@ impl<'de> Visitor<'de> for EventVisitor {
             }
         }
         let tag = tag.ok_or_else(|| de::Error::missing_field("type"))?;
+        f.engine = if salt_key || !lora_name_key {
+            Engine::Sglang
+        } else {
+            Engine::Vllm
+        };
         f.into_event(&tag, unknown)
     }
 
@@ -396,6 +405,7 @@ impl<'de> Visitor<'de> for EventVisitor {
         }
         // Trailing slots added by later releases.
         while seq.next_element::<IgnoredAny>()?.is_some() {}
+        f.engine = Engine::Vllm;
         f.into_event(&tag, 0)
     }
 }
@@ -409,6 +419,8 @@ struct Fields {
     lora_id: Option<i64>,
     medium: Option<String>,
     lora_name: Option<String>,
+    cache_salt: Option<String>,
+    engine: Engine,
     extra_keys: Option<Vec<WireExtraKeys>>,
     group_idx: Option<u32>,
     kv_cache_spec_kind: Option<String>,
@@ -432,6 +444,8 @@ impl Fields {
                 lora_id: self.lora_id,
                 medium: self.medium,
                 lora_name: self.lora_name,
+                cache_salt: self.cache_salt,
+                engine: self.engine,
                 extra_keys: self
                     .extra_keys
                     .map(|v| v.into_iter().map(|k| k.0).collect()),

@@ -36,7 +36,7 @@ impl FromStr for BindEndpoint {
     }
 }
 
-/// `--zmq-connect tcp://HOST:PORT[,replay=tcp://HOST:PORT]`.
+/// `--zmq-connect tcp://HOST:PORT[,replay=tcp://HOST:PORT][,pod=NAME,model=MODEL]`.
 impl FromStr for DialTarget {
     type Err = String;
     fn from_str(raw: &str) -> Result<Self, String> {
@@ -46,37 +46,124 @@ impl FromStr for DialTarget {
         if host == "*" || port == 0 {
             return Err("a pod endpoint needs a host and a port".into());
         }
-        let mut replay = None;
+        let (mut replay, mut pod, mut model) = (None, None, None);
         for option in parts {
             match option.split_once('=') {
                 Some(("replay", value)) => {
                     tcp_endpoint(value).map_err(|e| format!("replay endpoint: {e}"))?;
                     replay = Some(value.to_owned());
                 }
-                _ => return Err(format!("unknown option {option:?} (want replay=ENDPOINT)")),
+                Some(("pod", value)) => pod = Some(value),
+                Some(("model", value)) => model = Some(value),
+                _ => {
+                    return Err(format!(
+                        "unknown option {option:?} (want replay=ENDPOINT, pod=NAME, model=MODEL)"
+                    ))
+                }
             }
         }
         Ok(DialTarget {
             endpoint: endpoint.to_owned(),
             replay,
+            named: named_topic(pod, model)?,
         })
     }
 }
 
-/// A dial target as the pods file (`discovery.rs`) reads them, with the
+/// The topic a dialed pod named by `pod=` and `model=` goes by; both or
+/// neither. Bounded as a topic off the wire is (`parse_topic`): the names
+/// go into metric labels and logs.
+pub(crate) fn named_topic(
+    pod: Option<&str>,
+    model: Option<&str>,
+) -> Result<Option<String>, String> {
+    let (pod, model) = match (pod, model) {
+        (None, None) => return Ok(None),
+        (Some(pod), Some(model)) => (pod, model),
+        _ => return Err("pod= and model= name a pod together: give both".into()),
+    };
+    if pod.contains('@') {
+        return Err(format!("pod name {pod:?} has an '@'"));
+    }
+    let topic = format!("kv@{pod}@{model}");
+    indexer::topic::parse_topic(topic.as_bytes()).map_err(|e| format!("pod or model name: {e}"))?;
+    Ok(Some(topic))
+}
+
+/// One `--zmq-connect` value: a target, or with `dp-ranks=N` one per
+/// rank, on consecutive ports from the one given (replay endpoints too):
+/// SGLang's data-parallel ranks publish on the base port plus their rank,
+/// each its own cache, told apart by the rank in its batches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DialTargets(pub Vec<DialTarget>);
+
+/// Most ranks one `dp-ranks=` expands to.
+const MAX_DP_RANKS: u16 = 256;
+
+impl FromStr for DialTargets {
+    type Err = String;
+    fn from_str(raw: &str) -> Result<Self, String> {
+        let mut ranks = 1u16;
+        let mut rest = Vec::new();
+        for part in raw.trim().split(',').map(str::trim) {
+            match part.split_once('=') {
+                Some(("dp-ranks", n)) => ranks = dp_ranks(n)?,
+                _ => rest.push(part),
+            }
+        }
+        let target: DialTarget = rest.join(",").parse()?;
+        Ok(DialTargets(target.ranks(ranks)?))
+    }
+}
+
+fn dp_ranks(n: &str) -> Result<u16, String> {
+    match n.parse::<u16>() {
+        Ok(n) if (1..=MAX_DP_RANKS).contains(&n) => Ok(n),
+        _ => Err(format!("dp-ranks must be 1-{MAX_DP_RANKS}")),
+    }
+}
+
+impl DialTarget {
+    /// This target and the next `ranks - 1` ports' (see `DialTargets`).
+    pub fn ranks(self, ranks: u16) -> Result<Vec<DialTarget>, String> {
+        let shifted = |endpoint: &str, r: u16| -> Result<String, String> {
+            let (host, port) = tcp_endpoint(endpoint)?;
+            let port = port
+                .checked_add(r)
+                .ok_or_else(|| format!("{endpoint} plus {r} ranks passes port 65535"))?;
+            Ok(format!("tcp://{host}:{port}"))
+        };
+        (0..ranks)
+            .map(|r| {
+                Ok(DialTarget {
+                    endpoint: shifted(&self.endpoint, r)?,
+                    replay: self.replay.as_deref().map(|e| shifted(e, r)).transpose()?,
+                    named: self.named.clone(),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Dial targets as the pods file (`discovery.rs`) reads them, with the
 /// setting named as `--zmq-connect` would.
-pub(crate) fn dial_target(raw: &str) -> Result<DialTarget, ConfigError> {
-    raw.parse()
+pub(crate) fn dial_targets(raw: &str) -> Result<Vec<DialTarget>, ConfigError> {
+    raw.parse::<DialTargets>()
+        .map(|t| t.0)
         .map_err(|reason: String| invalid("zmq_connect", raw, reason))
 }
 
-/// `--discover-dns NAME:PORT[,replay-port=PORT]`.
-/// `--discover-dns NAME:PORT[,replay-port=P]`.
+/// `--discover-dns NAME:PORT[,replay-port=P][,model=MODEL][,dp-ranks=N]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DnsTarget {
     pub name: String,
     pub port: u16,
     pub replay_port: Option<u16>,
+    /// Each address's DP ranks, on consecutive ports (see `DialTargets`).
+    pub dp_ranks: u16,
+    /// The pods publish no usable topic (SGLang's default): each is named
+    /// by its address and serves this model.
+    pub model: Option<String>,
 }
 
 impl FromStr for DnsTarget {
@@ -89,11 +176,17 @@ impl FromStr for DnsTarget {
         if name.is_empty() || port == 0 {
             return Err("want NAME:PORT".into());
         }
-        let mut replay_port = None;
+        let (mut replay_port, mut model, mut ranks) = (None, None, 1);
         for option in parts {
             match option.split_once('=') {
                 Some(("replay-port", p)) => {
                     replay_port = Some(p.parse().map_err(|_| "replay-port must be a number")?)
+                }
+                Some(("dp-ranks", n)) => ranks = dp_ranks(n)?,
+                Some(("model", m)) => {
+                    // Checked as the topic its pods will go by.
+                    named_topic(Some("0.0.0.0"), Some(m))?;
+                    model = Some(m.to_owned());
                 }
                 _ => return Err(format!("unknown option {option:?}")),
             }
@@ -102,6 +195,8 @@ impl FromStr for DnsTarget {
             name: name.to_owned(),
             port,
             replay_port,
+            dp_ranks: ranks,
+            model,
         })
     }
 }
@@ -150,8 +245,45 @@ mod tests {
         let d: DnsTarget = "svc:5557,replay-port=5558".parse().unwrap();
         assert_eq!((d.port, d.replay_port), (5557, Some(5558)));
         assert!("svc:0".parse::<DnsTarget>().is_err());
-        let err = dial_target("tcp://a").unwrap_err().to_string();
+        let err = dial_targets("tcp://a").unwrap_err().to_string();
         assert!(err.contains("zmq_connect"), "{err}");
+    }
+
+    /// SGLang's pods: named by the target (no topic), and its DP ranks on
+    /// consecutive ports, replay endpoints too.
+    #[test]
+    fn named_targets_and_dp_ranks() {
+        let t: DialTargets =
+            "tcp://h:5557,replay=tcp://h:6000,pod=p-0,model=Qwen/Qwen3-8B,dp-ranks=3"
+                .parse()
+                .unwrap();
+        let got: Vec<(&str, Option<&str>, Option<&str>)> =
+            t.0.iter()
+                .map(|t| (t.endpoint.as_str(), t.replay.as_deref(), t.named.as_deref()))
+                .collect();
+        let named = Some("kv@p-0@Qwen/Qwen3-8B");
+        assert_eq!(
+            got,
+            vec![
+                ("tcp://h:5557", Some("tcp://h:6000"), named),
+                ("tcp://h:5558", Some("tcp://h:6001"), named),
+                ("tcp://h:5559", Some("tcp://h:6002"), named),
+            ]
+        );
+        for bad in [
+            "tcp://h:1,pod=p",
+            "tcp://h:1,model=m",
+            "tcp://h:1,pod=a@b,model=m",
+            "tcp://h:1,pod=p\u{1b}[2J,model=m",
+            "tcp://h:1,dp-ranks=0",
+            "tcp://h:1,dp-ranks=257",
+            "tcp://h:65535,dp-ranks=2",
+        ] {
+            assert!(bad.parse::<DialTargets>().is_err(), "{bad}");
+        }
+        let d: DnsTarget = "svc:5557,model=m,dp-ranks=2".parse().unwrap();
+        assert_eq!((d.model.as_deref(), d.dp_ranks), (Some("m"), 2));
+        assert!("svc:5557,model=".parse::<DnsTarget>().is_err());
     }
 }
 

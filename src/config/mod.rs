@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 
 use indexer::IndexerConfig;
 
-pub(crate) use endpoints::dial_target;
+pub(crate) use endpoints::dial_targets;
 pub use endpoints::{DnsTarget, PeerTarget};
 pub use settings::Settings;
 pub use values::{parse_bytes, IngestPriority, LogFormat};
@@ -103,10 +103,14 @@ pub struct Limits {
 }
 
 /// A pod to dial: its PUB endpoint and, if known, its replay endpoint.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DialTarget {
     pub endpoint: String,
     pub replay: Option<String>,
+    /// `pod=NAME,model=MODEL`: every message on this connection is that
+    /// pod's, whatever its topic (SGLang publishes none by default). The
+    /// topic the pod goes by: `kv@NAME@MODEL`.
+    pub named: Option<String>,
 }
 
 /// Validated settings.
@@ -347,11 +351,13 @@ mod tests {
             vec![
                 DialTarget {
                     endpoint: "tcp://a:1".into(),
-                    replay: Some("tcp://a:2".into())
+                    replay: Some("tcp://a:2".into()),
+                    named: None,
                 },
                 DialTarget {
                     endpoint: "tcp://b:1".into(),
-                    replay: None
+                    replay: None,
+                    named: None,
                 },
             ]
         );

@@ -18,10 +18,10 @@ use std::path::PathBuf;
 use humantime::Duration;
 use serde::Deserialize;
 
+use super::endpoints::DialTargets;
 use super::endpoints::{BindEndpoint, ReplayEndpoint};
 use super::file::from_file;
 use super::values::*;
-use super::DialTarget;
 use super::DnsTarget;
 use super::PeerTarget;
 
@@ -135,10 +135,12 @@ settings! {
     zmq_allow: Vec<Item<Network>>,
 
     /// A pod's PUB endpoint to connect to, optionally with its replay (ROUTER)
-    /// endpoint: `tcp://pod:5557[,replay=tcp://pod:5558]`. Repeatable; in the
-    /// environment variable, separate targets with spaces.
+    /// endpoint: `tcp://pod:5557[,replay=tcp://pod:5558]`. `pod=NAME,model=MODEL`
+    /// names the pod for publishers with no usable topic (SGLang's default);
+    /// `dp-ranks=N` dials N data-parallel ranks on consecutive ports.
+    /// Repeatable; in the environment variable, separate targets with spaces.
     #[arg(value_delimiter = ' ')]
-    zmq_connect: Vec<Item<DialTarget>>,
+    zmq_connect: Vec<Item<DialTargets>>,
 
     /// A pods file (YAML or JSON list of endpoints as for --zmq-connect, or
     /// `{endpoint, replay}` objects), re-read when it changes (a mounted
@@ -202,7 +204,8 @@ settings! {
     /// the least recently routed dropped first.
     approximate_capacity: usize = "31250",
 
-    /// Topic prefix to subscribe to.
+    /// Topic prefix a message's topic must start with (others are skipped
+    /// and counted; a dial target's `pod=` ignores the topic).
     topic_filter: String = "kv@",
 
     /// Largest ZeroMQ message accepted from a pod, e.g. `4MiB`; larger ones

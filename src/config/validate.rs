@@ -166,7 +166,7 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
         tls,
         metrics_addr: s.metrics_addr.0,
         zmq_bind,
-        zmq_connect: items(s.zmq_connect),
+        zmq_connect: items(s.zmq_connect).into_iter().flat_map(|t| t.0).collect(),
         discovery,
         replay_endpoints,
         replay_timeout,

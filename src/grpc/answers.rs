@@ -139,6 +139,8 @@ impl KvIndexerService {
                 total_blocks: total,
                 incomplete: false,
                 speculative_blocks: n,
+                // A guess from routing history, not from the pod's events.
+                engine: "",
             })
             .collect();
         scores.sort_by(|a, b| b.score.total_cmp(&a.score).then_with(|| a.pod.cmp(&b.pod)));
@@ -195,6 +197,8 @@ impl KvIndexerService {
                     total_blocks: p.total_blocks,
                     incomplete: p.incomplete,
                     speculative_blocks: p.speculative_blocks,
+                    matched_tokens: p.matched.matched_blocks.saturating_mul(p.block_size),
+                    engine: p.engine.into(),
                 })
                 .collect(),
             prompt_handle,

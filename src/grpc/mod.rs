@@ -246,6 +246,7 @@ impl KvIndexer for KvIndexerService {
                 engine_hash_checks: p.applied.engine_hash_checks,
                 engine_hash_mismatches: p.applied.engine_hash_mismatches,
                 key_mode: p.key_mode.into(),
+                engine: p.engine.into(),
                 publisher_restarts: p.publisher_restarts,
                 duplicate_batches: p.duplicate_batches,
                 unrecovered_batches: p.unrecovered_batches,

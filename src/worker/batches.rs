@@ -16,9 +16,10 @@ impl Worker<'_> {
             }
         }
         let now = Instant::now();
-        if self.stream_entry(&key, frame.replay, now).is_none() {
+        let Some(stream) = self.stream_entry(&key, frame.replay, now) else {
             return;
-        }
+        };
+        stream.named |= frame.named;
         self.attach(&key, frame.conn, now);
         self.feed(&key, Input::Live(batch), now);
     }

@@ -149,10 +149,11 @@ impl Worker<'_> {
         if !self.streams.contains_key(&key) {
             return;
         }
+        let named = self.streams.get(&key).is_some_and(|s| s.named);
         let result = result.map(|items| {
             items
                 .into_iter()
-                .filter(|item| item.topic.as_ref().is_none_or(|t| *t == key.0))
+                .filter(|item| named || item.topic.as_ref().is_none_or(|t| *t == key.0))
                 .filter_map(|item| self.numbered(&key.0, item.seq, &item.payload))
                 .filter(|b| b.batch.data_parallel_rank == key.1)
                 .collect()

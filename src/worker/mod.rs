@@ -60,6 +60,8 @@ pub struct Frame {
     /// The replay endpoint of the socket it came from (dial mode).
     pub replay: Option<Arc<str>>,
     pub conn: ConnId,
+    /// Its topic is the dial target's `pod=`/`model=`, not the wire's.
+    pub named: bool,
 }
 
 pub enum Work {
@@ -167,6 +169,9 @@ struct Stream {
     /// A restored pod in bind mode: readiness waits until its stream is
     /// caught up (see `first_catch_ups`).
     first: Option<Arc<crate::first_catch_ups::Pending>>,
+    /// Named by its dial target: its replay endpoint's batches are all
+    /// its own, whatever topic they carry.
+    named: bool,
 }
 
 pub struct Worker<'a> {

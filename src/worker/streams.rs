@@ -262,6 +262,7 @@ impl Worker<'_> {
             replay,
             conn: None,
             first: None,
+            named: false,
         })
     }
 
@@ -312,6 +313,7 @@ impl Worker<'_> {
                 machine,
                 conn: None,
                 first,
+                named: false,
             },
         );
     }

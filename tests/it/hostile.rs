@@ -393,6 +393,45 @@ async fn long_and_unprintable_topics_are_skipped_and_counted() {
     assert!(grown < 16 * 1024, "RSS grew {grown} KiB");
 }
 
+/// A pod publishing with an empty topic (SGLang's default) to the bound
+/// socket cannot be told from any other: its messages are refused, counted
+/// under their own reason, and the log says how to take such a pod (it
+/// used to be filtered out unseen). Topics outside `--topic-filter` are
+/// counted as filtered, silently; the pod with a topic is taken.
+#[tokio::test]
+async fn empty_topics_are_refused_by_name_and_foreign_ones_filtered() {
+    let service = Service::start(&[]).await;
+    let mut publisher = subscribed(&service).await;
+    let payload = store_batch(1);
+    for seq in 0..3 {
+        publisher.send(message(b"", seq, &payload)).await;
+    }
+    publisher.send(message(b"other@p@m", 0, &payload)).await;
+    publisher.send(message(b"kv@p@m", 0, &payload)).await;
+    service
+        .wait_metric(
+            r#"kv_indexer_messages_skipped_total{reason="no_topic"}"#,
+            |n| n >= 3.0,
+        )
+        .await;
+    service
+        .wait_metric(
+            r#"kv_indexer_messages_skipped_total{reason="filtered"}"#,
+            |n| n >= 1.0,
+        )
+        .await;
+    service
+        .wait_until("the pod with a topic taken", async || {
+            service.list_pods("m").await.len() == 1
+        })
+        .await;
+    assert!(
+        service.logs().contains("pod=NAME,model=MODEL"),
+        "{}",
+        service.logs()
+    );
+}
+
 #[tokio::test]
 async fn zmq_allow_refuses_publishers_from_other_networks() {
     let refusing = Service::start(&["--zmq-allow", "10.0.0.0/8"]).await;

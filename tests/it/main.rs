@@ -27,6 +27,7 @@ mod publish;
 mod replay;
 mod routing;
 mod service;
+mod sglang;
 mod simulate;
 mod snapshots;
 mod stress;

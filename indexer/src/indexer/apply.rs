@@ -52,7 +52,10 @@ impl Indexer {
         progress.skipped.unknown_fields += batch.skipped.unknown_fields;
         for event in &batch.events {
             match event {
-                KvEvent::Stored(ev) => state.store(&pod.runs, ev, &pod.mode, &mut stats),
+                KvEvent::Stored(ev) => {
+                    pod.engine.store(ev.engine as u8, Ordering::Relaxed);
+                    state.store(&pod.runs, ev, &pod.mode, &mut stats)
+                }
                 KvEvent::Removed(ev) => state.remove(&pod.runs, ev, &pod.mode, &mut stats),
                 KvEvent::AllCleared => {
                     state.clear(&pod.runs, &mut stats);

@@ -147,7 +147,16 @@ pub struct Pod {
     connection: AtomicU8,
     /// (tier, block) entries held (the pod's share of the capacity).
     entries: AtomicU64,
+    /// The engine its last store showed (an `Engine`).
+    engine: AtomicU8,
     inner: Mutex<PodInner>,
+}
+
+impl Pod {
+    /// The engine its last store showed.
+    pub fn engine(&self) -> crate::event::Engine {
+        crate::event::Engine::from_u8(self.engine.load(Ordering::Relaxed))
+    }
 }
 
 struct PodInner {
@@ -201,6 +210,8 @@ pub struct PodSummary {
     pub applied: ApplyStats,
     pub skipped: DecodeSkips,
     pub key_mode: &'static str,
+    /// The engine its stores show: "vllm", "sglang", or "" before one.
+    pub engine: &'static str,
 }
 
 /// A prompt to score.
@@ -229,6 +240,9 @@ pub struct PodScore {
     /// Leading blocks held exactly or speculatively (routed to the pod,
     /// not yet stored): at least `matched.matched_blocks`.
     pub speculative_blocks: u32,
+    /// The engine its stores show ("" before one, or for a pod only
+    /// routed to).
+    pub engine: &'static str,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -71,6 +71,7 @@ impl Indexer {
         let mut by_size: BTreeMap<u32, SizeGroup> = BTreeMap::new();
         let mut scores: Vec<PodScore> = Vec::with_capacity(candidates.len());
         for (pos, (name, pod)) in candidates.into_iter().enumerate() {
+            let engine = pod.as_ref().map_or("", |p| p.engine().name());
             let bs = self.pod_block_size(pod.as_deref(), q.model);
             let total = (q.tokens.len() / bs as usize) as u32;
             let incomplete = pod
@@ -93,6 +94,7 @@ impl Indexer {
                 _ => {}
             }
             scores.push(PodScore {
+                engine,
                 pod: name,
                 matched: PrefixMatch::default(),
                 score: 0.0,
@@ -287,6 +289,7 @@ impl Indexer {
                     applied: inner.progress.applied,
                     skipped: inner.progress.skipped,
                     key_mode: p.mode.name(),
+                    engine: p.engine().name(),
                 }
             })
             .collect();

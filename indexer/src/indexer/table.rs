@@ -185,6 +185,7 @@ impl Indexer {
             removed: AtomicBool::new(false),
             connection: AtomicU8::new(Connection::Unknown as u8),
             entries: AtomicU64::new(0),
+            engine: AtomicU8::new(0),
             inner: Mutex::new(PodInner {
                 state,
                 progress: Progress::default(),

@@ -100,11 +100,12 @@ impl StoreRules {
         // Most stores carry no extra keys past the adapter's: nothing to
         // fold per block then (a filtered copy of none was a tenth of
         // keying a block).
-        let extras = ev.extra_keys.as_ref().is_some_and(|v| {
-            v.iter()
-                .flatten()
-                .any(|e| !non_lora_extras(e, lora.as_deref(), ev.lora_id).is_empty())
-        });
+        let extras = salt_of(ev).is_some()
+            || ev.extra_keys.as_ref().is_some_and(|v| {
+                v.iter()
+                    .flatten()
+                    .any(|e| !non_lora_extras(e, lora.as_deref(), ev.lora_id).is_empty())
+            });
         StorePlan::Tokens(TokenKeying {
             ev,
             lora,
@@ -241,8 +242,20 @@ impl<'e> TokenKeying<'e> {
             .and_then(|v| v.get(i))
             .and_then(|e| e.as_deref())
             .unwrap_or(&[]);
-        non_lora_extras(block, self.lora.as_deref(), self.ev.lora_id)
+        let mut extras = non_lora_extras(block, self.lora.as_deref(), self.ev.lora_id);
+        // A salt named beside the blocks (SGLang) is a prompt's block 0's,
+        // last, as a request's salt is (vLLM's order: adapter, items, salt).
+        if i == 0 && self.ev.parent_block_hash.is_none() {
+            extras.extend(salt_of(self.ev).map(|s| ExtraKey::Str(s.to_owned())));
+        }
+        extras
     }
+}
+
+/// The cache salt a store names beside its blocks (SGLang); empty is none,
+/// as SGLang treats it.
+fn salt_of(ev: &BlockStored) -> Option<&str> {
+    ev.cache_salt.as_deref().filter(|s| !s.is_empty())
 }
 
 /// The LoRA adapter a store names: `lora_name`, else a tagged

@@ -19,7 +19,7 @@
 use super::{
     decode_event, skip_value, Cursor, CLEARED, IGNORED_FIELDS, MAX_EVENT_DEPTH, REMOVED, STORED,
 };
-use crate::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKey, KvEvent};
+use crate::event::{BlockRemoved, BlockStored, Engine, EngineHash, EventBatch, ExtraKey, KvEvent};
 
 /// The batch the reference decoder would return for `payload`, or `None`
 /// when this path cannot vouch for that (the payload may still be valid).
@@ -117,8 +117,12 @@ fn map_event(r: &mut Reader) -> Option<(KvEvent, u32)> {
     let mut tag = None;
     let mut f = Fields::default();
     let mut unknown = 0u32;
+    let (mut lora_name_key, mut salt_key) = (false, false);
     for _ in 0..n {
-        match r.str()? {
+        let key = r.str()?;
+        lora_name_key |= key == b"lora_name";
+        salt_key |= key == b"cache_salt";
+        match key {
             b"type" => tag = Some(Tag::parse(r.str()?)?),
             b"block_hashes" => f.block_hashes = Some(hashes(r)?),
             b"parent_block_hash" => f.parent_block_hash = opt_hash(r)?,
@@ -127,6 +131,7 @@ fn map_event(r: &mut Reader) -> Option<(KvEvent, u32)> {
             b"lora_id" => f.lora_id = r.opt(Reader::i64)?,
             b"medium" => f.medium = r.opt(Reader::string)?,
             b"lora_name" => f.lora_name = r.opt(Reader::string)?,
+            b"cache_salt" => f.cache_salt = r.opt(Reader::string)?,
             b"extra_keys" => f.extra_keys = extra_keys(r)?,
             b"group_idx" => f.group_idx = r.opt(Reader::u32)?,
             b"kv_cache_spec_kind" => f.kv_cache_spec_kind = r.opt(Reader::string)?,
@@ -141,6 +146,11 @@ fn map_event(r: &mut Reader) -> Option<(KvEvent, u32)> {
             }
         }
     }
+    f.engine = if salt_key || !lora_name_key {
+        Engine::Sglang
+    } else {
+        Engine::Vllm
+    };
     Some((f.into_event(tag?)?, unknown))
 }
 
@@ -184,6 +194,7 @@ fn array_event(r: &mut Reader) -> Option<(KvEvent, u32)> {
     for _ in 0..left {
         skip(r, EVENT_DEPTH)?;
     }
+    f.engine = Engine::Vllm;
     Some((f.into_event(tag)?, 0))
 }
 
@@ -197,6 +208,8 @@ struct Fields {
     lora_id: Option<i64>,
     medium: Option<String>,
     lora_name: Option<String>,
+    cache_salt: Option<String>,
+    engine: Engine,
     extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
     group_idx: Option<u32>,
     kv_cache_spec_kind: Option<String>,
@@ -216,6 +229,8 @@ impl Fields {
                 lora_id: self.lora_id,
                 medium: self.medium,
                 lora_name: self.lora_name,
+                cache_salt: self.cache_salt,
+                engine: self.engine,
                 extra_keys: self.extra_keys,
                 group_idx: self.group_idx,
                 kv_cache_spec_kind: self.kv_cache_spec_kind,

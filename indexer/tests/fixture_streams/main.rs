@@ -359,3 +359,4 @@ fn engine_mode_late_start_never_overclaims_and_closure_recovers_more() {
 
 /// The run layout on the same streams.
 mod runs;
+mod sglang;

@@ -163,6 +163,12 @@ impl VllmPod {
         }
     }
 
+    /// Sends recorded batch `at` (by position) again, without buffering it
+    /// again (a publisher's retransmission, as a test's).
+    pub fn resend(&self, at: usize) {
+        self.send(&self.frames[at]);
+    }
+
     fn send(&self, (topic, seq, payload): &Batch) {
         self.publisher
             .send(&[
