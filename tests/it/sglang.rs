@@ -45,9 +45,16 @@ fn batches(stream: &str) -> BTreeMap<String, Vec<Batch>> {
 
 /// A recorded pod key as the service names that cache domain.
 fn domain(key: &str) -> String {
+    named_domain("", key)
+}
+
+/// `domain`, the pod named `<prefix><pod>`.
+fn named_domain(prefix: &str, key: &str) -> String {
     match key.split_once("/dp") {
-        Some((pod, rank)) => indexer::pod_id(pod, Some(rank.parse().unwrap())),
-        None => key.to_owned(),
+        Some((pod, rank)) => {
+            indexer::pod_id(&format!("{prefix}{pod}"), Some(rank.parse().unwrap()))
+        }
+        None => format!("{prefix}{key}"),
     }
 }
 
@@ -75,6 +82,11 @@ async fn last_seqs(service: &Service, model: &str) -> BTreeMap<String, Option<u6
 
 /// Every probe scored over gRPC against SGLang's answers; the misses.
 async fn misses(service: &Service, expected: &Value) -> (Vec<String>, usize) {
+    named_misses(service, expected, "").await
+}
+
+/// `misses`, the pods named `<prefix><pod>`.
+async fn named_misses(service: &Service, expected: &Value, prefix: &str) -> (Vec<String>, usize) {
     let model = expected["meta"]["model"].as_str().unwrap();
     let page = expected["meta"]["page_size"].as_u64().unwrap() as u32;
     let mut client = service.client().await;
@@ -106,7 +118,7 @@ async fn misses(service: &Service, expected: &Value) -> (Vec<String>, usize) {
             let host = probe["expected_host_cached_tokens"][key]
                 .as_u64()
                 .unwrap_or(0) as u32;
-            let name = domain(key);
+            let name = named_domain(prefix, key);
             let Some(p) = resp.pods.iter().find(|p| p.pod == name) else {
                 if device + host > 0 {
                     wrong.push(format!("{}: {key} not scored", probe["id"]));
@@ -137,16 +149,23 @@ fn pods(
     frames: &BTreeMap<String, Vec<Batch>>,
     upto: impl Fn(usize) -> usize,
 ) -> (Vec<(String, VllmPod)>, Vec<String>) {
+    named_pods("", model, frames, upto)
+}
+
+/// `pods`, named `<prefix><pod>`.
+fn named_pods(
+    prefix: &str,
+    model: &str,
+    frames: &BTreeMap<String, Vec<Batch>>,
+    upto: impl Fn(usize) -> usize,
+) -> (Vec<(String, VllmPod)>, Vec<String>) {
     let mut pods = Vec::new();
     let mut targets = Vec::new();
     for (key, batches) in frames {
         let pod = VllmPod::with_batches(batches.clone(), PodOptions::default());
         pod.publish(0, upto(pod.batches()), &HashSet::new());
-        targets.push(format!(
-            "{},pod={},model={model}",
-            pod.target,
-            pod_name(key)
-        ));
+        let name = pod_name(key);
+        targets.push(format!("{},pod={prefix}{name},model={model}", pod.target));
         pods.push((key.clone(), pod));
     }
     (pods, targets)
@@ -333,4 +352,69 @@ async fn a_pod_restart_and_a_flush() {
         wrong.len(),
         wrong.join("\n")
     );
+}
+
+/// One model served by vLLM pods (16-token blocks, topics of their own)
+/// and SGLang pods (page size 1, named by their targets), dialed by one
+/// service: one `Score` answers both kinds, each pod as its own engine
+/// holds the prompt, and `matched_tokens` compares them.
+#[tokio::test]
+async fn a_fleet_of_vllm_and_sglang_pods_is_scored_in_one_answer() {
+    use crate::common::vllm_pod::Fleet;
+
+    let stream = "sglang-page1";
+    let expected: Value = serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap();
+    let model = expected["meta"]["model"].as_str().unwrap();
+    let vllm = Fleet::start("qwen3-sha256-int", |_| PodOptions::default());
+    assert_eq!(vllm.expected.model, model, "one model");
+    let frames = batches(stream);
+    let (sglang, mut targets) = named_pods("sg-", model, &frames, |n| n);
+    targets.extend(vllm.targets());
+    let service = Service::start_dialing(&targets, &[]).await;
+    vllm.wait_subscribed(&service, "vllm").await;
+    vllm.publish(|n| (0, n));
+    let mut want: BTreeMap<String, Option<u64>> = vllm
+        .per_pod
+        .iter()
+        .map(|(pod, n)| (pod.clone(), Some(n - 1)))
+        .collect();
+    for (key, b) in &frames {
+        want.insert(named_domain("sg-", key), b.last().map(|b| b.1));
+    }
+    service
+        .wait_until("every pod of both engines applied", async || {
+            last_seqs(&service, model).await == want
+        })
+        .await;
+    let engines: BTreeMap<String, (String, u32)> = service
+        .list_pods(model)
+        .await
+        .into_iter()
+        .map(|p| (p.pod, (p.engine, p.block_size)))
+        .collect();
+    for (pod, (engine, block_size)) in &engines {
+        let want = match pod.starts_with("sg-") {
+            true => ("sglang", 1),
+            false => ("vllm", 16),
+        };
+        assert_eq!((engine.as_str(), *block_size), want, "{pod}");
+    }
+    // vLLM's probes on its pods, SGLang's on its own, every answer one
+    // response naming both engines' pods.
+    for (probe, resp) in probe_answers(&service, &vllm.expected).await {
+        assert_matches(&resp, probe);
+        assert_eq!(resp.pods.len(), engines.len(), "{resp:?}");
+        for p in &resp.pods {
+            assert_eq!(p.matched_tokens, p.matched_blocks * p.block_size, "{p:?}");
+        }
+    }
+    let (wrong, compared) = named_misses(&service, &expected, "sg-").await;
+    assert!(compared >= 40, "{compared} answers");
+    assert!(
+        wrong.is_empty(),
+        "{} of {compared} differ:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
+    drop(sglang);
 }
