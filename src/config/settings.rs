@@ -316,7 +316,9 @@ settings! {
     key_mode: KeyModeName = "token",
 
     /// Engine mode: the pods' `--prefix-caching-hash-algo`: sha256,
-    /// sha256_cbor, xxhash or xxhash_cbor.
+    /// sha256_cbor, xxhash or xxhash_cbor; for SGLang pods `sglang`, or
+    /// `sglang_dynamo` when their `--kv-events-config` has `"format":
+    /// "dynamo"` (their seed and extra-key settings do not apply).
     engine_hash_algo: HashAlgoName = "sha256",
 
     /// Engine mode: the pods' `PYTHONHASHSEED`, if they set one
@@ -328,8 +330,9 @@ settings! {
     engine_extra_keys: ExtraKeys = "tagged",
 
     /// Engine mode: a LoRA adapter's path as given to vLLM, `NAME=PATH`
-    /// (hashed since vLLM 0.31, absent from events). Adapters without one use
-    /// token keys. Repeatable or comma-separated.
+    /// (hashed since vLLM 0.31, absent from events), or to SGLang's
+    /// `--lora-paths NAME=PATH` (its adapter id is made of both). Adapters
+    /// without one use token keys. Repeatable or comma-separated.
     #[arg(value_delimiter = ',')]
     #[serde(alias = "lora_paths")]
     lora_path: Vec<Item<LoraPath>>,

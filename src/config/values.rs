@@ -208,7 +208,10 @@ impl FromStr for HashAlgoName {
     fn from_str(raw: &str) -> Result<Self, String> {
         HashAlgo::parse(raw.trim())
             .map(HashAlgoName)
-            .ok_or_else(|| "want sha256, sha256_cbor, xxhash or xxhash_cbor".into())
+            .ok_or_else(|| {
+                "want sha256, sha256_cbor, xxhash, xxhash_cbor (vLLM) or sglang, sglang_dynamo (SGLang)"
+                    .into()
+            })
     }
 }
 

@@ -193,6 +193,11 @@ async fn check(stream: &str) {
 
 /// `check`, the pods publishing on `topic` instead of the recorded one.
 async fn check_with_topic(stream: &str, topic: Option<&str>) {
+    check_with(stream, topic, &[]).await;
+}
+
+/// `check_with_topic`, the service started with `args`.
+async fn check_with(stream: &str, topic: Option<&str>, args: &[&str]) {
     let expected: Value = serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap();
     let model = expected["meta"]["model"].as_str().unwrap();
     let mut frames = batches(stream);
@@ -203,7 +208,7 @@ async fn check_with_topic(stream: &str, topic: Option<&str>) {
     }
     let half = |n: usize| n / 2;
     let (pods, targets) = pods(model, &frames, half);
-    let service = Service::start_dialing(&targets, &[]).await;
+    let service = Service::start_dialing(&targets, args).await;
     service
         .wait_until("every pod caught up from its buffer", async || {
             last_seqs(&service, model).await == seqs_upto(&frames, half)
@@ -232,6 +237,7 @@ async fn check_with_topic(stream: &str, topic: Option<&str>) {
     for p in service.list_pods(model).await {
         assert_eq!(p.engine, "sglang", "{p:?}");
         assert!(!p.incomplete && p.malformed_events == 0, "{p:?}");
+        assert_eq!(p.engine_hash_mismatches, 0, "{p:?}");
     }
     let (wrong, compared) = misses(&service, &expected).await;
     assert!(compared >= 40, "{stream}: {compared} answers");
@@ -274,6 +280,30 @@ async fn radix_cache_and_eviction_heavy_runs() {
 async fn lora_cache_salts_and_the_dynamo_format() {
     for stream in ["sglang-lora-salt", "sglang-dynamo"] {
         check(stream).await;
+    }
+}
+
+/// Engine key mode with SGLang's own hashes (`--engine-hash-algo sglang`,
+/// `sglang_dynamo`; adapters' ids from `--lora-path`): a prompt's keys are
+/// the hashes SGLang's events name, salts and adapters included.
+#[tokio::test]
+async fn engine_keys_are_sglangs_own_hashes() {
+    for (stream, algo) in [
+        ("sglang-page16", "sglang"),
+        ("sglang-page1", "sglang"),
+        ("sglang-lora-salt", "sglang"),
+        ("sglang-dynamo", "sglang_dynamo"),
+    ] {
+        let paths = "sql-lora=/loras/sql-lora,chat-lora=/loras/chat-lora";
+        let args = [
+            "--key-mode",
+            "engine",
+            "--engine-hash-algo",
+            algo,
+            "--lora-path",
+            paths,
+        ];
+        check_with(stream, None, &args).await;
     }
 }
 

@@ -11,6 +11,10 @@
 //! Only the Python object shapes vLLM hashes are supported: bytes, ints,
 //! str, None and tuples of them. The serialisers write straight into one
 //! reusable buffer: no object tree per block.
+//!
+//! SGLang's hashes (`sglang`, `sglang_dynamo`: its two event formats) are
+//! another family, computed by `keys::sglang_hash`; a hasher of theirs
+//! names the family and format, for the key mode and its fingerprint.
 
 use sha2::{Digest as _, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
@@ -23,6 +27,10 @@ pub enum HashAlgo {
     Sha256Cbor,
     Xxhash,
     XxhashCbor,
+    /// SGLang's SHA-256 page chain, its default event format.
+    Sglang,
+    /// The same, its `"dynamo"` event format.
+    SglangDynamo,
 }
 
 impl HashAlgo {
@@ -33,6 +41,8 @@ impl HashAlgo {
             "sha256_cbor" => HashAlgo::Sha256Cbor,
             "xxhash" => HashAlgo::Xxhash,
             "xxhash_cbor" => HashAlgo::XxhashCbor,
+            "sglang" => HashAlgo::Sglang,
+            "sglang_dynamo" => HashAlgo::SglangDynamo,
             _ => return None,
         })
     }
@@ -43,6 +53,18 @@ impl HashAlgo {
             HashAlgo::Sha256Cbor => "sha256_cbor",
             HashAlgo::Xxhash => "xxhash",
             HashAlgo::XxhashCbor => "xxhash_cbor",
+            HashAlgo::Sglang => "sglang",
+            HashAlgo::SglangDynamo => "sglang_dynamo",
+        }
+    }
+
+    /// SGLang's family, in which of its event formats.
+    pub fn sglang(self) -> Option<crate::keys::sglang_hash::Format> {
+        use crate::keys::sglang_hash::Format;
+        match self {
+            HashAlgo::Sglang => Some(Format::Sglang),
+            HashAlgo::SglangDynamo => Some(Format::Dynamo),
+            _ => None,
         }
     }
 
@@ -291,7 +313,9 @@ impl EngineHasher {
     fn digest(&self, data: &[u8]) -> Digest {
         let mut bytes = [0u8; 32];
         match self.algo {
-            HashAlgo::Sha256 | HashAlgo::Sha256Cbor => {
+            // SGLang's hashes are `sglang_hash`'s; this digest only seeds
+            // the fingerprint's description.
+            HashAlgo::Sha256 | HashAlgo::Sha256Cbor | HashAlgo::Sglang | HashAlgo::SglangDynamo => {
                 bytes.copy_from_slice(&Sha256::digest(data));
                 Digest { bytes, len: 32 }
             }

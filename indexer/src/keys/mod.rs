@@ -12,6 +12,7 @@ mod block_hash;
 pub mod engine_hash;
 pub mod multimodal;
 pub mod scheme;
+pub mod sglang_hash;
 
 use std::hash::{BuildHasherDefault, Hasher};
 

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 
 use crate::keys::engine_hash::{EngineHasher, ExtraKeyStyle};
 use crate::keys::multimodal::{self, MmItem};
+use crate::keys::sglang_hash;
 use crate::keys::{multimodal_prompt_keys, prompt_keys, request_root_seed, BlockKey};
 
 #[derive(Clone, Debug)]
@@ -32,6 +33,10 @@ impl EngineKeys {
     pub fn lora_keyable(&self, lora: Option<&str>) -> bool {
         match lora {
             None => true,
+            // SGLang names an adapter by an id made of its name and path.
+            Some(name) if self.hasher.algo().sglang().is_some() => {
+                self.lora_paths.contains_key(name)
+            }
             Some(name) => {
                 self.hasher.style() == ExtraKeyStyle::Bare || self.lora_paths.contains_key(name)
             }
@@ -102,6 +107,28 @@ impl KeyMode {
         mm_items: &[MmItem],
     ) -> (Vec<BlockKey>, bool) {
         match self.engine() {
+            Some(e) if e.lora_keyable(lora_name) && e.hasher.algo().sglang().is_some() => {
+                let format = e.hasher.algo().sglang().expect("checked");
+                let uuid = lora_name.map(|n| sglang_hash::lora_uuid(n, e.lora_path(n)));
+                let scope = sglang_hash::Scope {
+                    cache_salt,
+                    extra_key: uuid.as_deref(),
+                    lora: uuid.is_some(),
+                };
+                // SGLang's events carry no item keys: only the pages
+                // before the first item are keyable.
+                let keyable = match mm_items.first() {
+                    Some(first) if block_size > 0 => {
+                        &tokens[..(first.offset as usize / block_size) * block_size]
+                    }
+                    _ => tokens,
+                };
+                let keys = sglang_hash::page_hashes(keyable, block_size, format, scope)
+                    .into_iter()
+                    .map(BlockKey)
+                    .collect();
+                (keys, true)
+            }
             Some(e) if e.lora_keyable(lora_name) => {
                 let lora = lora_name.map(|n| (n, e.lora_path(n)));
                 let (first, rest) = e.hasher.request_extras(lora, cache_salt);

@@ -137,14 +137,23 @@ impl StoreRules {
     ) {
         // Only stores whose hash inputs we know fully: a chain start (the
         // wire carries parents truncated to 64 bits), no adapter, and extra
-        // keys present and empty (old wire forms omit them, salt included).
+        // keys present and empty (old wire forms omit them, salt included;
+        // SGLang's have none, and name a salt beside them: in its own
+        // format a request's bare extra key changes no hash, in the dynamo
+        // format it does and is named nowhere, so those are never checked).
+        let sglang = engine.hasher.algo().sglang();
+        let extras_known = match sglang {
+            Some(crate::keys::sglang_hash::Format::Dynamo) => false,
+            Some(_) => salt_of(ev).is_none() && ev.extra_keys.is_none(),
+            None => ev
+                .extra_keys
+                .as_ref()
+                .is_some_and(|v| v.iter().all(|e| e.as_ref().is_none_or(|e| e.is_empty()))),
+        };
         let plain = ev.parent_block_hash.is_none()
             && ev.lora_name.is_none()
             && ev.lora_id.is_none()
-            && ev
-                .extra_keys
-                .as_ref()
-                .is_some_and(|v| v.iter().all(|e| e.as_ref().is_none_or(|e| e.is_empty())));
+            && extras_known;
         if !plain || engine.self_check_every == 0 {
             return;
         }
@@ -155,6 +164,15 @@ impl StoreRules {
             return;
         }
         stats.engine_hash_checks += 1;
+        if let Some(format) = sglang {
+            let scope = crate::keys::sglang_hash::Scope::default();
+            let ours =
+                crate::keys::sglang_hash::page_hashes(&ev.token_ids, block_size, format, scope);
+            if ours.iter().zip(&ev.block_hashes).any(|(a, b)| *a != b.0) {
+                stats.engine_hash_mismatches += 1;
+            }
+            return;
+        }
         let hasher = &engine.hasher;
         let mut parent = hasher.none_hash();
         for (hash, tokens) in ev
