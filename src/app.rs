@@ -158,8 +158,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         config.ingest_workers,
         metrics.clone(),
     ));
-    // A restored index is exact once each pod is followed to now: from its
-    // buffer when dialed, from its first live batch when it connects to us.
+    // A restored index is exact once each pod is followed to now, from its
+    // replay buffer: fetched when a dialed pod's connection comes up, or when
+    // a bound pod with a replay endpoint is adopted.
     let dialing = !config.zmq_connect.is_empty() || config.discovery.is_enabled();
     let first_catch_ups = FirstCatchUps::new(match started_from {
         "empty" => Waits::Nothing,
@@ -183,7 +184,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> a
         tracing::warn!(
             pods = left,
             wait = ?config.catch_up_wait,
-            "pods not caught up within --catch-up-wait (dialed: from their replay buffers; bound: from their first batch): ready without them"
+            "pods not caught up from their replay buffers within --catch-up-wait: ready without them"
         );
     }
     let snapshotter = config.snapshot_dir.clone().map(|dir| {

@@ -11,13 +11,14 @@
 //!
 //! - Dial mode (`Waits::Dialed`): each pod dialed at start; its replay
 //!   buffer, fetched when its connection comes up, brings it to now.
-//! - Bind mode (`Waits::Restored`): each restored pod, until its first live
-//!   batch is applied with the gap before it repaired from its replay
-//!   endpoint (`--replay-endpoint`), or found lost.
+//! - Bind mode (`Waits::Restored`): each restored pod with a replay
+//!   endpoint (`--replay-endpoint`): its buffer is fetched when its writer
+//!   adopts it, without waiting for it to publish (it may be idle). A pod
+//!   without one has nothing to catch up from; its next batch shows any
+//!   gap, and a gap it cannot repair flags it incomplete.
 //!
-//! Each such pod holds a `Pending`, passed with its catch-up to the workers
-//! that apply it (dial mode) or kept by its stream until it is caught up
-//! (bind mode); the last clone dropped counts that pod done.
+//! Each such pod holds a `Pending`, passed with its catch-up to the worker
+//! that applies it; the last clone dropped counts that pod done.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -284,8 +284,8 @@ settings! {
     peer_token_file: PathBuf,
 
     /// After a start from a peer's index or a snapshot: how long readiness
-    /// waits for every pod to catch up (a dialed pod's replay buffer, a
-    /// bound pod's first batch and the gap before it), e.g. `10s`.
+    /// waits for every pod's replay buffer to be applied (each dialed pod's,
+    /// each bound pod's with a --replay-endpoint), e.g. `10s`.
     catch_up_wait: Duration = "10s",
 
     /// Directory for index snapshots: written every --snapshot-interval and

@@ -3,6 +3,7 @@
 //! batches a full queue refused are fetched once the queue is empty.
 
 use super::*;
+use crate::first_catch_ups::Pending;
 
 impl Worker<'_> {
     /// Fetches what this worker's full queue refused (see
@@ -138,6 +139,69 @@ impl Worker<'_> {
                 tracing::info!(pod = %stream.pod.name, applied, "caught up from the replay buffer");
             }
         }
+    }
+
+    /// Fetches a restored pod's whole replay buffer (see
+    /// `Work::RestoredCatchUp`).
+    pub(super) fn fetch_restored(
+        &self,
+        stream: StreamKey,
+        endpoint: Arc<str>,
+        first: Arc<Pending>,
+    ) {
+        let tx = self.config.control[self.index].clone();
+        let timeout = self.config.replay_timeout;
+        let (context, limits) = (self.config.context.clone(), self.config.limits);
+        let slots = self.config.replay_slots.clone();
+        self.runtime.spawn(async move {
+            let Ok(_slot) = slots.acquire_owned().await else {
+                return;
+            };
+            let result = tokio::task::spawn_blocking(move || {
+                replay::fetch(&context, &endpoint, 0, timeout, limits)
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("replay task failed: {e}")));
+            let _ = tx
+                .send_async(Work::RestoredCatchUp {
+                    stream,
+                    result,
+                    first,
+                })
+                .await;
+        });
+    }
+
+    /// A restored pod's buffer, fetched at adoption, fed as a catch-up
+    /// (its connection unknown: it is not attached to one). A failed
+    /// fetch leaves the stream to repair on its next batch.
+    pub(super) fn restored_caught_up(
+        &mut self,
+        key: StreamKey,
+        result: Result<Vec<Replayed>, String>,
+        first: Arc<Pending>,
+    ) {
+        let items = match result {
+            Ok(items) => items,
+            Err(e) => {
+                tracing::warn!(error = %e, "a restored pod's catch-up replay failed; relying on gap repair");
+                return;
+            }
+        };
+        if !self.streams.contains_key(&key) {
+            return;
+        }
+        let batches: Vec<_> = items
+            .into_iter()
+            .filter(|item| item.topic.as_ref().is_none_or(|t| *t == key.0))
+            .filter_map(|item| self.numbered(&key.0, item.seq, &item.payload))
+            .filter(|b| b.batch.data_parallel_rank == key.1)
+            .collect();
+        let applied = self.feed(&key, Input::CatchUp(batches), Instant::now());
+        if let Some(stream) = self.streams.get(&key) {
+            tracing::info!(pod = %stream.pod.name, applied, "restored pod caught up from its replay buffer");
+        }
+        drop(first);
     }
 
     pub(super) fn replayed(

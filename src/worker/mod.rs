@@ -82,6 +82,14 @@ pub enum Work {
         ticket: u32,
         result: Result<Vec<Replayed>, String>,
     },
+    /// A restored pod's replay buffer, fetched when it was adopted (bind
+    /// mode: it may not publish for a while); `first` is dropped once it
+    /// is applied.
+    RestoredCatchUp {
+        stream: StreamKey,
+        result: Result<Vec<Replayed>, String>,
+        first: Arc<crate::first_catch_ups::Pending>,
+    },
     /// Sent to every worker: a connection went up or down.
     Connection {
         conn: ConnId,
@@ -166,9 +174,6 @@ struct Stream {
     machine: StreamMachine<EventBatch>,
     /// The connection its last live batch came on.
     conn: Option<ConnId>,
-    /// A restored pod in bind mode: readiness waits until its stream is
-    /// caught up (see `first_catch_ups`).
-    first: Option<Arc<crate::first_catch_ups::Pending>>,
     /// Named by its dial target: its replay endpoint's batches are all
     /// its own, whatever topic they carry.
     named: bool,
@@ -371,6 +376,11 @@ impl<'a> Worker<'a> {
                 ticket,
                 result,
             } => self.replayed(stream, ticket, result),
+            Work::RestoredCatchUp {
+                stream,
+                result,
+                first,
+            } => self.restored_caught_up(stream, result, first),
             Work::Connection { conn, up } => self.connection(conn, up),
             Work::Remove { model, pod, reply } => {
                 let _ = reply.send(self.remove(&model, &pod, "removed by admin"));

@@ -43,16 +43,7 @@ impl Worker<'_> {
     ) -> usize {
         let mut actions = std::mem::take(&mut self.actions);
         if let Some(stream) = self.streams.get_mut(key) {
-            let batches = matches!(
-                input,
-                Input::Live(_) | Input::CatchUp(_) | Input::Replayed { .. }
-            );
             stream.machine.handle(input, now, &mut actions);
-            // A restored pod is caught up once batches came and no gap
-            // before them is being repaired (a lost one is flagged below).
-            if batches && !stream.machine.repairing() {
-                stream.first = None;
-            }
         }
         let applied = actions
             .iter()
@@ -261,7 +252,6 @@ impl Worker<'_> {
             pod,
             replay,
             conn: None,
-            first: None,
             named: false,
         })
     }
@@ -305,6 +295,12 @@ impl Worker<'_> {
         let mut machine = self.restored_machine(&pod, replay.is_some(), now);
         machine.handle(Input::Connection { up: false }, now, &mut Vec::new());
         pod.set_connection(Connection::Disconnected);
+        // Readiness waits for what its buffer holds (it may not publish
+        // for a while); without a replay endpoint there is nothing to
+        // catch up from, and nothing to wait for.
+        if let (Some(first), Some(endpoint)) = (first, replay.clone()) {
+            self.fetch_restored(key.clone(), endpoint, first);
+        }
         self.insert_stream(
             key,
             Stream {
@@ -312,7 +308,6 @@ impl Worker<'_> {
                 replay,
                 machine,
                 conn: None,
-                first,
                 named: false,
             },
         );

@@ -7,8 +7,6 @@
 
 use std::collections::BTreeMap;
 
-use bytes::Bytes;
-
 use crate::common::vllm_pod::{Fleet, PodOptions};
 use crate::common::*;
 use kv_indexer::proto::kvindexer::v1 as pb;
@@ -210,10 +208,10 @@ async fn a_restored_replica_is_ready_only_once_its_dialed_pods_are_caught_up() {
 
 /// The same in bind mode: the pods connect to the replica and their
 /// replay endpoints are configured (`--replay-endpoint`). A restored
-/// replica is Ready only once each pod's first live batch was applied with
-/// the gap before it repaired from the pod's buffer (answered 300 ms late);
-/// it used to be Ready at once, its pods where the snapshot left them until
-/// they next published.
+/// replica fetches each pod's buffer when it starts, without waiting for
+/// the pod to publish (these stay idle), and is Ready only once it applied
+/// them (they answer 300 ms late); it used to be Ready at once, its pods
+/// where the snapshot left them until they next published.
 #[tokio::test]
 async fn a_restored_replica_in_bind_mode_is_ready_only_once_its_pods_are_caught_up() {
     let dir = tempfile::tempdir().unwrap();
@@ -233,23 +231,6 @@ async fn a_restored_replica_in_bind_mode_is_ready_only_once_its_pods_are_caught_
     for r in &replay {
         args.extend(["--replay-endpoint", r.as_str()]);
     }
-    // Each pod's batch at position `at`, sent to the replica as its PUB
-    // would (the pod's own PUB has no subscriber here).
-    let live = |at: &dyn Fn(u64) -> u64| -> Vec<ZmqMessage> {
-        fleet
-            .pubs
-            .iter()
-            .map(|(pod, p)| {
-                let (topic, seq, payload) =
-                    p.frames()[at(fleet.per_pod[pod.as_str()]) as usize].clone();
-                zmq_message(vec![
-                    topic,
-                    Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    payload,
-                ])
-            })
-            .collect()
-    };
     let half = |n: u64| n / 2;
     let first = Service::start_raw(&args, Some(zmq.clone())).await;
     let mut publisher = Publisher::connect(&zmq).await;
@@ -276,24 +257,8 @@ async fn a_restored_replica_in_bind_mode_is_ready_only_once_its_pods_are_caught_
     let more = |n: u64| (half(n) + 3).min(n);
     fleet.publish(|n| (half(n), more(n)));
 
-    // The last of them, sent live (again and again: a PUB drops what it
-    // sends before the replica subscribed) while the replica starts.
-    let last = live(&|n| more(n) - 1);
-    let sender = tokio::spawn({
-        let zmq = zmq.clone();
-        async move {
-            let mut publisher = Publisher::connect(&zmq).await;
-            loop {
-                for m in &last {
-                    publisher.send(m.clone()).await;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-        }
-    });
     let second = Service::start_raw(&args, Some(zmq.clone())).await;
     let pods = second.list_pods(&model).await;
-    sender.abort();
     for (pod, n) in &fleet.per_pod {
         let p = pods.iter().find(|p| &p.pod == pod).expect("restored");
         assert_eq!(
