@@ -313,7 +313,7 @@ impl Writer {
         let distinct = names.windows(2).all(|w| w[0] != w[1]);
         if !distinct
             || names.iter().any(|e| self.table.find(*e).is_some())
-            || heads.find(record.keys[0]).is_some()
+            || self.find_head(record.keys[0]).is_some()
         {
             return Err(why("a block named twice"));
         }

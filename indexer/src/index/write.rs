@@ -17,7 +17,9 @@ mod store;
 
 use evict::{Pods, Touch};
 
-use super::published::{hash, tier_of, Arena, Heads, HoldingView, Words, RUN_CAP, TIER_BITS};
+use super::published::{
+    hash, tier_of, Arena, HeadSlots, Heads, HoldingView, Words, RUN_CAP, TIER_BITS,
+};
 
 /// A block's place: its run and its offset in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -352,6 +354,9 @@ pub(super) struct Writer {
     pods: Pods,
     /// The newest stamp given (see `Holding::stamp`).
     pub clock: u32,
+    /// The heads' current table, as `Heads::insert` last returned it: the
+    /// writer's own lookups (`find_head`) skip readers' `arc-swap` load.
+    heads: Option<Arc<HeadSlots>>,
 }
 
 /// Runs above a store whose holdings it restamps, at most: a chain that

@@ -28,9 +28,16 @@ impl Writer {
         self.table.insert(e, loc);
         if loc.off == 0 {
             arena.get(run);
-            heads.insert(k, run);
+            if let Some(grown) = heads.insert(k, run) {
+                self.heads = Some(grown);
+            }
         }
         loc
+    }
+
+    /// The run a key starts, if any (`Heads::find`, from the writer).
+    pub(in crate::index) fn find_head(&self, k: u64) -> Option<u32> {
+        self.heads.as_ref()?.find(k)
     }
 
     /// Makes the block at `loc` findable by `e` too, if it is not.
@@ -172,7 +179,7 @@ impl Writer {
                     // Under another engine hash, a block that is not where
                     // its parent's run goes on starts a run (see
                     // `published::Heads`).
-                    None => match self.token_keys.then(|| heads.find(k)).flatten() {
+                    None => match self.token_keys.then(|| self.find_head(k)).flatten() {
                         Some(run) => {
                             let loc = Loc { run, off: 0 };
                             self.alias(e, loc);
