@@ -105,25 +105,46 @@ pub fn new_conn_id() -> ConnId {
 /// that is closed and reused by a new connection gets a new id.
 #[derive(Default)]
 pub struct Connections {
-    by_fd: HashMap<i64, ConnId>,
+    /// Each connection's id, and (`--topicless-model`) the topic its
+    /// messages without one go by, once the first of them named its peer.
+    by_fd: HashMap<i64, (ConnId, Option<Bytes>)>,
 }
 
 impl Connections {
     pub fn accepted(&mut self, fd: i64) -> ConnId {
         let id = new_conn_id();
-        self.by_fd.insert(fd, id);
+        self.by_fd.insert(fd, (id, None));
         id
     }
 
     pub fn closed(&mut self, fd: i64) -> Option<ConnId> {
-        self.by_fd.remove(&fd)
+        self.by_fd.remove(&fd).map(|(id, _)| id)
     }
 
     fn of(&mut self, fd: i64) -> ConnId {
         match self.by_fd.get(&fd) {
-            Some(id) => *id,
+            Some((id, _)) => *id,
             None => self.accepted(fd),
         }
+    }
+
+    /// The topic a topic-less message on `fd` goes by: `kv@<peer
+    /// address>@<model>`, the address read once per connection (`peer`).
+    fn topicless(
+        &mut self,
+        fd: i64,
+        model: &str,
+        peer: impl FnOnce() -> Option<String>,
+    ) -> Option<Bytes> {
+        self.of(fd);
+        let (_, named) = self.by_fd.get_mut(&fd).expect("just added");
+        if named.is_none() {
+            let topic = format!("kv@{}@{model}", peer()?);
+            // Bounded and checked as any topic (an address is short).
+            indexer::topic::parse_topic(topic.as_bytes()).ok()?;
+            *named = Some(Bytes::from(topic));
+        }
+        named.clone()
     }
 }
 
@@ -161,6 +182,9 @@ pub struct Dispatcher {
     /// `--topic-filter`: sockets take every topic (to tell an empty one,
     /// which is refused by name, from another consumer's) and filter here.
     pub topic_filter: Bytes,
+    /// `--topicless-model`: the model bound pods with an empty topic serve,
+    /// each named by its address.
+    pub topicless_model: Option<Arc<str>>,
 }
 
 impl Dispatcher {
@@ -249,12 +273,25 @@ impl Dispatcher {
         let want_fd = matches!(source, Source::Bound(_));
         for _ in 0..burst {
             match zmq_io::recv_message(socket, zmq::DONTWAIT, want_fd) {
-                Ok(received) => {
+                Ok(mut received) => {
+                    // A bound pod with no topic, named by its address.
+                    let mut by_address = None;
+                    if let (Source::Bound(conns), Some(model), Some(fd)) =
+                        (&mut source, &self.topicless_model, received.fd)
+                    {
+                        if received.count == 3 && received.parts[0].is_empty() {
+                            by_address = conns.topicless(i64::from(fd), model, || {
+                                received.parts[0].gets("Peer-Address").map(str::to_owned)
+                            });
+                        }
+                    }
                     let mut frames = received.three();
                     let mut named = false;
-                    if let (Some([topic, ..]), Source::Dialed { named: Some(n), .. }) =
-                        (&mut frames, &source)
-                    {
+                    let given = match &source {
+                        Source::Dialed { named, .. } => *named,
+                        Source::Bound(_) => by_address.as_ref(),
+                    };
+                    if let (Some([topic, ..]), Some(n)) = (&mut frames, given) {
                         *topic = n;
                         named = true;
                     }
@@ -332,7 +369,7 @@ impl Dispatcher {
             // Not a peer's mistake: another consumer's topic.
             FrameProblem::Filtered => {}
             FrameProblem::NoTopic => self.warn.warn(|suppressed| {
-                tracing::warn!(%source, suppressed, "skipping ZeroMQ messages with an empty topic (SGLang's default): nothing tells which pod sent them; dial the pod naming it (--zmq-connect tcp://POD:PORT,pod=NAME,model=MODEL) or have it publish on kv@POD@MODEL")
+                tracing::warn!(%source, suppressed, "skipping ZeroMQ messages with an empty topic (SGLang's default): nothing tells which pod sent them; dial the pod naming it (--zmq-connect tcp://POD:PORT,pod=NAME,model=MODEL), name pods connecting here by their address (--topicless-model MODEL), or have it publish on kv@POD@MODEL")
             }),
             _ => self.warn.warn(|suppressed| {
                 tracing::warn!(%source, ?problem, suppressed, "skipping malformed ZeroMQ message")

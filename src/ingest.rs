@@ -245,6 +245,7 @@ impl Ingest {
             warn: Arc::new(RateLimited::new(Duration::from_secs(10))),
             dropped: Arc::new(RateLimited::new(Duration::from_secs(10))),
             topic_filter: bytes::Bytes::from(config.topic_filter.clone()),
+            topicless_model: config.topicless_model.as_deref().map(Arc::from),
         };
         let control = Control {
             workers: controls,

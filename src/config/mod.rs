@@ -128,6 +128,8 @@ pub struct Config {
     /// Dial mode: expiry of silent, disconnected pods (`None`: never).
     pub pod_expiry: Option<std::time::Duration>,
     pub topic_filter: String,
+    /// Bound pods with an empty topic serve this model, named by address.
+    pub topicless_model: Option<String>,
     pub indexer: IndexerConfig,
     pub log_format: LogFormat,
     pub log_level: String,

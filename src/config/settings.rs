@@ -208,6 +208,11 @@ settings! {
     /// and counted; a dial target's `pod=` ignores the topic).
     topic_filter: String = "kv@",
 
+    /// Pods that connect to the bound socket with an empty topic (SGLang's
+    /// default) serve this model, each named by its address
+    /// [default: none: such messages are skipped and counted].
+    topicless_model: String,
+
     /// Largest ZeroMQ message accepted from a pod, e.g. `4MiB`; larger ones
     /// are refused by the socket.
     max_event_message: Size = "4MiB",

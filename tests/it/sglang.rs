@@ -87,6 +87,16 @@ async fn misses(service: &Service, expected: &Value) -> (Vec<String>, usize) {
 
 /// `misses`, the pods named `<prefix><pod>`.
 async fn named_misses(service: &Service, expected: &Value, prefix: &str) -> (Vec<String>, usize) {
+    misses_as(service, expected, |key| Some(named_domain(prefix, key))).await
+}
+
+/// `misses`, each recorded pod key scored under the name `name` gives it
+/// (`None`: not compared).
+async fn misses_as(
+    service: &Service,
+    expected: &Value,
+    name: impl Fn(&str) -> Option<String>,
+) -> (Vec<String>, usize) {
     let model = expected["meta"]["model"].as_str().unwrap();
     let page = expected["meta"]["page_size"].as_u64().unwrap() as u32;
     let mut client = service.client().await;
@@ -113,12 +123,14 @@ async fn named_misses(service: &Service, expected: &Value, prefix: &str) -> (Vec
             .expect("Score")
             .into_inner();
         for (key, device) in probe["expected_cached_tokens"].as_object().unwrap() {
+            let Some(name) = name(key) else {
+                continue;
+            };
             compared += 1;
             let device = device.as_u64().unwrap() as u32;
             let host = probe["expected_host_cached_tokens"][key]
                 .as_u64()
                 .unwrap_or(0) as u32;
-            let name = named_domain(prefix, key);
             let Some(p) = resp.pods.iter().find(|p| p.pod == name) else {
                 if device + host > 0 {
                     wrong.push(format!("{}: {key} not scored", probe["id"]));
@@ -447,4 +459,51 @@ async fn a_fleet_of_vllm_and_sglang_pods_is_scored_in_one_answer() {
         wrong.join("\n")
     );
     drop(sglang);
+}
+
+/// SGLang's default is to publish with no topic; pointed at the bound
+/// socket (`"endpoint": "tcp://kv-indexer:5557"`, which it connects to),
+/// its pods cannot be told apart by their messages. With
+/// `--topicless-model`, each is the pod its connection's address names
+/// (`127.0.0.1` here), serving that model; it is then scored exactly.
+#[tokio::test]
+async fn bound_pods_without_a_topic_are_named_by_their_address() {
+    let stream = "sglang-page16";
+    let expected: Value = serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap();
+    let model = expected["meta"]["model"].as_str().unwrap();
+    let service = Service::start(&["--topicless-model", model]).await;
+    let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
+    publisher.wait_subscribed(&service, "marker").await;
+    let pod0 = &batches(stream)["pod-0"];
+    for (topic, seq, payload) in pod0 {
+        assert!(topic.is_empty());
+        publisher
+            .send(zmq_message(vec![
+                topic.clone(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload.clone(),
+            ]))
+            .await;
+    }
+    let want = BTreeMap::from([("127.0.0.1".to_string(), pod0.last().map(|b| b.1))]);
+    service
+        .wait_until("the pod named by its address", async || {
+            last_seqs(&service, model).await == want
+        })
+        .await;
+    let (wrong, compared) = misses_as(&service, &expected, |key| {
+        (key == "pod-0").then(|| "127.0.0.1".to_string())
+    })
+    .await;
+    assert!(compared >= 40, "{compared} answers");
+    assert!(
+        wrong.is_empty(),
+        "{} of {compared} differ:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
+    assert_eq!(
+        service.metric(r#"kv_indexer_messages_skipped_total{reason="no_topic"}"#),
+        0.0
+    );
 }
