@@ -149,6 +149,11 @@ pub struct BlockStored {
     /// SGLang: the request's cache salt, named beside the blocks (vLLM
     /// puts it in block 0's `extra_keys`). It scopes a chain's first block.
     pub cache_salt: Option<String>,
+    /// SGLang with EAGLE speculative decoding: each unit of a page is a
+    /// pair of ids (a token and the next), published as `[a, b]`;
+    /// `token_ids` holds them flattened, two words a unit, and
+    /// `block_size` counts units.
+    pub bigram: bool,
     /// Who published it, by its form: vLLM's map form always has a
     /// `lora_name` key and never `cache_salt`; SGLang's omits `lora_name`
     /// when there is none and names a salt in `cache_salt` (a store under

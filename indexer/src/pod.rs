@@ -178,6 +178,11 @@ impl PodFeed {
         self.rules.block_size
     }
 
+    /// Its pages are EAGLE's bigrams.
+    pub fn bigram(&self) -> bool {
+        self.rules.bigram
+    }
+
     pub fn offload_block_size(&self) -> Option<u32> {
         self.rules.offload_block_size
     }
@@ -223,10 +228,15 @@ impl PodFeed {
     /// What its events taught of it (a snapshot keeps it): the groups that
     /// are not full attention (sorted), its block size and its offloaded
     /// block size.
-    pub fn rules_state(&self) -> (Vec<u32>, Option<u32>, Option<u32>) {
+    pub fn rules_state(&self) -> (Vec<u32>, Option<u32>, Option<u32>, bool) {
         let mut groups: Vec<u32> = self.rules.non_full_groups.iter().copied().collect();
         groups.sort_unstable();
-        (groups, self.rules.block_size, self.rules.offload_block_size)
+        (
+            groups,
+            self.rules.block_size,
+            self.rules.offload_block_size,
+            self.rules.bigram,
+        )
     }
 
     /// Takes back what `rules_state` gave.
@@ -235,10 +245,12 @@ impl PodFeed {
         non_full_groups: &[u32],
         block_size: Option<u32>,
         offload_block_size: Option<u32>,
+        bigram: bool,
     ) {
         self.rules.non_full_groups = non_full_groups.iter().copied().collect();
         self.rules.block_size = block_size;
         self.rules.offload_block_size = offload_block_size;
+        self.rules.bigram = bigram;
     }
 
     /// After the runs were restored from a dump: which indexes hold its

@@ -82,6 +82,12 @@ pub struct PodSnapshot {
     /// `blocks` are then empty).
     #[serde(default)]
     pub runs_id: Option<u32>,
+    /// Its pages are EAGLE's bigrams (SGLang). Defaulted, as the others.
+    #[serde(default)]
+    pub bigram: bool,
+    /// The engine its stores showed (`event::Engine` as a number).
+    #[serde(default)]
+    pub engine: u8,
 }
 
 /// One record of a snapshot.
@@ -462,6 +468,8 @@ mod tests {
             blocks,
             parents,
             runs_id: Some(3),
+            bigram: false,
+            engine: 2,
         }
     }
 
@@ -554,6 +562,8 @@ mod tests {
                 offload_block_size: None,
                 last_fingerprint: None,
                 runs_id: None,
+                bigram: false,
+                engine: 0,
                 ..p
             }
         );

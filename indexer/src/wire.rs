@@ -351,7 +351,11 @@ impl<'de> Visitor<'de> for EventVisitor {
                 "type" => tag = Some(map.next_value()?),
                 "block_hashes" => f.block_hashes = Some(map.next_value()?),
                 "parent_block_hash" => f.parent_block_hash = map.next_value()?,
-                "token_ids" => f.token_ids = Some(map.next_value()?),
+                "token_ids" => {
+                    let WireTokens(ids, bigram) = map.next_value()?;
+                    f.token_ids = Some(ids);
+                    f.bigram = bigram;
+                }
                 "block_size" => f.block_size = map.next_value()?,
                 "lora_id" => f.lora_id = map.next_value()?,
                 "medium" => f.medium = map.next_value()?,
@@ -387,7 +391,7 @@ impl<'de> Visitor<'de> for EventVisitor {
             STORED => {
                 f.block_hashes = seq.next_element()?;
                 f.parent_block_hash = seq.next_element()?.flatten();
-                f.token_ids = seq.next_element()?;
+                f.token_ids = seq.next_element::<WireTokens>()?.map(|t| t.0);
                 f.block_size = seq.next_element()?.flatten();
                 f.lora_id = seq.next_element()?.flatten();
                 f.medium = seq.next_element()?.flatten();
@@ -420,6 +424,7 @@ struct Fields {
     medium: Option<String>,
     lora_name: Option<String>,
     cache_salt: Option<String>,
+    bigram: bool,
     engine: Engine,
     extra_keys: Option<Vec<WireExtraKeys>>,
     group_idx: Option<u32>,
@@ -445,6 +450,7 @@ impl Fields {
                 medium: self.medium,
                 lora_name: self.lora_name,
                 cache_salt: self.cache_salt,
+                bigram: self.bigram,
                 engine: self.engine,
                 extra_keys: self
                     .extra_keys
@@ -532,6 +538,32 @@ impl<'de> Deserialize<'de> for WireHash {
             }
         }
         d.deserialize_any(V)
+    }
+}
+
+/// `token_ids`: ids, or (SGLang with EAGLE) `[a, b]` pairs, flattened;
+/// and whether they were pairs. Not both in one list.
+struct WireTokens(Vec<u32>, bool);
+
+impl<'de> Deserialize<'de> for WireTokens {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Unit {
+            Id(u32),
+            Pair(u32, u32),
+        }
+        let units: Vec<Unit> = Vec::deserialize(d)?;
+        let pairs = matches!(units.first(), Some(Unit::Pair(..)));
+        let mut out = Vec::with_capacity(units.len() * if pairs { 2 } else { 1 });
+        for u in units {
+            match (u, pairs) {
+                (Unit::Id(t), false) => out.push(t),
+                (Unit::Pair(a, b), true) => out.extend([a, b]),
+                _ => return Err(de::Error::custom("token ids and pairs of them mixed")),
+            }
+        }
+        Ok(WireTokens(out, pairs))
     }
 }
 
@@ -669,6 +701,70 @@ mod tests {
             Some(vec![Some(vec![ExtraKey::Str("salt".into())]), None])
         );
         assert_eq!(s.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+    }
+
+    /// SGLang's form: signed hashes, a salt beside them, no `lora_name`
+    /// key (its engine told by that); EAGLE's pairs flattened, and pairs
+    /// mixed with ids refused as the whole event. Both decoders agree.
+    #[test]
+    fn decodes_sglang_stores_and_eagle_pairs() {
+        #[derive(serde::Serialize)]
+        struct Sglang<T> {
+            #[serde(rename = "type")]
+            kind: &'static str,
+            block_hashes: Vec<i64>,
+            parent_block_hash: Option<i64>,
+            token_ids: Vec<T>,
+            block_size: u32,
+            lora_id: Option<i64>,
+            medium: &'static str,
+            cache_salt: &'static str,
+        }
+        fn store<T>(token_ids: Vec<T>) -> Sglang<T> {
+            Sglang {
+                kind: "BlockStored",
+                block_hashes: vec![-5, 7],
+                parent_block_hash: None,
+                token_ids,
+                block_size: 2,
+                lora_id: None,
+                medium: "CPU_PINNED",
+                cache_salt: "tenant",
+            }
+        }
+        let pairs = store(vec![(1u32, 2u32), (2, 3), (3, 4), (4, 5)]);
+        let payload = rmp_serde::to_vec_named(&(1.0f64, [pairs], 0u32)).unwrap();
+        let batch = decode_batch(&payload).unwrap();
+        assert_eq!(decode_batch_reference(&payload).unwrap(), batch);
+        let KvEvent::Stored(s) = &batch.events[0] else {
+            panic!("not a store")
+        };
+        assert_eq!(s.token_ids, vec![1, 2, 2, 3, 3, 4, 4, 5]);
+        assert!(s.bigram);
+        assert_eq!(s.block_hashes[0], EngineHash(-5i64 as u64));
+        assert_eq!(s.cache_salt.as_deref(), Some("tenant"));
+        assert_eq!(s.engine, Engine::Sglang);
+        assert_eq!(batch.skipped, Default::default());
+        let ids = store(vec![1u32, 2, 3, 4]);
+        let payload = rmp_serde::to_vec_named(&(1.0f64, [ids], 0u32)).unwrap();
+        let batch = decode_batch(&payload).unwrap();
+        assert_eq!(decode_batch_reference(&payload).unwrap(), batch);
+        let KvEvent::Stored(s) = &batch.events[0] else {
+            panic!("not a store")
+        };
+        assert!(!s.bigram && s.token_ids == vec![1, 2, 3, 4]);
+        #[derive(serde::Serialize)]
+        #[serde(untagged)]
+        enum Mixed {
+            Id(u32),
+            Pair(u32, u32),
+        }
+        let mixed = store(vec![Mixed::Pair(1, 2), Mixed::Id(3)]);
+        let payload = rmp_serde::to_vec_named(&(1.0f64, [mixed], 0u32)).unwrap();
+        let batch = decode_batch(&payload).unwrap();
+        assert_eq!(decode_batch_reference(&payload).unwrap(), batch);
+        assert!(batch.events.is_empty());
+        assert_eq!(batch.skipped.malformed_events, 1);
     }
 
     #[test]

@@ -319,6 +319,14 @@ async fn engine_keys_are_sglangs_own_hashes() {
     }
 }
 
+/// EAGLE speculative decoding: a pod's pages are bigrams of the prompt,
+/// published as pairs; a `Score` of the prompt's ids keys its bigrams for
+/// it.
+#[tokio::test]
+async fn eagle_bigram_pages() {
+    check("sglang-eagle").await;
+}
+
 #[tokio::test]
 async fn hicache_tiers() {
     check("sglang-hicache").await;

@@ -66,6 +66,7 @@ impl Indexer {
         progress.applied.add(&stats);
         self.account(pod, state.cost(&pod.runs));
         let learned = state.block_size();
+        pod.bigram.store(state.bigram(), Ordering::Relaxed);
         let offload = state.offload_block_size();
         drop(inner);
         if cleared {

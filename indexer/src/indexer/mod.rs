@@ -149,6 +149,9 @@ pub struct Pod {
     entries: AtomicU64,
     /// The engine its last store showed (an `Engine`).
     engine: AtomicU8,
+    /// Its pages are EAGLE's bigrams: a prompt is keyed by its bigrams
+    /// for it (`keys::bigram_words`).
+    bigram: AtomicBool,
     inner: Mutex<PodInner>,
 }
 

@@ -67,7 +67,8 @@ impl Indexer {
         // reader (ingest waits until the last run is written).
         let guards: Vec<_> = pods.iter().map(|p| self.lock(p)).collect();
         for (p, inner) in pods.iter().zip(&guards) {
-            let (non_full_groups, block_size, offload_block_size) = inner.state.rules_state();
+            let (non_full_groups, block_size, offload_block_size, bigram) =
+                inner.state.rules_state();
             snapshot.pod(&PodSnapshot {
                 model: p.model.clone(),
                 pod: p.topic_pod.clone(),
@@ -81,6 +82,8 @@ impl Indexer {
                 parents: Vec::new(),
                 offload_block_size,
                 runs_id: Some(p.id.0),
+                bigram,
+                engine: p.engine() as u8,
             })?;
         }
         for (name, runs) in &models {
@@ -163,9 +166,12 @@ impl Indexer {
     fn import_pod(&self, ps: &PodSnapshot) -> Option<Arc<Pod>> {
         let pod = self.try_pod(&ps.model, &ps.pod, ps.dp_rank).ok()?;
         let mut inner = pod.inner.lock();
-        inner
-            .state
-            .restore_rules(&ps.non_full_groups, ps.block_size, ps.offload_block_size);
+        inner.state.restore_rules(
+            &ps.non_full_groups,
+            ps.block_size,
+            ps.offload_block_size,
+            ps.bigram,
+        );
         if !ps.blocks.is_empty() {
             inner
                 .state
@@ -175,6 +181,8 @@ impl Indexer {
         inner.progress.last_fingerprint = ps.last_fingerprint;
         drop(inner);
         pod.incomplete.store(ps.incomplete, Ordering::Relaxed);
+        pod.bigram.store(ps.bigram, Ordering::Relaxed);
+        pod.engine.store(ps.engine, Ordering::Relaxed);
         if let Some(bs) = ps.block_size {
             pod.block_size.store(bs, Ordering::Relaxed);
             self.learn_block_size(&ps.model, bs);

@@ -67,18 +67,23 @@ impl Indexer {
             }
         }
 
-        // Pods of one model may run different block sizes: chunk per size.
-        let mut by_size: BTreeMap<u32, SizeGroup> = BTreeMap::new();
+        // Pods of one model may run different block sizes: chunk per size
+        // (and per unit: EAGLE's pods page a prompt's bigrams).
+        let mut by_size: BTreeMap<(u32, bool), SizeGroup> = BTreeMap::new();
         let mut scores: Vec<PodScore> = Vec::with_capacity(candidates.len());
         for (pos, (name, pod)) in candidates.into_iter().enumerate() {
             let engine = pod.as_ref().map_or("", |p| p.engine().name());
             let bs = self.pod_block_size(pod.as_deref(), q.model);
-            let total = (q.tokens.len() / bs as usize) as u32;
+            let bigram = pod
+                .as_ref()
+                .is_some_and(|p| p.bigram.load(Ordering::Relaxed));
+            let units = q.tokens.len() - usize::from(bigram && !q.tokens.is_empty());
+            let total = (units / bs as usize) as u32;
             let incomplete = pod
                 .as_ref()
                 .is_some_and(|p| p.incomplete.load(Ordering::Relaxed));
             let dropped = incomplete && self.config.drop_incomplete;
-            let group = by_size.entry(bs).or_default();
+            let group = by_size.entry((bs, bigram)).or_default();
             if speculating && !dropped {
                 if let Some(spec) = self.speculative.pod(q.model, &name) {
                     group
@@ -105,23 +110,36 @@ impl Indexer {
             });
         }
         let block_size = self.model_block_size(q.model);
-        by_size.entry(block_size).or_default();
+        by_size.entry((block_size, false)).or_default();
         let mode = self.config.keys.for_model(q.model);
         let now = Instant::now();
         let mut keys_out = Vec::with_capacity(by_size.len());
-        for (bs, group) in by_size {
+        for ((bs, bigram), group) in by_size {
             let SizeGroup {
                 exact: mut group,
                 speculative,
             } = group;
-            let (keys, engine_keys) = mode.request_keys(
-                q.model,
-                q.lora_name,
-                q.cache_salt,
-                q.tokens,
-                bs as usize,
-                q.mm_items,
-            );
+            let (keys, engine_keys) = if bigram {
+                // A page is `bs` bigrams: `2 bs` ids (no multimodal items:
+                // SGLang's events name none).
+                mode.request_keys(
+                    &crate::keys::bigram_scope(q.model),
+                    q.lora_name,
+                    q.cache_salt,
+                    &crate::keys::bigram_words(q.tokens),
+                    2 * bs as usize,
+                    &[],
+                )
+            } else {
+                mode.request_keys(
+                    q.model,
+                    q.lora_name,
+                    q.cache_salt,
+                    q.tokens,
+                    bs as usize,
+                    q.mm_items,
+                )
+            };
             group.sort_unstable();
             // Closure is only sound on engine keys: token keys of a block
             // whose parent was never seen do not exist at all.
@@ -163,7 +181,10 @@ impl Indexer {
                 });
                 scores[pos].speculative_blocks = (from + run) as u32;
             }
-            keys_out.push((bs, keys));
+            // A prompt handle's keys are by block size, of plain pages.
+            if !bigram {
+                keys_out.push((bs, keys));
+            }
         }
         let weight = self.config.speculative_weight;
         for s in &mut scores {

@@ -186,6 +186,7 @@ impl Indexer {
             connection: AtomicU8::new(Connection::Unknown as u8),
             entries: AtomicU64::new(0),
             engine: AtomicU8::new(0),
+            bigram: AtomicBool::new(false),
             inner: Mutex::new(PodInner {
                 state,
                 progress: Progress::default(),

@@ -527,6 +527,8 @@ fn a_version_2_snapshot_is_stored_into_the_runs() {
         offload_block_size: None,
         last_fingerprint: None,
         runs_id: None,
+        bigram: false,
+        engine: 0,
     };
     let mut w = SnapshotWriter::new(Vec::new(), ix.keys_fingerprint()).unwrap();
     w.pod(&record).unwrap();
@@ -638,6 +640,8 @@ fn a_snapshot_whose_runs_break_the_rules_leaves_the_indexer_empty() {
         offload_block_size: None,
         last_fingerprint: None,
         runs_id: Some(a.id.0),
+        bigram: false,
+        engine: 0,
     };
     let mut dump = a.runs.token.dump();
     // A span past its run's end.

@@ -90,6 +90,20 @@ impl KeyScope<'_> {
     }
 }
 
+/// SGLang with EAGLE speculative decoding keys a prompt by its bigrams:
+/// unit `i` is `(t[i], t[i+1])`, so `n` tokens make `n - 1` units, and a
+/// page of `P` units is `2P` ids, each pair as two. The prompt as those
+/// ids; keyed by pages of `2P` (and SGLang hashes them so).
+pub fn bigram_words(tokens: &[u32]) -> Vec<u32> {
+    tokens.windows(2).flat_map(|w| [w[0], w[1]]).collect()
+}
+
+/// The model scope bigram pages are keyed in: apart from the same model's
+/// plain pages, whose ids could spell the same words.
+pub fn bigram_scope(model: &str) -> String {
+    format!("{model}\0bigram")
+}
+
 /// The request side's scope: `cache_salt` is block 0's only extra key.
 pub fn request_root_seed(model: &str, lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
     let salt = cache_salt.map(|s| [ExtraKey::Str(s.to_owned())]);

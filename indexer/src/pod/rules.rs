@@ -24,6 +24,8 @@ pub(crate) struct StoreRules {
     /// removals for them (which carry no kind) are ignored too.
     pub non_full_groups: HashSet<u32>,
     pub block_size: Option<u32>,
+    /// Its pages are EAGLE's bigrams (`BlockStored::bigram`).
+    pub bigram: bool,
     /// Offloaded block size in tokens, as token-less stores give it (older
     /// vLLM; newer ones send 0): see `offload`.
     pub offload_block_size: Option<u32>,
@@ -81,17 +83,22 @@ impl StoreRules {
                 engine: engine.is_some(),
             };
         }
+        // Ids per unit of a block: two for EAGLE's bigrams.
+        let words = if ev.bigram { 2 } else { 1 };
         let block_size = match ev.block_size {
-            Some(bs) if bs > 0 && ev.token_ids.len() == n * bs as usize => bs as usize,
-            None if ev.token_ids.len() % n == 0 => ev.token_ids.len() / n,
+            Some(bs) if bs > 0 && ev.token_ids.len() == n * bs as usize * words => bs as usize,
+            None if ev.token_ids.len() % (n * words) == 0 => ev.token_ids.len() / n / words,
             _ => {
                 stats.malformed_stores += 1;
                 return StorePlan::Skip;
             }
         };
         self.block_size = Some(block_size as u32);
+        self.bigram = ev.bigram;
+        // A block's ids.
+        let block_words = block_size * words;
         if let Some(engine) = engine {
-            self.self_check(ev, block_size, engine, stats);
+            self.self_check(ev, block_words, engine, stats);
             return StorePlan::Engine;
         }
         // An adapter known only by id (old wire forms) gets a marker that can
@@ -109,7 +116,7 @@ impl StoreRules {
         StorePlan::Tokens(TokenKeying {
             ev,
             lora,
-            block_size,
+            block_size: block_words,
             extras,
         })
     }
@@ -195,6 +202,7 @@ impl StoreRules {
 pub(crate) struct TokenKeying<'e> {
     ev: &'e BlockStored,
     lora: Option<String>,
+    /// Ids per block (a bigram page's are twice its units).
     block_size: usize,
     /// Some block has extra keys besides the adapter's.
     extras: bool,
@@ -207,6 +215,13 @@ impl<'e> TokenKeying<'e> {
             self.extras_of(0)
         } else {
             Vec::new()
+        };
+        let bigram;
+        let model = if self.ev.bigram {
+            bigram = crate::keys::bigram_scope(model);
+            bigram.as_str()
+        } else {
+            model
         };
         KeyScope {
             model,

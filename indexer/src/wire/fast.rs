@@ -126,7 +126,11 @@ fn map_event(r: &mut Reader) -> Option<(KvEvent, u32)> {
             b"type" => tag = Some(Tag::parse(r.str()?)?),
             b"block_hashes" => f.block_hashes = Some(hashes(r)?),
             b"parent_block_hash" => f.parent_block_hash = opt_hash(r)?,
-            b"token_ids" => f.token_ids = Some(tokens(r)?),
+            b"token_ids" => {
+                let (ids, bigram) = tokens(r)?;
+                f.token_ids = Some(ids);
+                f.bigram = bigram;
+            }
             b"block_size" => f.block_size = r.opt(Reader::u32)?,
             b"lora_id" => f.lora_id = r.opt(Reader::i64)?,
             b"medium" => f.medium = r.opt(Reader::string)?,
@@ -175,7 +179,7 @@ fn array_event(r: &mut Reader) -> Option<(KvEvent, u32)> {
         Tag::Stored => {
             f.block_hashes = slot!(hashes(r));
             f.parent_block_hash = slot!(opt_hash(r)).flatten();
-            f.token_ids = slot!(tokens(r));
+            f.token_ids = slot!(tokens(r)).map(|(ids, _)| ids);
             f.block_size = slot!(r.opt(Reader::u32)).flatten();
             f.lora_id = slot!(r.opt(Reader::i64)).flatten();
             f.medium = slot!(r.opt(Reader::string)).flatten();
@@ -209,6 +213,7 @@ struct Fields {
     medium: Option<String>,
     lora_name: Option<String>,
     cache_salt: Option<String>,
+    bigram: bool,
     engine: Engine,
     extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
     group_idx: Option<u32>,
@@ -230,6 +235,7 @@ impl Fields {
                 medium: self.medium,
                 lora_name: self.lora_name,
                 cache_salt: self.cache_salt,
+                bigram: self.bigram,
                 engine: self.engine,
                 extra_keys: self.extra_keys,
                 group_idx: self.group_idx,
@@ -303,8 +309,20 @@ fn opt_hash(r: &mut Reader) -> Option<Option<EngineHash>> {
 /// big-endian load by a per-marker shift and mask, and the cursor advances
 /// by the marker's size: no data-dependent branch. The last ids (less than
 /// 8 bytes left) and rare markers take `Reader::u32`.
-fn tokens(r: &mut Reader) -> Option<Vec<u32>> {
+/// Token ids, and whether they came as EAGLE's pairs (then flattened).
+fn tokens(r: &mut Reader) -> Option<(Vec<u32>, bool)> {
     let n = r.array_len()?;
+    if r.peek() == Some(0x92) {
+        let mut out = Vec::with_capacity(2 * n);
+        for _ in 0..n {
+            if r.array_len()? != 2 {
+                return None;
+            }
+            out.push(r.u32()?);
+            out.push(r.u32()?);
+        }
+        return Some((out, true));
+    }
     let mut out = Vec::with_capacity(n);
     let buf = r.buf;
     let mut pos = r.pos;
@@ -323,7 +341,7 @@ fn tokens(r: &mut Reader) -> Option<Vec<u32>> {
         pos = r.pos;
     }
     r.pos = pos;
-    Some(out)
+    Some((out, false))
 }
 
 /// Per marker byte: (encoded size, shift of the value within the 8-byte

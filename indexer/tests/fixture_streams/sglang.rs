@@ -114,6 +114,11 @@ fn replay(stream: &str, keys: Keys) -> (Indexer, Value) {
 /// many were compared.
 fn misses(stream: &str, keys: Keys) -> (Vec<String>, usize) {
     let (ix, expected) = replay(stream, keys);
+    misses_in(stream, &ix, &expected, keys)
+}
+
+/// `misses` of an index that holds `stream`.
+fn misses_in(stream: &str, ix: &Indexer, expected: &Value, keys: Keys) -> (Vec<String>, usize) {
     let dynamo = expected["meta"]["hash_format"] == "dynamo";
     let model = expected["meta"]["model"].as_str().unwrap();
     let page = expected["meta"]["page_size"].as_u64().unwrap() as u32;
@@ -264,6 +269,24 @@ fn eviction_heavy_page_size_16() {
 #[test]
 fn a_pod_restart() {
     check("sglang-restart");
+}
+
+/// EAGLE speculative decoding: pages of bigrams, `token_ids` as pairs.
+#[test]
+fn eagle_bigram_pages() {
+    check("sglang-eagle");
+}
+
+/// A snapshot keeps what a pod's pages are: a restored EAGLE pod is still
+/// scored by the prompt's bigrams.
+#[test]
+fn eagle_pods_survive_a_snapshot() {
+    let (ix, expected) = replay("sglang-eagle", Keys::Token);
+    let file = ix.export(Vec::new()).unwrap();
+    let restored = Indexer::new(config(Keys::Token, &expected));
+    assert_eq!(restored.import(std::io::Cursor::new(file)).unwrap(), 2);
+    let (wrong, compared) = misses_in("sglang-eagle", &restored, &expected, Keys::Token);
+    assert!(compared >= 40 && wrong.is_empty(), "{compared}: {wrong:?}");
 }
 
 #[test]
