@@ -900,9 +900,8 @@ fn unix_ms() -> u64 {
         .as_millis() as u64
 }
 
-/// The key configuration a replica with the default settings has, as a
-/// copying peer presents it.
-fn default_keys_configuration() -> String {
+/// A replica's index with the default settings (empty).
+fn default_index() -> indexer::Indexer {
     #[derive(clap::Parser)]
     struct Flags {
         #[command(flatten)]
@@ -910,7 +909,13 @@ fn default_keys_configuration() -> String {
     }
     let flags = <Flags as clap::Parser>::parse_from(["kv-indexer"]);
     let config = kv_indexer::config::Config::load(flags.settings, None).expect("defaults");
-    indexer::Indexer::new(config.indexer).keys_configuration()
+    indexer::Indexer::new(config.indexer)
+}
+
+/// The key configuration a replica with the default settings has, as a
+/// copying peer presents it.
+fn default_keys_configuration() -> String {
+    default_index().keys_configuration()
 }
 
 /// A peer that accepts connections and never answers (a hung replica, a
@@ -1076,4 +1081,90 @@ async fn a_second_copy_while_one_is_under_way_is_refused_as_busy() {
         bytes += chunk.data.len();
     }
     assert!(bytes > 12_000_000, "{bytes} bytes");
+}
+
+/// A peer that answers a copy with an empty index and more live
+/// speculative entries than a starting replica takes (16M keys, what the
+/// entries of ten minutes of routings to a large fleet come to): the
+/// replica takes them up to the bound and no further, and starts.
+#[tokio::test]
+async fn a_peers_live_entries_are_taken_up_to_16m_keys() {
+    use std::pin::Pin;
+    use tokio_stream::Stream;
+    use tonic::{Request, Response, Status};
+
+    type Chunks = Pin<Box<dyn Stream<Item = Result<pb::PeerSnapshotChunk, Status>> + Send>>;
+    type Routed = Pin<Box<dyn Stream<Item = Result<pb::PeerRoutedRequest, Status>> + Send>>;
+    /// Routings of 65,536 keys (the most one may have), one a message.
+    const MESSAGES: usize = 260;
+    struct Flooding {
+        snapshot: Vec<u8>,
+    }
+    #[tonic::async_trait]
+    impl pb::kv_indexer_peer_server::KvIndexerPeer for Flooding {
+        type SnapshotStream = Chunks;
+        type LiveStream = Routed;
+        async fn snapshot(
+            &self,
+            _: Request<pb::PeerSnapshotRequest>,
+        ) -> Result<Response<Chunks>, Status> {
+            let chunks: Vec<_> = self
+                .snapshot
+                .chunks(1 << 20)
+                .map(|c| Ok(pb::PeerSnapshotChunk { data: c.to_vec() }))
+                .collect();
+            Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+        }
+        async fn live(
+            &self,
+            _: Request<pb::PeerSnapshotRequest>,
+        ) -> Result<Response<Routed>, Status> {
+            let ends = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as u64
+                + 60_000;
+            let routing = pb::PeerRouting {
+                model: "m".into(),
+                pod: "p".into(),
+                keys: (0..1u64 << 16).collect(),
+                expires_unix_ms: ends,
+            };
+            let messages = (0..MESSAGES).map(move |_| {
+                Ok(pb::PeerRoutedRequest {
+                    routings: vec![routing.clone()],
+                })
+            });
+            Ok(Response::new(Box::pin(tokio_stream::iter(messages))))
+        }
+        async fn routed(
+            &self,
+            _: Request<pb::PeerRoutedRequest>,
+        ) -> Result<Response<pb::PeerRoutedResponse>, Status> {
+            Ok(Response::new(pb::PeerRoutedResponse::default()))
+        }
+    }
+    // A valid snapshot of an empty index under the replica's keys.
+    let snapshot = default_index().export(Vec::new()).unwrap();
+    let port = free_port();
+    let server = tonic::transport::Server::builder()
+        .add_service(pb::kv_indexer_peer_server::KvIndexerPeerServer::new(
+            Flooding { snapshot },
+        ))
+        .serve(format!("127.0.0.1:{port}").parse().unwrap());
+    tokio::spawn(server);
+    let dir = tempfile::tempdir().unwrap();
+    let token = token_file(&dir, "token", "fleet-secret");
+    let peer = format!("127.0.0.1:{port}");
+    let replica = Service::start(&["--peer", &peer, "--peer-token-file", &token]).await;
+    assert_eq!(
+        replica.metric("kv_indexer_started_from{from=\"peer\"}"),
+        1.0
+    );
+    // Its pod is unknown here, so each routing taken is counted so.
+    assert_eq!(
+        replica.metric("kv_indexer_peer_routings_received_total{outcome=\"unknown\"}"),
+        256.0,
+        "16M keys: 256 routings of 65,536"
+    );
 }
