@@ -50,6 +50,23 @@ impl Worker<'_> {
         ticket: u32,
         delay: Duration,
     ) {
+        self.spawn_fetch(endpoint, from, delay, move |result| Work::Replayed {
+            stream,
+            ticket,
+            result,
+        });
+    }
+
+    /// Fetches `endpoint`'s buffer from `from` on, after `delay`, within
+    /// the replays in flight, off this thread; its result comes back to
+    /// this worker as `work(result)`.
+    fn spawn_fetch(
+        &self,
+        endpoint: Arc<str>,
+        from: u64,
+        delay: Duration,
+        work: impl FnOnce(Result<Vec<Replayed>, String>) -> Work + Send + 'static,
+    ) {
         let tx = self.config.control[self.index].clone();
         let timeout = self.config.replay_timeout;
         let (context, limits) = (self.config.context.clone(), self.config.limits);
@@ -68,13 +85,7 @@ impl Worker<'_> {
             .unwrap_or_else(|e| Err(format!("replay task failed: {e}")));
             // Waits for room in the queue (this is no receive loop): a
             // replay result is never dropped.
-            let _ = tx
-                .send_async(Work::Replayed {
-                    stream,
-                    ticket,
-                    result,
-                })
-                .await;
+            let _ = tx.send_async(work(result)).await;
         });
     }
 
@@ -149,26 +160,12 @@ impl Worker<'_> {
         endpoint: Arc<str>,
         first: Arc<Pending>,
     ) {
-        let tx = self.config.control[self.index].clone();
-        let timeout = self.config.replay_timeout;
-        let (context, limits) = (self.config.context.clone(), self.config.limits);
-        let slots = self.config.replay_slots.clone();
-        self.runtime.spawn(async move {
-            let Ok(_slot) = slots.acquire_owned().await else {
-                return;
-            };
-            let result = tokio::task::spawn_blocking(move || {
-                replay::fetch(&context, &endpoint, 0, timeout, limits)
-            })
-            .await
-            .unwrap_or_else(|e| Err(format!("replay task failed: {e}")));
-            let _ = tx
-                .send_async(Work::RestoredCatchUp {
-                    stream,
-                    result,
-                    first,
-                })
-                .await;
+        self.spawn_fetch(endpoint, 0, Duration::ZERO, move |result| {
+            Work::RestoredCatchUp {
+                stream,
+                result,
+                first,
+            }
         });
     }
 

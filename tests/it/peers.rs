@@ -29,7 +29,7 @@ async fn wait_last_seq(service: &Service, model: &str, per_pod: &BTreeMap<String
         .collect();
     service
         .wait_until("every pod's last batch applied", async || {
-            last_seqs(service, model).await == want
+            service.last_seqs(model).await == want
         })
         .await;
 }
@@ -190,16 +190,7 @@ async fn a_restored_replica_is_ready_only_once_its_dialed_pods_are_caught_up() {
     fleet.publish(|n| (half(n), more(n)));
 
     let second = Service::start_dialing(&targets, &["--snapshot-dir", snap]).await;
-    let pods = second.list_pods(&model).await;
-    for (pod, n) in &fleet.per_pod {
-        let p = pods.iter().find(|p| &p.pod == pod).expect("restored");
-        assert_eq!(
-            p.last_seq,
-            Some(more(*n) - 1),
-            "{pod} caught up before Ready: {p:?}"
-        );
-        assert!(!p.incomplete, "{p:?}");
-    }
+    assert_caught_up(&second, &fleet, more).await;
     assert_eq!(
         second.metric("kv_indexer_started_from{from=\"snapshot\"}"),
         1.0
@@ -258,12 +249,18 @@ async fn a_restored_replica_in_bind_mode_is_ready_only_once_its_pods_are_caught_
     fleet.publish(|n| (half(n), more(n)));
 
     let second = Service::start_raw(&args, Some(zmq.clone())).await;
-    let pods = second.list_pods(&model).await;
+    assert_caught_up(&second, &fleet, more).await;
+}
+
+/// `service`, just Ready, applied each pod's batches up to position
+/// `upto(n)` (of its `n`), and none of them is incomplete.
+async fn assert_caught_up(service: &Service, fleet: &Fleet, upto: impl Fn(u64) -> u64) {
+    let pods = service.list_pods(&fleet.expected.model).await;
     for (pod, n) in &fleet.per_pod {
         let p = pods.iter().find(|p| &p.pod == pod).expect("restored");
         assert_eq!(
             p.last_seq,
-            Some(more(*n) - 1),
+            Some(upto(*n) - 1),
             "{pod} caught up before Ready: {p:?}"
         );
         assert!(!p.incomplete, "{p:?}");
@@ -294,16 +291,6 @@ async fn speculative_blocks(service: &Service, model: &str, tokens: &[u32], pod:
         .iter()
         .find(|p| p.pod == pod)
         .map_or(0, |p| p.speculative_blocks)
-}
-
-/// Each replica's last applied seq per pod.
-async fn last_seqs(service: &Service, model: &str) -> BTreeMap<String, Option<u64>> {
-    service
-        .list_pods(model)
-        .await
-        .into_iter()
-        .map(|p| (p.pod, p.last_seq))
-        .collect()
 }
 
 /// A rolling restart of three replicas while the pods publish at a steady
@@ -358,7 +345,7 @@ async fn a_rolling_restart_under_a_steady_stream_keeps_every_replica_exact() {
     // stored first is then long out of their buffers.
     replicas[0]
         .wait_until("half of every stream applied", async || {
-            let seqs = last_seqs(&replicas[0], &model).await;
+            let seqs = replicas[0].last_seqs(&model).await;
             per_pod
                 .iter()
                 .all(|(pod, n)| seqs.get(pod).copied().flatten() >= Some(n / 2))
@@ -381,9 +368,9 @@ async fn a_rolling_restart_under_a_steady_stream_keeps_every_replica_exact() {
         paused.store(true, Ordering::Release);
         let reference = replicas.last().unwrap();
         new.wait_until("the new replica where the reference is", async || {
-            let want = last_seqs(reference, &model).await;
+            let want = reference.last_seqs(&model).await;
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            want == last_seqs(reference, &model).await && want == last_seqs(&new, &model).await
+            want == reference.last_seqs(&model).await && want == new.last_seqs(&model).await
         })
         .await;
         assert_eq!(

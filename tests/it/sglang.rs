@@ -70,16 +70,6 @@ fn bare_extra_key(probe: &Value) -> bool {
     !probe["extra_key"].is_null() || id.split(':').nth(3).is_some_and(|e| e != "-")
 }
 
-/// Each pod domain's last seq, as the service has it.
-async fn last_seqs(service: &Service, model: &str) -> BTreeMap<String, Option<u64>> {
-    service
-        .list_pods(model)
-        .await
-        .into_iter()
-        .map(|p| (p.pod, p.last_seq))
-        .collect()
-}
-
 /// Every probe scored over gRPC against SGLang's answers; the misses.
 async fn misses(service: &Service, expected: &Value) -> (Vec<String>, usize) {
     named_misses(service, expected, "").await
@@ -153,6 +143,17 @@ async fn misses_as(
     (wrong, compared)
 }
 
+/// Every compared answer SGLang's (`misses`), and enough of them.
+fn assert_exact(what: &str, (wrong, compared): (Vec<String>, usize)) {
+    assert!(compared >= 40, "{what}: {compared} answers");
+    assert!(
+        wrong.is_empty(),
+        "{what}: {} of {compared} differ:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
+}
+
 /// Stand-in pods for `stream`'s pod keys holding the first `upto(n)` of
 /// their `n` batches in their replay buffers, and the dial targets naming
 /// them.
@@ -223,7 +224,7 @@ async fn check_with(stream: &str, topic: Option<&str>, args: &[&str]) {
     let service = Service::start_dialing(&targets, args).await;
     service
         .wait_until("every pod caught up from its buffer", async || {
-            last_seqs(&service, model).await == seqs_upto(&frames, half)
+            service.last_seqs(model).await == seqs_upto(&frames, half)
         })
         .await;
     for (_, pod) in &pods {
@@ -243,7 +244,7 @@ async fn check_with(stream: &str, topic: Option<&str>, args: &[&str]) {
             for (_, pod) in &pods {
                 pod.resend(pod.batches() - 1);
             }
-            last_seqs(&service, model).await == all
+            service.last_seqs(model).await == all
         })
         .await;
     for p in service.list_pods(model).await {
@@ -251,14 +252,7 @@ async fn check_with(stream: &str, topic: Option<&str>, args: &[&str]) {
         assert!(!p.incomplete && p.malformed_events == 0, "{p:?}");
         assert_eq!(p.engine_hash_mismatches, 0, "{p:?}");
     }
-    let (wrong, compared) = misses(&service, &expected).await;
-    assert!(compared >= 40, "{stream}: {compared} answers");
-    assert!(
-        wrong.is_empty(),
-        "{stream}: {} of {compared} differ:\n{}",
-        wrong.len(),
-        wrong.join("\n")
-    );
+    assert_exact(stream, misses(&service, &expected).await);
     drop(pods);
 }
 
@@ -365,7 +359,7 @@ async fn a_pod_restart_and_a_flush() {
     ]);
     service
         .wait_until("the old run applied", async || {
-            last_seqs(&service, model).await == before
+            service.last_seqs(model).await == before
         })
         .await;
     let i = pods.iter().position(|(k, _)| k == "pod-0").unwrap();
@@ -383,7 +377,7 @@ async fn a_pod_restart_and_a_flush() {
     service
         .wait_until("the new run applied", async || {
             restarted.resend(last);
-            last_seqs(&service, model).await == after
+            service.last_seqs(model).await == after
         })
         .await;
     pods.push((key, restarted));
@@ -394,14 +388,7 @@ async fn a_pod_restart_and_a_flush() {
         .find(|p| p.pod == "pod-0")
         .unwrap();
     assert_eq!(p0.publisher_restarts, 1, "{p0:?}");
-    let (wrong, compared) = misses(&service, &expected).await;
-    assert!(compared >= 40, "{compared} answers");
-    assert!(
-        wrong.is_empty(),
-        "{} of {compared} differ:\n{}",
-        wrong.len(),
-        wrong.join("\n")
-    );
+    assert_exact("answers", misses(&service, &expected).await);
 }
 
 /// One model served by vLLM pods (16-token blocks, topics of their own)
@@ -433,7 +420,7 @@ async fn a_fleet_of_vllm_and_sglang_pods_is_scored_in_one_answer() {
     }
     service
         .wait_until("every pod of both engines applied", async || {
-            last_seqs(&service, model).await == want
+            service.last_seqs(model).await == want
         })
         .await;
     let engines: BTreeMap<String, (String, u32)> = service
@@ -458,14 +445,7 @@ async fn a_fleet_of_vllm_and_sglang_pods_is_scored_in_one_answer() {
             assert_eq!(p.matched_tokens, p.matched_blocks * p.block_size, "{p:?}");
         }
     }
-    let (wrong, compared) = named_misses(&service, &expected, "sg-").await;
-    assert!(compared >= 40, "{compared} answers");
-    assert!(
-        wrong.is_empty(),
-        "{} of {compared} differ:\n{}",
-        wrong.len(),
-        wrong.join("\n")
-    );
+    assert_exact("answers", named_misses(&service, &expected, "sg-").await);
     drop(sglang);
 }
 
@@ -496,19 +476,15 @@ async fn bound_pods_without_a_topic_are_named_by_their_address() {
     let want = BTreeMap::from([("127.0.0.1".to_string(), pod0.last().map(|b| b.1))]);
     service
         .wait_until("the pod named by its address", async || {
-            last_seqs(&service, model).await == want
+            service.last_seqs(model).await == want
         })
         .await;
-    let (wrong, compared) = misses_as(&service, &expected, |key| {
-        (key == "pod-0").then(|| "127.0.0.1".to_string())
-    })
-    .await;
-    assert!(compared >= 40, "{compared} answers");
-    assert!(
-        wrong.is_empty(),
-        "{} of {compared} differ:\n{}",
-        wrong.len(),
-        wrong.join("\n")
+    assert_exact(
+        "answers",
+        misses_as(&service, &expected, |key| {
+            (key == "pod-0").then(|| "127.0.0.1".to_string())
+        })
+        .await,
     );
     assert_eq!(
         service.metric(r#"kv_indexer_messages_skipped_total{reason="no_topic"}"#),

@@ -323,6 +323,15 @@ impl Service {
             .pods
     }
 
+    /// Each pod's last applied seq (a DP rank's as its own pod).
+    pub async fn last_seqs(&self, model: &str) -> BTreeMap<String, Option<u64>> {
+        self.list_pods(model)
+            .await
+            .into_iter()
+            .map(|p| (p.pod, p.last_seq))
+            .collect()
+    }
+
     /// Waits until every pod of `model` applied `batches[pod]` batches.
     pub async fn wait_applied(&self, model: &str, batches: &BTreeMap<String, u64>) {
         let deadline = Instant::now() + self.ingest_wait;
