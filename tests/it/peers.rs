@@ -645,11 +645,14 @@ async fn two_replicas_started_together_do_not_wait_on_each_other() {
     }
 }
 
-/// A replica copies a peer while the pods change under it: one pod's engine
+/// A replica copies a peer while the pods change under it, every change
+/// after the copy's cut (the source writes its whole snapshot before it
+/// sends a byte, and the changes wait for its first): one pod's engine
 /// restarts (a new run from seq 0), one clears its cache
 /// (`AllBlocksCleared`), one's batch is lost on the way (a gap its buffer
-/// repairs), whichever side of the copy's cut each lands. Afterwards the
-/// new replica answers every probe as the one that saw it all live.
+/// repairs). The new replica sees each itself, following the pods from
+/// the cut's seqs, and ends answering every probe as the one that saw it
+/// all live.
 #[tokio::test]
 async fn a_copy_taken_while_pods_restart_clear_and_lose_a_batch_ends_exact() {
     use crate::common::vllm_pod::{Batch, VllmPod};
@@ -676,6 +679,13 @@ async fn a_copy_taken_while_pods_restart_clear_and_lose_a_batch_ends_exact() {
     for (topic, seq, payload) in &recorded_y[half_y..] {
         y_frames.push((topic.clone(), seq + 1, payload.clone()));
     }
+    // The clears of y's batches from the inserted one on: what a replica
+    // following y from before it sees.
+    let y_clears = y_frames[half_y..]
+        .iter()
+        .flat_map(|(_, _, payload)| indexer::wire::decode_batch(payload).unwrap().events)
+        .filter(|e| matches!(e, indexer::event::KvEvent::AllCleared))
+        .count() as u64;
     let y = VllmPod::with_batches(y_frames, options);
     // pod x's engine restarts with pod z's run under its own topic.
     let new_run: Vec<Batch> = z
@@ -704,7 +714,9 @@ async fn a_copy_taken_while_pods_restart_clear_and_lose_a_batch_ends_exact() {
     let peer = a.grpc_addr();
     let b_args = ["--peer", peer.as_str(), "--peer-token-file", token.as_str()];
     let changes = async {
-        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        while a.metric("kv_indexer_peer_snapshot_bytes_sent_total") == 0.0 {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
         let gap = HashSet::from([(nz / 2 + 1) as u64]);
         z.publish(nz / 2, nz / 2 + 4, &gap);
         y.publish(half_y, half_y + 3, &HashSet::new());
@@ -734,6 +746,13 @@ async fn a_copy_taken_while_pods_restart_clear_and_lose_a_batch_ends_exact() {
     );
     for pod in b.list_pods(&model).await {
         assert!(!pod.incomplete, "{pod:?}");
+        // After the cut: not in the copy, seen by the new replica itself.
+        if &pod.pod == px {
+            assert_eq!(pod.publisher_restarts, 1, "{pod:?}");
+        }
+        if &pod.pod == py {
+            assert_eq!(pod.clears, y_clears, "{pod:?}");
+        }
     }
 }
 
