@@ -182,16 +182,26 @@ impl From<io::Error> for SnapshotError {
 pub struct SnapshotWriter<W: Write> {
     out: W,
     hash: Xxh3,
+    /// Bytes not yet hashed and written: the encoder writes a value at a
+    /// time (9 bytes a key), and hashing that many small pieces took most
+    /// of a snapshot's writing, which ingest waits for.
+    pending: Vec<u8>,
 }
+
+/// Bytes hashed and written at once.
+const PENDING: usize = 1 << 16;
 
 impl<W: Write> Write for SnapshotWriter<W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let n = self.out.write(buf)?;
-        self.hash.update(&buf[..n]);
-        Ok(n)
+        self.pending.extend_from_slice(buf);
+        if self.pending.len() >= PENDING {
+            self.drain()?;
+        }
+        Ok(buf.len())
     }
 
     fn flush(&mut self) -> io::Result<()> {
+        self.drain()?;
         self.out.flush()
     }
 }
@@ -202,11 +212,20 @@ impl<W: Write> SnapshotWriter<W> {
         let mut w = SnapshotWriter {
             out,
             hash: Xxh3::new(),
+            pending: Vec::with_capacity(PENDING),
         };
         w.write_all(MAGIC)?;
         w.write_all(&VERSION.to_le_bytes())?;
         w.write_all(&keys_fingerprint.to_le_bytes())?;
         Ok(w)
+    }
+
+    /// Hashes and writes what is pending.
+    fn drain(&mut self) -> io::Result<()> {
+        self.hash.update(&self.pending);
+        self.out.write_all(&self.pending)?;
+        self.pending.clear();
+        Ok(())
     }
 
     pub fn pod(&mut self, pod: &PodSnapshot) -> io::Result<()> {
@@ -225,6 +244,7 @@ impl<W: Write> SnapshotWriter<W> {
     /// writer it went to.
     pub fn finish(mut self) -> io::Result<W> {
         self.write_all(&[END])?;
+        self.drain()?;
         let sum = self.hash.digest();
         self.out.write_all(&sum.to_le_bytes())?;
         self.out.flush()?;

@@ -17,7 +17,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::published::{tier_of, Arena, Heads, MAX_RUN, TIER_BITS};
-use super::write::{Loc, Span, Writer};
+use super::write::{Holding, Loc, Run, Span, Writer};
 use crate::event::TIERS;
 
 /// The whole index.
@@ -146,13 +146,19 @@ impl Writer {
         at
     }
 
+    /// Where `r`'s parent is in a dump (`at`: `dump_positions`), if it
+    /// still is a block.
+    fn dump_parent(&self, r: &Run, at: &[u32]) -> Option<(u32, u32)> {
+        r.parent.and_then(|p| {
+            let live = self.runs[p.run as usize].len() > p.off;
+            live.then(|| (at[p.run as usize], p.off))
+        })
+    }
+
     /// Run `id` as a dump lists it (`at`: `dump_positions`).
     fn run_record(&self, id: u32, at: &[u32]) -> RunRecord {
         let r = &self.runs[id as usize];
-        let parent = r.parent.and_then(|p| {
-            let live = self.runs[p.run as usize].len() > p.off;
-            live.then(|| (at[p.run as usize], p.off))
-        });
+        let parent = self.dump_parent(r, at);
         let keys: Vec<u64> = (0..r.len()).filter_map(|off| r.hash(off)).collect();
         let (engines, aliases) = r.names().map_or((Vec::new(), Vec::new()), |n| {
             (n.engines.clone(), n.aliases.clone())
@@ -229,9 +235,76 @@ impl Serialize for RunsView<'_> {
         let live = at.iter().filter(|&&i| i != u32::MAX).count();
         let mut runs = s.serialize_seq(Some(live))?;
         for id in w.live_runs() {
-            runs.serialize_element(&w.run_record(id, &at))?;
+            runs.serialize_element(&RunView { w, id, at: &at })?;
         }
         runs.end()
+    }
+}
+
+/// A run as its `RunRecord` serializes, read in place: no copy of its
+/// keys and names per run (what a snapshot's writing, which ingest waits
+/// for, spent most of its allocations on).
+struct RunView<'a> {
+    w: &'a Writer,
+    id: u32,
+    at: &'a [u32],
+}
+
+impl Serialize for RunView<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let r = &self.w.runs[self.id as usize];
+        let (engines, aliases): (&[u64], &[(u32, u64)]) =
+            r.names().map_or((&[], &[]), |n| (&n.engines, &n.aliases));
+        // `RunRecord`'s fields, in its order.
+        let mut run = s.serialize_struct("RunRecord", 5)?;
+        run.serialize_field("keys", &Keys(r))?;
+        run.serialize_field("engines", engines)?;
+        run.serialize_field("aliases", aliases)?;
+        run.serialize_field("holdings", &Holdings(r))?;
+        run.serialize_field("parent", &self.w.dump_parent(r, self.at))?;
+        run.end()
+    }
+}
+
+struct Keys<'a>(&'a Run);
+
+impl Serialize for Keys<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let r = self.0;
+        s.collect_seq((0..r.len()).map(|off| r.hash(off).expect("within the run")))
+    }
+}
+
+struct Holdings<'a>(&'a Run);
+
+impl Serialize for Holdings<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.holdings.iter().map(HoldingView))
+    }
+}
+
+/// A holding as its `HoldingRecord` serializes.
+struct HoldingView<'a>(&'a Holding);
+
+impl Serialize for HoldingView<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let h = self.0;
+        let mut record = s.serialize_struct("HoldingRecord", 4)?;
+        record.serialize_field("pod", &(h.holder >> TIER_BITS))?;
+        record.serialize_field("tier", &tier_of(h.holder))?;
+        record.serialize_field("stamp", &h.stamp)?;
+        record.serialize_field("spans", &Spans(&h.spans))?;
+        record.end()
+    }
+}
+
+struct Spans<'a>(&'a [Span]);
+
+impl Serialize for Spans<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(|sp| (sp.start, sp.end)))
     }
 }
 
