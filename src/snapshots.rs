@@ -4,7 +4,6 @@
 //! starts empty; a corrupt or incompatible one is reported and ignored,
 //! never fatal.
 
-use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -74,10 +73,7 @@ pub fn write(dir: &Path, indexer: &Indexer, last: &LastSnapshot) -> std::io::Res
         .suffix(".tmp")
         .tempfile_in(dir)?;
     let (file, tmp) = tmp.into_parts();
-    let file = indexer
-        .export(BufWriter::with_capacity(1 << 16, file))?
-        .into_inner()
-        .map_err(|e| e.into_error())?;
+    let file = indexer.export(file)?;
     file.sync_all()?;
     let bytes = file.metadata()?.len();
     drop(file);

@@ -1,6 +1,6 @@
 //! What writing and loading a snapshot allocates beyond the index: an
 //! index of 1M (pod, block) entries (8 pods, 64-block prompts) written
-//! through a `BufWriter` to a temp file as the service does, then loaded
+//! to a temp file as the service does, then loaded
 //! into an empty indexer. Counted by the compare bench's allocator: the
 //! most allocated at once during each step, and what it left allocated.
 //! `cargo bench -p indexer --bench snapshot` prints the numbers; nothing is
@@ -10,7 +10,6 @@
 mod alloc;
 
 use std::fs::File;
-use std::io::BufWriter;
 use std::time::Instant;
 
 use indexer::event::{BlockStored, EngineHash, EventBatch, KvEvent};
@@ -78,8 +77,7 @@ fn main() {
     let t = Instant::now();
     let mut cut = None;
     let (written, kept, peak) = alloc::allocated(|| {
-        let out = BufWriter::with_capacity(1 << 16, File::create(&file)?);
-        let out = ix.export(out)?.into_inner().map_err(|e| e.into_error())?;
+        let out = ix.export(File::create(&file)?)?;
         // What ingest waits for: `export` holds the pods' locks throughout.
         cut = Some(t.elapsed());
         out.sync_all()

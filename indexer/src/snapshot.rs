@@ -177,8 +177,9 @@ impl From<io::Error> for SnapshotError {
     }
 }
 
-/// Writes a snapshot to `out`, one pod at a time, hashing as it goes.
-/// `out` should be buffered: records are written in small pieces.
+/// Writes a snapshot to `out`, one pod at a time, hashing as it goes; it
+/// buffers what it writes (64 KiB at a time reach `out`), so `out` need
+/// not.
 pub struct SnapshotWriter<W: Write> {
     out: W,
     hash: Xxh3,

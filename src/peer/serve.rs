@@ -297,20 +297,16 @@ pub(super) const MAX_ROUTINGS: usize = 1024;
 /// blocks).
 const MAX_KEYS: usize = 1 << 16;
 
-/// The snapshot's bytes as chunks into the stream's channel, waiting for
-/// room (so memory stays at `AHEAD` chunks whatever the reader's pace).
 /// The index as a snapshot, in an unnamed temporary file (gone when
 /// dropped), from its start.
 fn spool(indexer: &Indexer) -> std::io::Result<std::fs::File> {
-    let file = tempfile::tempfile()?;
-    let mut file = indexer
-        .export(std::io::BufWriter::with_capacity(1 << 16, file))?
-        .into_inner()
-        .map_err(|e| e.into_error())?;
+    let mut file = indexer.export(tempfile::tempfile()?)?;
     file.rewind()?;
     Ok(file)
 }
 
+/// The snapshot's bytes as chunks into the stream's channel, waiting for
+/// room (so memory stays at `AHEAD` chunks whatever the reader's pace).
 struct Chunks {
     tx: mpsc::Sender<Result<pb::PeerSnapshotChunk, Status>>,
     buf: Vec<u8>,
