@@ -188,17 +188,24 @@ impl Worker<'_> {
         if !self.streams.contains_key(&key) {
             return;
         }
-        let batches: Vec<_> = items
-            .into_iter()
-            .filter(|item| item.topic.as_ref().is_none_or(|t| *t == key.0))
-            .filter_map(|item| self.numbered(&key.0, item.seq, &item.payload))
-            .filter(|b| b.batch.data_parallel_rank == key.1)
-            .collect();
+        let batches = self.stream_batches(&key, items);
         let applied = self.feed(&key, Input::CatchUp(batches), Instant::now());
         if let Some(stream) = self.streams.get(&key) {
             tracing::info!(pod = %stream.pod.name, applied, "restored pod caught up from its replay buffer");
         }
         drop(first);
+    }
+
+    /// The batches of a replay reply that are stream `key`'s: its topic
+    /// (any, for a pod its dial target names) and its DP rank, decoded.
+    fn stream_batches(&self, key: &StreamKey, items: Vec<Replayed>) -> Vec<Numbered<EventBatch>> {
+        let named = self.streams.get(key).is_some_and(|s| s.named);
+        items
+            .into_iter()
+            .filter(|item| named || item.topic.as_ref().is_none_or(|t| *t == key.0))
+            .filter_map(|item| self.numbered(&key.0, item.seq, &item.payload))
+            .filter(|b| b.batch.data_parallel_rank == key.1)
+            .collect()
     }
 
     pub(super) fn replayed(
@@ -210,15 +217,7 @@ impl Worker<'_> {
         if !self.streams.contains_key(&key) {
             return;
         }
-        let named = self.streams.get(&key).is_some_and(|s| s.named);
-        let result = result.map(|items| {
-            items
-                .into_iter()
-                .filter(|item| named || item.topic.as_ref().is_none_or(|t| *t == key.0))
-                .filter_map(|item| self.numbered(&key.0, item.seq, &item.payload))
-                .filter(|b| b.batch.data_parallel_rank == key.1)
-                .collect()
-        });
+        let result = result.map(|items| self.stream_batches(&key, items));
         if let Err(e) = &result {
             if let Some(stream) = self.streams.get(&key) {
                 tracing::debug!(pod = %stream.pod.name, error = %e, "replay fetch failed");
