@@ -219,10 +219,6 @@ struct Importing {
 }
 
 impl Importing {
-    fn index(&self) -> &crate::index::RunIndex {
-        self.runs.for_request(!self.token_keys)
-    }
-
     fn rename(&mut self, pod: u32, renamed: &HashMap<u32, u32>) -> u32 {
         if let Some(id) = renamed.get(&pod) {
             return *id;
@@ -234,10 +230,19 @@ impl Importing {
             .or_insert(crate::index::MAX_POD - 1 - k)
     }
 
-    fn clear_strays(&self) {
-        for &id in self.strays.values() {
-            self.index().clear(id);
-        }
+    /// Ends the model's runs: the repeats, then the strays' blocks go.
+    fn finish(self, repeats: Vec<RepeatRecord>) -> Result<(), DumpError> {
+        let index = self.runs.for_request(!self.token_keys);
+        let result = index.restore_end(self.restore, repeats);
+        clear_strays(index, &self.strays);
+        result
+    }
+}
+
+/// Drops what the dump's pods without an id now hold (see `Importing`).
+fn clear_strays(index: &crate::index::RunIndex, strays: &HashMap<u32, u32>) {
+    for &id in strays.values() {
+        index.clear(id);
     }
 }
 
@@ -251,7 +256,7 @@ impl ImportRuns<'_> {
     /// caller's to drop).
     fn abandon(&mut self) {
         if let Some(at) = self.at.take() {
-            at.clear_strays();
+            clear_strays(at.runs.for_request(!at.token_keys), &at.strays);
         }
     }
 }
@@ -301,11 +306,6 @@ impl RunsSink for ImportRuns<'_> {
         for r in &mut repeats {
             r.pod = at.rename(r.pod, &self.renamed);
         }
-        let index = at.runs.for_request(!at.token_keys);
-        let result = index.restore_end(at.restore, repeats);
-        for &id in at.strays.values() {
-            index.clear(id);
-        }
-        result.map_err(|e| self.refuse(e))
+        at.finish(repeats).map_err(|e| self.refuse(e))
     }
 }
