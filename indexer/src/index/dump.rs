@@ -155,41 +155,43 @@ impl Writer {
         })
     }
 
-    /// Run `id` as a dump lists it (`at`: `dump_positions`).
+    /// Run `id` as a dump lists it (`at`: `dump_positions`); `RunView`
+    /// serializes the same without the copy.
     fn run_record(&self, id: u32, at: &[u32]) -> RunRecord {
         let r = &self.runs[id as usize];
-        let parent = self.dump_parent(r, at);
-        let keys: Vec<u64> = (0..r.len()).filter_map(|off| r.hash(off)).collect();
-        let (engines, aliases) = r.names().map_or((Vec::new(), Vec::new()), |n| {
-            (n.engines.clone(), n.aliases.clone())
-        });
-        let holdings = r
-            .holdings
-            .iter()
-            .map(|h| HoldingRecord {
-                pod: h.holder >> TIER_BITS,
-                tier: tier_of(h.holder),
-                stamp: h.stamp,
-                spans: h.spans.iter().map(|s| (s.start, s.end)).collect(),
-            })
-            .collect();
+        let (engines, aliases) = run_names(r);
         RunRecord {
-            keys,
-            engines,
-            aliases,
-            holdings,
-            parent,
+            keys: run_keys(r).collect(),
+            engines: engines.to_vec(),
+            aliases: aliases.to_vec(),
+            holdings: r
+                .holdings
+                .iter()
+                .map(|h| {
+                    let (pod, tier) = pod_tier(h.holder);
+                    HoldingRecord {
+                        pod,
+                        tier,
+                        stamp: h.stamp,
+                        spans: spans(h).collect(),
+                    }
+                })
+                .collect(),
+            parent: self.dump_parent(r, at),
         }
     }
 
     fn repeat_records(&self) -> Vec<RepeatRecord> {
         let mut repeats: Vec<RepeatRecord> = self
             .repeats()
-            .map(|((holder, name), count)| RepeatRecord {
-                pod: holder >> TIER_BITS,
-                tier: tier_of(holder),
-                name,
-                count,
+            .map(|((holder, name), count)| {
+                let (pod, tier) = pod_tier(holder);
+                RepeatRecord {
+                    pod,
+                    tier,
+                    name,
+                    count,
+                }
             })
             .collect();
         // In a stable order: two dumps of the same index are equal.
@@ -254,8 +256,7 @@ impl Serialize for RunView<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
         let r = &self.w.runs[self.id as usize];
-        let (engines, aliases): (&[u64], &[(u32, u64)]) =
-            r.names().map_or((&[], &[]), |n| (&n.engines, &n.aliases));
+        let (engines, aliases) = run_names(r);
         // `RunRecord`'s fields, in its order.
         let mut run = s.serialize_struct("RunRecord", 5)?;
         run.serialize_field("keys", &Keys(r))?;
@@ -271,8 +272,7 @@ struct Keys<'a>(&'a Run);
 
 impl Serialize for Keys<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let r = self.0;
-        s.collect_seq((0..r.len()).map(|off| r.hash(off).expect("within the run")))
+        s.collect_seq(run_keys(self.0))
     }
 }
 
@@ -291,21 +291,43 @@ impl Serialize for HoldingView<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
         let h = self.0;
+        let (pod, tier) = pod_tier(h.holder);
         let mut record = s.serialize_struct("HoldingRecord", 4)?;
-        record.serialize_field("pod", &(h.holder >> TIER_BITS))?;
-        record.serialize_field("tier", &tier_of(h.holder))?;
+        record.serialize_field("pod", &pod)?;
+        record.serialize_field("tier", &tier)?;
         record.serialize_field("stamp", &h.stamp)?;
-        record.serialize_field("spans", &Spans(&h.spans))?;
+        record.serialize_field("spans", &Spans(h))?;
         record.end()
     }
 }
 
-struct Spans<'a>(&'a [Span]);
+struct Spans<'a>(&'a Holding);
 
 impl Serialize for Spans<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.0.iter().map(|sp| (sp.start, sp.end)))
+        s.collect_seq(spans(self.0))
     }
+}
+
+/// A run's keys, in chain order.
+fn run_keys(r: &Run) -> impl ExactSizeIterator<Item = u64> + '_ {
+    (0..r.len()).map(|off| r.hash(off).expect("within the run"))
+}
+
+/// A run's other names (token keys): each block's engine hash and the
+/// aliases; none with engine keys.
+fn run_names(r: &Run) -> (&[u64], &[(u32, u64)]) {
+    r.names().map_or((&[], &[]), |n| (&n.engines, &n.aliases))
+}
+
+/// A holding's spans as a dump lists them.
+fn spans(h: &Holding) -> impl ExactSizeIterator<Item = (u32, u32)> + '_ {
+    h.spans.iter().map(|s| (s.start, s.end))
+}
+
+/// A holder's pod and tier.
+fn pod_tier(holder: u32) -> (u32, u8) {
+    (holder >> TIER_BITS, tier_of(holder))
 }
 
 /// A restore under way: a dump's runs arrive one at a time (`RunIndex::
