@@ -227,7 +227,8 @@ impl Ingest {
         }
         // Pods restored from a snapshot: each owner looks after its own
         // (they expire like any other pod that never comes back). In bind
-        // mode readiness waits for each one's first catch-up.
+        // mode readiness waits for each one's replay buffer, where it has
+        // a replay endpoint.
         for pod in indexer.list_pod_handles() {
             let owner = owners.owner(&pod.topic_pod, &pod.model);
             let first = first_catch_ups.track_restored();

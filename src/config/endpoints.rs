@@ -145,6 +145,13 @@ impl DialTarget {
     }
 }
 
+/// A model whose pods are named by their addresses (discovery's
+/// `model=`, `--topicless-model`), checked as the topics they go by.
+pub(crate) fn address_named_model(model: &str) -> Result<String, String> {
+    named_topic(Some("0.0.0.0"), Some(model))?;
+    Ok(model.to_owned())
+}
+
 /// Dial targets as the pods file (`discovery.rs`) reads them, with the
 /// setting named as `--zmq-connect` would.
 pub(crate) fn dial_targets(raw: &str) -> Result<Vec<DialTarget>, ConfigError> {
@@ -183,11 +190,7 @@ impl FromStr for DnsTarget {
                     replay_port = Some(p.parse().map_err(|_| "replay-port must be a number")?)
                 }
                 Some(("dp-ranks", n)) => ranks = dp_ranks(n)?,
-                Some(("model", m)) => {
-                    // Checked as the topic its pods will go by.
-                    named_topic(Some("0.0.0.0"), Some(m))?;
-                    model = Some(m.to_owned());
-                }
+                Some(("model", m)) => model = Some(address_named_model(m)?),
                 _ => return Err(format!("unknown option {option:?}")),
             }
         }

@@ -172,14 +172,13 @@ pub(super) fn validate(s: Resolved) -> Result<Config, ConfigError> {
         replay_timeout,
         pod_expiry,
         topic_filter: s.topic_filter,
-        topicless_model: match s.topicless_model {
-            Some(m) => {
-                super::endpoints::named_topic(Some("0.0.0.0"), Some(&m))
-                    .map_err(|reason| invalid("topicless_model", &m, reason))?;
-                Some(m)
-            }
-            None => None,
-        },
+        topicless_model: s
+            .topicless_model
+            .map(|m| {
+                super::endpoints::address_named_model(&m)
+                    .map_err(|reason| invalid("topicless_model", &m, reason))
+            })
+            .transpose()?,
         indexer: IndexerConfig {
             default_block_size: s.block_size,
             tier_weights,
