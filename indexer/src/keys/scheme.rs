@@ -106,30 +106,24 @@ impl KeyMode {
         block_size: usize,
         mm_items: &[MmItem],
     ) -> (Vec<BlockKey>, bool) {
-        match self.engine() {
-            Some(e) if e.lora_keyable(lora_name) && e.hasher.algo().sglang().is_some() => {
-                let format = e.hasher.algo().sglang().expect("checked");
+        let engine = self.engine().filter(|e| e.lora_keyable(lora_name));
+        match (engine, engine.and_then(|e| e.hasher.algo().sglang())) {
+            (Some(e), Some(format)) => {
                 let uuid = lora_name.map(|n| sglang_hash::lora_uuid(n, e.lora_path(n)));
                 let scope = sglang_hash::Scope {
                     cache_salt,
                     extra_key: uuid.as_deref(),
                     lora: uuid.is_some(),
                 };
-                // SGLang's events carry no item keys: only the pages
-                // before the first item are keyable.
-                let keyable = match mm_items.first() {
-                    Some(first) if block_size > 0 => {
-                        &tokens[..(first.offset as usize / block_size) * block_size]
-                    }
-                    _ => tokens,
-                };
+                // SGLang's events carry no item keys.
+                let keyable = before_first_item(tokens, mm_items, block_size);
                 let keys = sglang_hash::page_hashes(keyable, block_size, format, scope)
                     .into_iter()
                     .map(BlockKey)
                     .collect();
                 (keys, true)
             }
-            Some(e) if e.lora_keyable(lora_name) => {
+            (Some(e), None) => {
                 let lora = lora_name.map(|n| (n, e.lora_path(n)));
                 let (first, rest) = e.hasher.request_extras(lora, cache_salt);
                 let digests = if mm_items.is_empty() || block_size == 0 {
@@ -150,9 +144,7 @@ impl KeyMode {
                     // The bare style: only the blocks before the first item.
                     let keyable = match e.hasher.style() {
                         ExtraKeyStyle::Tagged => tokens,
-                        ExtraKeyStyle::Bare => {
-                            &tokens[..(mm_items[0].offset as usize / block_size) * block_size]
-                        }
+                        ExtraKeyStyle::Bare => before_first_item(tokens, mm_items, block_size),
                     };
                     e.hasher.prompt_digests_each(keyable, block_size, per_block)
                 };
@@ -168,6 +160,18 @@ impl KeyMode {
                 (prompt_keys(seed, tokens, block_size), false)
             }
         }
+    }
+}
+
+/// The full blocks of `tokens` before the block its first multimodal item
+/// touches (all of them without items): what keys whose items cannot be
+/// hashed cover, so that they never claim more than a pod holds.
+fn before_first_item<'t>(tokens: &'t [u32], mm_items: &[MmItem], block_size: usize) -> &'t [u32] {
+    match mm_items.first() {
+        Some(first) if block_size > 0 => {
+            &tokens[..(first.offset as usize / block_size) * block_size]
+        }
+        _ => tokens,
     }
 }
 
