@@ -286,14 +286,13 @@ impl Dispatcher {
                         }
                     }
                     let mut frames = received.three();
-                    let mut named = false;
                     let given = match &source {
                         Source::Dialed { named, .. } => *named,
                         Source::Bound(_) => by_address.as_ref(),
                     };
+                    let named = given.is_some();
                     if let (Some([topic, ..]), Some(n)) = (&mut frames, given) {
                         *topic = n;
-                        named = true;
                     }
                     if let (Some([topic, ..]), false) = (frames, named) {
                         if let Some(problem) = self.unusable_topic(topic) {

@@ -77,7 +77,8 @@ impl Indexer {
             let bigram = pod
                 .as_ref()
                 .is_some_and(|p| p.bigram.load(Ordering::Relaxed));
-            let units = q.tokens.len() - usize::from(bigram && !q.tokens.is_empty());
+            // A bigram per token but the last.
+            let units = q.tokens.len().saturating_sub(usize::from(bigram));
             let total = (units / bs as usize) as u32;
             let incomplete = pod
                 .as_ref()
