@@ -139,7 +139,7 @@ impl Speculative {
         self.pods[pod].extend(hashes.iter().map(|&h| (h, until)));
         self.picks += 1;
         // Expired beliefs are dropped now and then, not per lookup.
-        if self.picks % 256 == 0 {
+        if self.picks.is_multiple_of(256) {
             for p in &mut self.pods {
                 p.retain(|_, until| *until > now);
             }

@@ -283,7 +283,9 @@ impl std::io::Write for BoundedOutput {
             return Err(self.stop(Stop::TooLarge));
         }
         self.writes = self.writes.wrapping_add(1);
-        if self.writes % 64 == 0 && self.bounds.deadline.is_some_and(|d| Instant::now() >= d) {
+        if self.writes.is_multiple_of(64)
+            && self.bounds.deadline.is_some_and(|d| Instant::now() >= d)
+        {
             return Err(self.stop(Stop::Deadline));
         }
         self.buf.extend_from_slice(data);

@@ -359,7 +359,7 @@ impl Published {
                 // The writer is publishing (a few hundred nanoseconds); if
                 // it was descheduled meanwhile, let it run.
                 spins += 1;
-                if spins % 64 == 0 {
+                if spins.is_multiple_of(64) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();

@@ -87,7 +87,7 @@ impl StoreRules {
         let words = if ev.bigram { 2 } else { 1 };
         let block_size = match ev.block_size {
             Some(bs) if bs > 0 && ev.token_ids.len() == n * bs as usize * words => bs as usize,
-            None if ev.token_ids.len() % (n * words) == 0 => ev.token_ids.len() / n / words,
+            None if ev.token_ids.len().is_multiple_of(n * words) => ev.token_ids.len() / n / words,
             _ => {
                 stats.malformed_stores += 1;
                 return StorePlan::Skip;
@@ -166,7 +166,9 @@ impl StoreRules {
         }
         self.checkable_stores += 1;
         if self.checkable_stores > ALWAYS_CHECKED_STORES
-            && self.checkable_stores % u64::from(engine.self_check_every) != 0
+            && !self
+                .checkable_stores
+                .is_multiple_of(u64::from(engine.self_check_every))
         {
             return;
         }

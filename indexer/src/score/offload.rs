@@ -25,7 +25,9 @@ use crate::event::{Tier, TierMask};
 pub fn chunk_factor(offload_block_size: u32, block_size: u32) -> u32 {
     match block_size {
         0 => 1,
-        bs if offload_block_size > bs && offload_block_size % bs == 0 => offload_block_size / bs,
+        bs if offload_block_size > bs && offload_block_size.is_multiple_of(bs) => {
+            offload_block_size / bs
+        }
         _ => 1,
     }
 }

@@ -238,7 +238,7 @@ fn bin_bytes(b: &[u8], pick: u8) -> Vec<u8> {
 }
 
 fn array_bytes(items: &[Vec<u8>], pick: u8) -> Vec<u8> {
-    let mut out = if items.len() < 16 && pick % 3 == 0 {
+    let mut out = if items.len() < 16 && pick.is_multiple_of(3) {
         vec![0x90 | items.len() as u8]
     } else if pick % 3 == 1 {
         let mut h = vec![0xdc];
@@ -256,7 +256,7 @@ fn array_bytes(items: &[Vec<u8>], pick: u8) -> Vec<u8> {
 fn map_bytes(entries: &[(Vec<u8>, Vec<u8>)], pick: u8) -> Vec<u8> {
     let mut out = if entries.len() < 16 && pick % 3 != 2 {
         vec![0x80 | entries.len() as u8]
-    } else if pick % 2 == 0 {
+    } else if pick.is_multiple_of(2) {
         let mut h = vec![0xde];
         h.extend((entries.len() as u16).to_be_bytes());
         h

@@ -324,7 +324,7 @@ mod tests {
                 prop_assert_eq!(spec.len(), model.0.len());
                 prop_assert!(spec.log.len() <= spec.len() + spec.len() / 2 + 64);
                 let query: Vec<BlockKey> = (0..70).map(BlockKey).collect();
-                let exactly = |k: BlockKey| k.0 % 3 == 0;
+                let exactly = |k: BlockKey| k.0.is_multiple_of(3);
                 for ms in [0, 10, 25, 49] {
                     for from in 0..query.len() {
                         let q = &query[from..];
