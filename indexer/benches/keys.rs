@@ -1,4 +1,4 @@
-//! Key computation for a 32K-token prompt: our token keys (xxh3) and vLLM's
+//! Key computation for a 32K-token prompt: our token keys (AES rounds) and vLLM's
 //! engine hashes (sha256 over pickle, sha256 over CBOR, xxh3-128).
 //! `cargo bench -p indexer --bench keys` prints medians of repeated runs.
 
@@ -28,25 +28,26 @@ fn main() {
     let (med, p90) = measure(budget, || {
         black_box(prompt_keys(seed, black_box(&tokens), block_size));
     });
-    report("token keys (AES rounds, mum fold)", med, p90, blocks);
+    report("token keys (AES rounds, rotate-add)", med, p90, blocks);
 
-    // The previous scheme (token-keys/v2), beside it in the same run: xxh3-64
-    // per block, the same fold.
+    // The previous scheme (token-keys/v3), beside it in the same run: the
+    // same rounds, folded by a 128-bit multiply.
     let (med, p90) = measure(budget, || {
-        let mut prev = seed;
-        let keys: Vec<u64> = black_box(&tokens)
-            .chunks_exact(block_size)
-            .map(|b| {
-                let h = xxhash_rust::xxh3::xxh3_64(bytemuck::cast_slice(b));
+        let mut keys = Vec::new();
+        indexer::keys::chain_blocks(
+            seed,
+            black_box(&tokens),
+            block_size,
+            |prev, h| {
                 let p = u128::from(prev ^ 0x9e37_79b9_7f4a_7c15)
                     * u128::from(h ^ 0xd6e8_feb8_6659_fd93);
-                prev = (p as u64) ^ ((p >> 64) as u64);
-                prev
-            })
-            .collect();
+                (p as u64) ^ ((p >> 64) as u64)
+            },
+            &mut keys,
+        );
         black_box(keys);
     });
-    report("xxh3-64 per block (v2), mum fold", med, p90, blocks);
+    report("same rounds, mum fold (v3)", med, p90, blocks);
 
     for algo in [
         HashAlgo::Sha256,

@@ -44,6 +44,10 @@ pub fn block_hash(tokens: &[u32]) -> u64 {
 /// `out[i] = fold(out[i - 1], block_hash(block i))`, from `prev`, for every
 /// full block of `tokens`: the whole loop in one function, so that on x86
 /// the rounds are inlined and a prompt's blocks overlap in the pipeline.
+/// The x86 loops write keys into `out`'s spare room rather than pushing:
+/// a push reloads the `Vec`'s length after each key's store (which might
+/// alias it), a wait on the store that made 2,048 blocks take 3.7 us
+/// instead of 1.9.
 pub fn chain_blocks(
     prev: u64,
     tokens: &[u32],
@@ -51,6 +55,10 @@ pub fn chain_blocks(
     fold: impl Fn(u64, u64) -> u64,
     out: &mut Vec<u64>,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if block_size.is_multiple_of(8) && vaes::available() {
+        return vaes::chain_blocks(prev, tokens, block_size, fold, out);
+    }
     #[cfg(target_arch = "x86_64")]
     if ni::available() {
         return ni::chain_blocks(prev, tokens, block_size, fold, out);
@@ -148,19 +156,26 @@ mod ni {
         fold: impl Fn(u64, u64) -> u64,
         out: &mut Vec<u64>,
     ) {
-        out.reserve(tokens.len() / block_size.max(1));
-        if block_size % 4 == 0 {
+        let n = tokens.len() / block_size.max(1);
+        out.reserve(n);
+        let keys = &mut out.spare_capacity_mut()[..n];
+        let mut written = 0;
+        if block_size.is_multiple_of(4) {
             // Every chunk whole (vLLM's block sizes): no padding to check for.
             for block in tokens.chunks_exact(block_size) {
                 prev = fold(prev, hash_whole(block));
-                out.push(prev);
+                keys[written].write(prev);
+                written += 1;
             }
         } else {
             for block in tokens.chunks_exact(block_size) {
                 prev = fold(prev, hash(block));
-                out.push(prev);
+                keys[written].write(prev);
+                written += 1;
             }
         }
+        // SAFETY: the first `written` spare slots were written, in order.
+        unsafe { out.set_len(out.len() + written) };
     }
 
     /// `hash` of a block of whole chunks (a multiple of 4 token ids): the
@@ -170,8 +185,8 @@ mod ni {
     /// 2,048-block prompt (`cargo bench -p indexer --bench keys`).
     #[inline]
     #[target_feature(enable = "aes,sse4.1")]
-    fn hash_whole(tokens: &[u32]) -> u64 {
-        debug_assert!(tokens.len() % 4 == 0);
+    pub(super) fn hash_whole(tokens: &[u32]) -> u64 {
+        debug_assert!(tokens.len().is_multiple_of(4));
         let (k1, k2) = (words(K1), words(K2));
         let mut s = words([S0, tokens.len() as u64]);
         let mut t = words(T0);
@@ -233,6 +248,104 @@ mod ni {
         }
         let m = _mm_aesenc_si128(_mm_aesenc_si128(_mm_aesenc_si128(s, t), k2), k1);
         (_mm_cvtsi128_si64(m) as u64) ^ (_mm_extract_epi64::<1>(m) as u64)
+    }
+}
+
+/// Two blocks a pass, on x86 with VAES (256-bit AES rounds: two 128-bit
+/// lanes per instruction, two instructions a cycle on current cores):
+/// the same rounds as `ni`, so the same hashes. A block's lanes `s` and `t`
+/// are one 256-bit state absorbing a pair of chunks per round, and two
+/// blocks' merges and final rounds run side by side. A 2,048-block prompt:
+/// 1.9 us against 2.6 us for `ni` (`cargo bench -p indexer --bench keys`).
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod vaes {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        super::ni::available()
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("vaes")
+    }
+
+    /// `block_size` is a multiple of 8 (whole pairs of chunks).
+    pub fn chain_blocks(
+        prev: u64,
+        tokens: &[u32],
+        block_size: usize,
+        fold: impl Fn(u64, u64) -> u64,
+        out: &mut Vec<u64>,
+    ) {
+        assert!(block_size.is_multiple_of(8) && block_size > 0);
+        // SAFETY: `available()` said the CPU has every feature used. The
+        // common sizes get a loop of their own, unrolled: a block size
+        // known only at run time cost 3.3 against 1.9 us a prompt.
+        unsafe {
+            match block_size {
+                16 => chain::<2>(prev, tokens, block_size, fold, out),
+                32 => chain::<4>(prev, tokens, block_size, fold, out),
+                64 => chain::<8>(prev, tokens, block_size, fold, out),
+                _ => chain::<0>(prev, tokens, block_size, fold, out),
+            }
+        }
+    }
+
+    /// `PAIRS`: pairs of chunks per block, `block_size / 8`; 0 when not
+    /// one of the sizes unrolled.
+    #[target_feature(enable = "aes,sse4.1,avx2,vaes")]
+    fn chain<const PAIRS: usize>(
+        mut prev: u64,
+        tokens: &[u32],
+        block_size: usize,
+        fold: impl Fn(u64, u64) -> u64,
+        out: &mut Vec<u64>,
+    ) {
+        let pairs = if PAIRS > 0 { PAIRS } else { block_size / 8 };
+        assert_eq!(pairs * 8, block_size);
+        let twice =
+            |w: [u64; 2]| _mm256_set_epi64x(w[1] as i64, w[0] as i64, w[1] as i64, w[0] as i64);
+        let (k1, k2) = (twice(K1), twice(K2));
+        // Lane `s` (low) and lane `t` (high), as `ni` starts them.
+        let init = _mm256_set_epi64x(T0[1] as i64, T0[0] as i64, block_size as i64, S0 as i64);
+        // A block's lanes after absorbing its chunks, a pair per round.
+        let absorb = |block: &[u32]| {
+            debug_assert_eq!(block.len(), block_size);
+            let mut st = init;
+            for i in 0..pairs {
+                // SAFETY: pair `i` is 32 bytes inside the block (`pairs`
+                // is `block_size / 8`); `loadu` takes any alignment.
+                let c = unsafe { _mm256_loadu_si256(block.as_ptr().add(8 * i).cast()) };
+                st = _mm256_aesenc_epi128(_mm256_xor_si256(st, c), k1);
+            }
+            st
+        };
+        let n = tokens.len() / block_size;
+        out.reserve(n);
+        let keys = &mut out.spare_capacity_mut()[..n];
+        let mut written = 0;
+        let mut pairs = tokens.chunks_exact(2 * block_size);
+        for two in &mut pairs {
+            let (a, b) = two.split_at(block_size);
+            let (a, b) = (absorb(a), absorb(b));
+            // [s_a, s_b] merged under [t_a, t_b], then the final rounds.
+            let s = _mm256_permute2x128_si256::<0x20>(a, b);
+            let t = _mm256_permute2x128_si256::<0x31>(a, b);
+            let m = _mm256_aesenc_epi128(_mm256_aesenc_epi128(_mm256_aesenc_epi128(s, t), k2), k1);
+            // Each lane's halves xored.
+            let h = _mm256_xor_si256(m, _mm256_shuffle_epi32::<0x4e>(m));
+            prev = fold(prev, _mm256_extract_epi64::<0>(h) as u64);
+            keys[written].write(prev);
+            prev = fold(prev, _mm256_extract_epi64::<2>(h) as u64);
+            keys[written + 1].write(prev);
+            written += 2;
+        }
+        if let Some(last) = pairs.remainder().get(..block_size) {
+            keys[written].write(fold(prev, super::ni::hash_whole(last)));
+            written += 1;
+        }
+        // SAFETY: the first `written` spare slots were written, in order.
+        unsafe { out.set_len(out.len() + written) };
     }
 }
 
