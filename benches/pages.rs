@@ -122,6 +122,8 @@ fn main() {
     let mut scores: Vec<Vec<Duration>> = vec![Vec::new(); PAGES.len()];
     let mut keys: Vec<Vec<Duration>> = vec![Vec::new(); PAGES.len()];
     let mut matched = vec![0u32; PAGES.len()];
+    // Probes of the run heads' table per Score (every pod's match).
+    let mut probes = vec![0u64; PAGES.len()];
     for _ in 0..rounds {
         for (k, &page) in PAGES.iter().enumerate() {
             let (rate, ix) = ingest(&inputs[k]);
@@ -140,9 +142,11 @@ fn main() {
                 pods: &[],
             };
             for _ in 0..calls {
+                let before = indexer::index::head_probes();
                 let t = Instant::now();
                 let out = black_box(ix.score(&query));
                 scores[k].push(t.elapsed());
+                probes[k] = indexer::index::head_probes() - before;
                 matched[k] = out.pods[0].matched.matched_blocks * page as u32;
                 let t = Instant::now();
                 black_box(ix.request_keys(MODEL, None, None, &long, page as u32, &[]));
@@ -154,7 +158,7 @@ fn main() {
         "SGLang page sizes: ingest of {PODS} pods x {PROMPTS_PER_POD} prompts of {PROMPT} tokens (one BlockStored each), Score of a {LONG}-token prompt {HELD} of whose tokens every pod holds; {rounds} rounds"
     );
     println!(
-        "{:>5} {:>14} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
+        "{:>5} {:>14} {:>12} {:>12} {:>12} {:>12} {:>12} {:>10} {:>8}",
         "page",
         "ingest tok/s",
         "score p50 us",
@@ -162,7 +166,8 @@ fn main() {
         "p99.9 us",
         "keys p50 us",
         "pages",
-        "matched"
+        "matched",
+        "probes"
     );
     let mut rows = Vec::new();
     for (k, &page) in PAGES.iter().enumerate() {
@@ -172,7 +177,7 @@ fn main() {
         let rate = rates[k][rates[k].len() / 2];
         rows.push((page, rate, percentile(&scores[k], 0.5)));
         println!(
-            "{page:>5} {:>14.0} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>12} {:>10}",
+            "{page:>5} {:>14.0} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>12} {:>10} {:>8}",
             rate,
             percentile(&scores[k], 0.5),
             percentile(&scores[k], 0.99),
@@ -180,6 +185,7 @@ fn main() {
             percentile(&keys[k], 0.5),
             LONG / page,
             matched[k],
+            probes[k],
         );
     }
     let (_, base_rate, base_score) = rows[1];

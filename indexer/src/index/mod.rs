@@ -70,6 +70,7 @@ mod read;
 mod write;
 
 pub use dump::{Dump, DumpError, DumpView, HoldingRecord, RepeatRecord, Restore, RunRecord};
+pub use read::head_probes;
 
 use parking_lot::Mutex;
 

@@ -7,6 +7,21 @@ use super::*;
 
 thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    /// Probes of the run heads' table made on this thread (`head_probes`).
+    static PROBES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many times lookups on this thread have probed a table of run heads,
+/// ever: read before and after a lookup, the difference is what it cost in
+/// table probes (one per run it crossed, plus one per position no run
+/// covers for `held_along`), however many blocks it matched. Per thread, so
+/// counting takes no shared write.
+pub fn head_probes() -> u64 {
+    PROBES.with(std::cell::Cell::get)
+}
+
+fn count_probes(n: u64) {
+    PROBES.with(|p| p.set(p.get() + n));
 }
 
 impl RunIndex {
@@ -64,7 +79,9 @@ impl RunIndex {
         let mut by_pod: std::collections::BTreeMap<u32, Vec<(Tier, u32, u32)>> =
             std::collections::BTreeMap::new();
         let mut i = 0usize;
+        let mut probes = 0;
         while i < keys.len() {
+            probes += 1;
             let Some(run) = self.heads.find(keys[i]) else {
                 i += 1;
                 continue;
@@ -113,6 +130,7 @@ impl RunIndex {
                 None => break,
             }
         }
+        count_probes(probes);
         by_pod
             .into_iter()
             .map(|(pod, mut spans)| {
@@ -147,8 +165,10 @@ impl RunIndex {
         ends.clear();
         let better = &self.better;
         let mut i = 0usize;
+        let mut probes = 0;
         while i < keys.len() {
             // The run this key starts (see `published::Heads`).
+            probes += 1;
             let Some(run) = self.heads.find(keys[i]) else {
                 break;
             };
@@ -252,6 +272,7 @@ impl RunIndex {
                 break;
             }
         }
+        count_probes(probes);
         for m in alive.iter() {
             ends[m.rank as usize] = Ended {
                 pod: m.pod,

@@ -226,6 +226,49 @@ fn page_size_1() {
     check("sglang-page1");
 }
 
+/// At page size 1 a prompt's pages are its tokens, and SGLang's events
+/// name every one; a Score still looks up runs, not pages: one probe of
+/// the run heads per run it crosses. Over the stream's probes the table is
+/// probed far fewer times than the pages matched (a probe per page would
+/// make the two equal).
+#[test]
+fn page_size_1_is_scored_by_runs_not_pages() {
+    let (ix, expected) = replay("sglang-page1", Keys::Token);
+    let model = expected["meta"]["model"].as_str().unwrap();
+    let (mut probes, mut matched, mut scores) = (0, 0u64, 0);
+    for probe in expected["probes"].as_array().unwrap() {
+        let tokens: Vec<u32> = probe["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let before = indexer::index::head_probes();
+        let scored = ix.score(&ScoreQuery {
+            model,
+            tokens: &tokens,
+            lora_name: probe["lora_name"].as_str(),
+            cache_salt: probe["cache_salt"].as_str(),
+            mm_items: &[],
+            pods: &[],
+        });
+        probes += indexer::index::head_probes() - before;
+        matched += scored
+            .pods
+            .iter()
+            .map(|p| u64::from(p.matched.matched_blocks))
+            .max()
+            .unwrap_or(0);
+        scores += 1;
+    }
+    println!("{scores} scores: {matched} pages matched (deepest pod), {probes} head probes");
+    assert!(matched > 10 * scores, "the probes match little: {matched}");
+    assert!(
+        probes * 10 < matched,
+        "{probes} head probes for {matched} matched pages"
+    );
+}
+
 #[test]
 fn page_size_16() {
     check("sglang-page16");
