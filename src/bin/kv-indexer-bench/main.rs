@@ -218,6 +218,50 @@ fn server_score_time(metrics: Option<&str>) -> Option<(f64, f64)> {
     ))
 }
 
+/// The service's Score-time histogram for token-id requests so far:
+/// (bucket bound in seconds, requests at or under it), cumulative, as
+/// `/metrics` gives it.
+fn server_score_buckets(metrics: Option<&str>) -> Option<Vec<(f64, f64)>> {
+    let body = metrics_text(metrics)?;
+    let buckets: Vec<(f64, f64)> = body
+        .lines()
+        .filter(|l| {
+            l.starts_with("kv_indexer_score_seconds_bucket") && l.contains("input=\"token_ids\"")
+        })
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect();
+    (!buckets.is_empty()).then_some(buckets)
+}
+
+/// The bucket bound (us) at or under which a `q` share of the requests
+/// between two readings of `server_score_buckets` fell: the handler's
+/// quantile, to the histogram's resolution (bounds 2.5x apart).
+fn bucket_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
+    let diff: Vec<(f64, f64)> = after
+        .iter()
+        .map(|&(le, n)| {
+            let was = before.iter().find(|b| b.0 == le).map_or(0.0, |b| b.1);
+            (le, n - was)
+        })
+        .collect();
+    let total = diff.last()?.1;
+    (total > 0.0)
+        .then(|| {
+            diff.iter()
+                .find(|(_, n)| *n >= q * total)
+                .map(|(le, _)| le * 1e6)
+        })
+        .flatten()
+}
+
 /// The service's `/metrics` text (`None` without an address or an answer).
 fn metrics_text(metrics: Option<&str>) -> Option<String> {
     http_get(metrics?, "/metrics")

@@ -503,14 +503,14 @@ pub async fn run(
         o.ingest_rate
     );
     println!(
-        "{:>9} {:>7} {:>10} {:>8} {:>8} {:>8} {:>10} {:>14} {:>11} {:>11} {:>5}",
+        "{:>9} {:>7} {:>10} {:>8} {:>8} {:>8} {:>11} {:>14} {:>11} {:>11} {:>5}",
         "offered/s",
         "ingest",
         "achieved/s",
         "p50 us",
         "p99 us",
         "p999 us",
-        "service us",
+        "svc avg/p99",
         "p99 of runs",
         "ops sent",
         "applied",
@@ -554,12 +554,12 @@ pub async fn run(
             let s = &shown.step;
             let condition = if c == 0 { "idle" } else { "ingest" };
             println!(
-                "{rate:>9.0} {condition:>7} {:>10.0} {:>8.0} {:>8.0} {:>8.0} {:>10} {:>14} {:>11} {:>11} {:>5}",
+                "{rate:>9.0} {condition:>7} {:>10.0} {:>8.0} {:>8.0} {:>8.0} {:>11} {:>14} {:>11} {:>11} {:>5}",
                 s.achieved,
                 s.p50,
                 s.p99,
                 s.p999,
-                s.service_us.map_or("-".to_string(), |u| format!("{u:.0}")),
+                s.service_column(),
                 format!("{:.0}-{:.0}", p99_runs[0], p99_runs[p99_runs.len() - 1]),
                 if c == 0 { "-".to_string() } else { sent.to_string() },
                 if c == 0 { "-".to_string() } else { (sent - lost).to_string() },
@@ -572,7 +572,7 @@ pub async fn run(
             rows.push(json!({
                 "offered_per_s": rate, "ingest": c == 1, "achieved_per_s": s.achieved,
                 "p50_us": s.p50, "p99_us": s.p99, "p999_us": s.p999,
-                "service_mean_us": s.service_us, "p99_us_runs": p99_runs,
+                "service_mean_us": s.service_us, "service_tail_us": s.service_tail_us, "p99_us_runs": p99_runs,
                 "p999_us_runs": p999_runs, "lost_block_ops_all_runs": lost,
                 "block_ops_sent_all_runs": sent, "ingest_of_shown_run": shown.ingest,
                 "ingest_of_each_run": ingest_runs,
