@@ -188,6 +188,8 @@ pub struct PromptHandle {
     pub model: String,
     /// Keys per block size that `Score` computed.
     pub keys: Vec<(u32, Arc<[BlockKey]>)>,
+    /// Keys per page size for pods paging the prompt's bigrams (EAGLE).
+    pub bigram_keys: Vec<(u32, Arc<[BlockKey]>)>,
     /// Leading tokens (at most `tracker::KEPT_TOKENS`), for the diagnosis.
     pub tokens: Vec<u32>,
     pub approximate: bool,
@@ -197,6 +199,7 @@ impl PromptHandle {
     fn cost(&self) -> usize {
         self.keys
             .iter()
+            .chain(&self.bigram_keys)
             .map(|(_, k)| k.len() * 8 + 32)
             .sum::<usize>()
             + self.tokens.len() * 4
@@ -286,6 +289,7 @@ mod tests {
         PromptHandle {
             model: "m".into(),
             keys: vec![(16, (0..blocks as u64).map(BlockKey).collect())],
+            bigram_keys: Vec::new(),
             tokens: vec![1; 16],
             approximate: false,
         }

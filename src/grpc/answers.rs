@@ -149,6 +149,7 @@ impl KvIndexerService {
             total_blocks: total,
             pods: scores,
             keys: vec![(block_size, keys)],
+            bigram_keys: Vec::new(),
         }
     }
 
@@ -167,12 +168,13 @@ impl KvIndexerService {
                 tokens.truncate(indexer::routing::tracker::KEPT_TOKENS);
                 // Kept for seconds and counted by length: not a long prompt's capacity.
                 tokens.shrink_to_fit();
+                let shared = |keys: Vec<(u32, Vec<BlockKey>)>| {
+                    keys.into_iter().map(|(bs, k)| (bs, Arc::from(k))).collect()
+                };
                 feedback.handles.insert(PromptHandle {
                     model,
-                    keys: std::mem::take(&mut out.keys)
-                        .into_iter()
-                        .map(|(bs, k)| (bs, Arc::from(k)))
-                        .collect(),
+                    keys: shared(std::mem::take(&mut out.keys)),
+                    bigram_keys: shared(std::mem::take(&mut out.bigram_keys)),
                     tokens,
                     approximate: scored.approximate,
                 })
@@ -236,6 +238,10 @@ impl KvIndexerService {
             return Err(ApiError::UnknownModel(shorten(&req.model).to_owned()));
         }
         let block_size = self.indexer.block_size_of(&req.model, &req.pod);
+        // A pod paging the prompt's bigrams (EAGLE) is routed their keys.
+        // The diagnosis of a routing that ends unconfirmed reads plain
+        // tokens only: it gets none for such a pod.
+        let bigram = !approximate && self.indexer.pages_bigrams(&req.model, &req.pod);
         let (keys, tokens, block_size) = match req.input {
             Some(pb::record_routing_request::Input::PromptHandle(id)) => {
                 let handle = feedback
@@ -246,14 +252,20 @@ impl KvIndexerService {
                 let (bs, keys) = if handle.approximate {
                     handle.keys.first().cloned()
                 } else {
-                    handle
-                        .keys
-                        .iter()
-                        .find(|(bs, _)| *bs == block_size)
-                        .cloned()
+                    let by_size = if bigram {
+                        &handle.bigram_keys
+                    } else {
+                        &handle.keys
+                    };
+                    by_size.iter().find(|(bs, _)| *bs == block_size).cloned()
                 }
                 .ok_or(ApiError::HandleBlockSize(block_size))?;
-                (keys, handle.tokens.clone(), bs)
+                let tokens = if bigram {
+                    Vec::new()
+                } else {
+                    handle.tokens.clone()
+                };
+                (keys, tokens, bs)
             }
             input => {
                 let input = PromptInput::from_record(input, self.limits.max_prompt_bytes)?;
@@ -272,9 +284,17 @@ impl KvIndexerService {
                         } else {
                             block_size
                         };
-                        let keys = self
-                            .indexer
-                            .request_keys(&req.model, lora, salt, &tokens, bs, &mm);
+                        let keys = if bigram {
+                            let keys = self
+                                .indexer
+                                .bigram_request_keys(&req.model, lora, salt, &tokens, bs)
+                                .0;
+                            tokens.clear();
+                            keys
+                        } else {
+                            self.indexer
+                                .request_keys(&req.model, lora, salt, &tokens, bs, &mm)
+                        };
                         tokens.truncate(indexer::routing::tracker::KEPT_TOKENS);
                         // Kept for seconds and counted by length: not a long prompt's capacity.
                         tokens.shrink_to_fit();

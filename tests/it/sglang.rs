@@ -321,6 +321,76 @@ async fn eagle_bigram_pages() {
     check("sglang-eagle").await;
 }
 
+/// A routing to an EAGLE pod records the prompt's bigram pages, from a
+/// `Score`'s prompt handle and from token ids alike: the next `Score`
+/// counts them speculative for that pod.
+#[tokio::test]
+async fn routings_to_eagle_pods_record_bigram_pages() {
+    let stream = "sglang-eagle";
+    let expected: Value = serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap();
+    let model = expected["meta"]["model"].as_str().unwrap();
+    let page = expected["meta"]["page_size"].as_u64().unwrap() as u32;
+    let frames = batches(stream);
+    let (pods, targets) = pods(model, &frames, |n| n);
+    let service = Service::start_dialing(&targets, &["--speculative-ttl", "30s"]).await;
+    service
+        .wait_until("every pod caught up from its buffer", async || {
+            service.last_seqs(model).await == seqs_upto(&frames, |n| n)
+        })
+        .await;
+    let mut client = service.client().await;
+    // Prompts no pod holds: 12 pages of bigrams (and the token that ends
+    // the last bigram).
+    let prompt = |seed: u32| -> Vec<u32> { (0..12 * page + 1).map(|i| seed + i).collect() };
+    let score = async |client: &mut pb::kv_indexer_client::KvIndexerClient<_>, ids: &[u32]| {
+        client
+            .score(pb::ScoreRequest {
+                model: model.into(),
+                input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+                    ids: ids.to_vec(),
+                })),
+                ..Default::default()
+            })
+            .await
+            .expect("Score")
+            .into_inner()
+    };
+    let speculative = |resp: &pb::ScoreResponse, pod: &str| {
+        let p = resp.pods.iter().find(|p| p.pod == pod).expect("scored");
+        (p.matched_blocks, p.speculative_blocks)
+    };
+    for (pod, by_handle) in [("pod-0", true), ("pod-1", false)] {
+        let tokens = prompt(if by_handle { 700_000 } else { 800_000 });
+        let first = score(&mut client, &tokens).await;
+        assert_eq!(speculative(&first, pod), (0, 0), "{first:?}");
+        let input = if by_handle {
+            pb::record_routing_request::Input::PromptHandle(first.prompt_handle)
+        } else {
+            pb::record_routing_request::Input::TokenIds(pb::TokenIds {
+                ids: tokens.clone(),
+            })
+        };
+        let rec = client
+            .record_routing(pb::RecordRoutingRequest {
+                model: model.into(),
+                pod: pod.into(),
+                input: Some(input),
+                ..Default::default()
+            })
+            .await
+            .expect("RecordRouting")
+            .into_inner();
+        assert_eq!(
+            (rec.total_blocks, rec.speculative_blocks),
+            (12, 12),
+            "{rec:?}"
+        );
+        let next = score(&mut client, &tokens).await;
+        assert_eq!(speculative(&next, pod), (0, 12), "{pod}: {next:?}");
+    }
+    drop(pods);
+}
+
 #[tokio::test]
 async fn hicache_tiers() {
     check("sglang-hicache").await;

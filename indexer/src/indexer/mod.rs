@@ -256,6 +256,8 @@ pub struct ScoreOutcome {
     pub pods: Vec<PodScore>,
     /// The prompt's keys, per block size scored (for `RecordRouting`).
     pub keys: Vec<(u32, Vec<BlockKey>)>,
+    /// Its keys per page size for the pods that page its bigrams (EAGLE).
+    pub bigram_keys: Vec<(u32, Vec<BlockKey>)>,
 }
 
 /// Who holds one key.

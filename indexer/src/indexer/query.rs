@@ -25,6 +25,28 @@ impl Indexer {
             .0
     }
 
+    /// Keys of a prompt's pages for a pod that pages its bigrams (SGLang
+    /// with EAGLE): a page is `block_size` bigrams, `2 block_size` ids (no
+    /// multimodal items: SGLang's events name none), keyed in a scope of
+    /// their own. Whether they are engine hashes rides along.
+    pub fn bigram_request_keys(
+        &self,
+        model: &str,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+        tokens: &[u32],
+        block_size: u32,
+    ) -> (Vec<BlockKey>, bool) {
+        self.config.keys.for_model(model).request_keys(
+            &crate::keys::bigram_scope(model),
+            lora_name,
+            cache_salt,
+            &crate::keys::bigram_words(tokens),
+            2 * block_size as usize,
+            &[],
+        )
+    }
+
     pub fn score(&self, q: &ScoreQuery<'_>) -> ScoreOutcome {
         let mut offload_block_size = self.config.offload_block_size;
         // The model's blocks (none: no pod of it is known), and
@@ -115,22 +137,14 @@ impl Indexer {
         let mode = self.config.keys.for_model(q.model);
         let now = Instant::now();
         let mut keys_out = Vec::with_capacity(by_size.len());
+        let mut bigram_keys_out = Vec::new();
         for ((bs, bigram), group) in by_size {
             let SizeGroup {
                 exact: mut group,
                 speculative,
             } = group;
             let (keys, engine_keys) = if bigram {
-                // A page is `bs` bigrams: `2 bs` ids (no multimodal items:
-                // SGLang's events name none).
-                mode.request_keys(
-                    &crate::keys::bigram_scope(q.model),
-                    q.lora_name,
-                    q.cache_salt,
-                    &crate::keys::bigram_words(q.tokens),
-                    2 * bs as usize,
-                    &[],
-                )
+                self.bigram_request_keys(q.model, q.lora_name, q.cache_salt, q.tokens, bs)
             } else {
                 mode.request_keys(
                     q.model,
@@ -182,8 +196,10 @@ impl Indexer {
                 });
                 scores[pos].speculative_blocks = (from + run) as u32;
             }
-            // A prompt handle's keys are by block size, of plain pages.
-            if !bigram {
+            // A prompt handle's keys, by block size and unit.
+            if bigram {
+                bigram_keys_out.push((bs, keys));
+            } else {
                 keys_out.push((bs, keys));
             }
         }
@@ -206,6 +222,7 @@ impl Indexer {
             total_blocks: (q.tokens.len() / block_size as usize) as u32,
             pods: scores,
             keys: keys_out,
+            bigram_keys: bigram_keys_out,
         }
     }
 
