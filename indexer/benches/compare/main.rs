@@ -705,17 +705,26 @@ fn profile_find() {
 /// timed window): a find during which the thread waited was preempted. It
 /// prints p50, p99 and p99.9 of all finds and of the finds no wait touched,
 /// and how many of the slowest 0.1% waited: a tail that vanishes without
-/// the waits is the host's scheduling, not the index. Filters as
+/// the waits is the host's scheduling, not the index. It also groups the
+/// finds by prompt (the costliest prompt's median against the tail) and
+/// counts each find's probes of the run heads' table (ours). Filters as
 /// `--profile-find`.
 fn profile_tails() {
     for_each_profiled_size(|fleet, input, e, filled, si, size| {
         find_pass(filled, si);
-        let mut samples: Vec<(Duration, u64)> = Vec::new();
+        // (time, run-queue wait, query, probes of run heads' tables).
+        let mut samples: Vec<(Duration, u64, usize, u64)> = Vec::new();
         for _ in 0..50 {
             for q in 0..filled.queries(si) {
                 let before = run_queue_wait_ns();
+                let probes = indexer::index::head_probes();
                 let t = filled.time_find(si, q);
-                samples.push((t, run_queue_wait_ns().saturating_sub(before)));
+                samples.push((
+                    t,
+                    run_queue_wait_ns().saturating_sub(before),
+                    q,
+                    indexer::index::head_probes() - probes,
+                ));
             }
         }
         let pct = |mut v: Vec<Duration>, p: f64| {
@@ -746,6 +755,36 @@ fn profile_tails() {
             pct(calm.clone(), 0.5),
             pct(calm.clone(), 0.99),
             pct(calm, 0.999),
+        );
+        // Whose finds the slowest are: each prompt's median over its 50
+        // finds, the costliest prompt's against the tail (a tail that is one
+        // prompt's every find is that prompt's work, not an accident), and
+        // the table probes the slowest made against all finds' (ours only:
+        // the counter is the run index's).
+        let mut per_query: Vec<Vec<Duration>> = vec![Vec::new(); filled.queries(si)];
+        for s in &samples {
+            per_query[s.2].push(s.0);
+        }
+        let medians: Vec<Duration> = per_query
+            .into_iter()
+            .map(|mut v| {
+                v.sort_unstable();
+                v[v.len() / 2]
+            })
+            .collect();
+        let costliest = medians.iter().max().copied().unwrap_or_default();
+        let slow_prompts: std::collections::BTreeSet<usize> =
+            by_time[..top].iter().map(|s| s.2).collect();
+        let mean_probes = |v: &[(Duration, u64, usize, u64)]| {
+            v.iter().map(|s| s.3 as f64).sum::<f64>() / v.len().max(1) as f64
+        };
+        println!(
+            "    slowest {top} from {} prompt(s); the costliest prompt's median {:.2} us; \
+             table probes per find: all {:.1}, slowest {:.1}",
+            slow_prompts.len(),
+            costliest.as_secs_f64() * 1e6,
+            mean_probes(&samples),
+            mean_probes(&by_time[..top]),
         );
         if e.name == "ours" {
             // The control: fixed work of the same median length, no index.

@@ -13,9 +13,10 @@ thread_local! {
 
 /// How many times lookups on this thread have probed a table of run heads,
 /// ever: read before and after a lookup, the difference is what it cost in
-/// table probes (one per run it crossed, plus one per position no run
-/// covers for `held_along`), however many blocks it matched. Per thread, so
-/// counting takes no shared write.
+/// table probes (one per run it crossed, plus, for `held_along` and
+/// `held_at_each`, one per position no run covers or where the run the
+/// table named had changed), however many blocks it matched. Per thread,
+/// so counting takes no shared write.
 pub fn head_probes() -> u64 {
     PROBES.with(std::cell::Cell::get)
 }

@@ -20,8 +20,9 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::event::ExtraKey;
 
-/// The block loop under any fold: the keys bench times the previous
-/// scheme's fold over the same rounds with it.
+/// The block loop under any fold (for benches: the keys bench times the
+/// previous scheme's fold over the same rounds).
+#[doc(hidden)]
 pub use block_hash::chain_blocks;
 
 /// A block's identity in our index. Transparent, so that a prompt's keys
@@ -140,12 +141,13 @@ pub fn chain(prev: u64, tokens: &[u32]) -> BlockKey {
 /// plus the hash.
 ///
 /// The fold is the only serial step of a prompt's keys, so its latency is
-/// what a long prompt pays per block: two cycles here, against five for a
-/// 128-bit multiply (which bounded the previous scheme at ~3.4 us for
-/// 2,048 blocks, while the blocks' rounds alone took ~1.9). Whatever the
-/// hash, `prev -> fold(prev, h)` is a bijection, so prompts that differ in
-/// one block never share a later key, and a chain of one repeated block
-/// does not cycle. The add is what keeps it from being linear: with a xor,
+/// what a long prompt pays per block: two cycles here, against about four
+/// for a 128-bit multiply (the previous scheme's, which made 2,048 blocks
+/// take 3.4 us over the same loop, against 1.9). Whatever the hash,
+/// `prev -> fold(prev, h)` is a bijection: two chains never merge, so
+/// prompts that differ in one block never share a later key (unless the
+/// two blocks' hashes collide). The add is what keeps it from being
+/// linear: with a xor,
 /// the same block at two positions 64 apart would cancel out of every
 /// later key (64 rotations by 23 are the identity), and two prompts that
 /// differ only there would collide; the carries of an add do not cancel

@@ -263,6 +263,7 @@ fn page_size_1_is_scored_by_runs_not_pages() {
     }
     println!("{scores} scores: {matched} pages matched (deepest pod), {probes} head probes");
     assert!(matched > 10 * scores, "the probes match little: {matched}");
+    assert!(probes > 0, "nothing counted");
     assert!(
         probes * 10 < matched,
         "{probes} head probes for {matched} matched pages"
