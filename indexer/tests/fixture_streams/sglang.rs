@@ -139,20 +139,7 @@ fn misses_in(stream: &str, ix: &Indexer, expected: &Value, keys: Keys) -> (Vec<S
         if bare_extra_key(probe) && !apart {
             continue;
         }
-        let tokens: Vec<u32> = probe["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
-        let scored = ix.score(&ScoreQuery {
-            model,
-            tokens: &tokens,
-            lora_name: probe["lora_name"].as_str(),
-            cache_salt: probe["cache_salt"].as_str(),
-            mm_items: &[],
-            pods: &[],
-        });
+        let scored = score_probe(ix, model, probe);
         let got: HashMap<&str, u32> = scored
             .pods
             .iter()
@@ -191,6 +178,24 @@ fn misses_in(stream: &str, ix: &Indexer, expected: &Value, keys: Keys) -> (Vec<S
         }
     }
     (wrong, compared)
+}
+
+/// `Score` of a recorded probe: its token ids, adapter and cache salt.
+fn score_probe(ix: &Indexer, model: &str, probe: &Value) -> indexer::ScoreOutcome {
+    let tokens: Vec<u32> = probe["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    ix.score(&ScoreQuery {
+        model,
+        tokens: &tokens,
+        lora_name: probe["lora_name"].as_str(),
+        cache_salt: probe["cache_salt"].as_str(),
+        mm_items: &[],
+        pods: &[],
+    })
 }
 
 /// A probe sent under a bare `extra_key` (not a LoRA's), or of a prompt
@@ -237,21 +242,8 @@ fn page_size_1_is_scored_by_runs_not_pages() {
     let model = expected["meta"]["model"].as_str().unwrap();
     let (mut probes, mut matched, mut scores) = (0, 0u64, 0);
     for probe in expected["probes"].as_array().unwrap() {
-        let tokens: Vec<u32> = probe["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
         let before = indexer::index::head_probes();
-        let scored = ix.score(&ScoreQuery {
-            model,
-            tokens: &tokens,
-            lora_name: probe["lora_name"].as_str(),
-            cache_salt: probe["cache_salt"].as_str(),
-            mm_items: &[],
-            pods: &[],
-        });
+        let scored = score_probe(&ix, model, probe);
         probes += indexer::index::head_probes() - before;
         matched += scored
             .pods
