@@ -263,8 +263,6 @@ impl Indexer {
         }
     }
 
-    /// The block size a pod (by model and id; one not seen yet: the
-    /// model's) chunks prompts with.
     /// Whether pod `name` of `model` pages EAGLE's bigrams (its keys are
     /// `bigram_request_keys`).
     pub fn pages_bigrams(&self, model: &str, name: &str) -> bool {
@@ -272,6 +270,8 @@ impl Indexer {
             .is_some_and(|p| p.bigram.load(Ordering::Relaxed))
     }
 
+    /// The block size a pod (by model and id; one not seen yet: the
+    /// model's) chunks prompts with.
     pub fn block_size_of(&self, model: &str, name: &str) -> u32 {
         let pod = self.find_pod(model, name);
         self.pod_block_size(pod.as_deref(), model)

@@ -147,11 +147,10 @@ pub fn chain(prev: u64, tokens: &[u32]) -> BlockKey {
 /// `prev -> fold(prev, h)` is a bijection: two chains never merge, so
 /// prompts that differ in one block never share a later key (unless the
 /// two blocks' hashes collide). The add is what keeps it from being
-/// linear: with a xor,
-/// the same block at two positions 64 apart would cancel out of every
-/// later key (64 rotations by 23 are the identity), and two prompts that
-/// differ only there would collide; the carries of an add do not cancel
-/// so (`the_fold_is_not_linear` shows both).
+/// linear: with a xor, the same block at two positions 64 apart would
+/// cancel out of every later key (64 rotations by 23 are the identity),
+/// and two prompts that differ only there would collide; the carries of
+/// an add do not cancel so (`the_fold_is_not_linear` shows both).
 #[inline]
 fn fold(prev: u64, block: u64) -> u64 {
     prev.rotate_left(23).wrapping_add(block)
