@@ -37,6 +37,15 @@ use crate::proto::kvindexer::v1 as pb;
 use crate::ratelimit::RateLimited;
 use pb::kv_indexer_server::KvIndexer;
 
+/// A `Score` request carrying this metadata key (any value) gets its
+/// handler's time back in `TIMING_RESPONSE`: a client can tell, request by
+/// request, how much of what it waited was the service's work (from the
+/// decoded request to the answer) and how much the transport, the decoding
+/// and waiting for a CPU.
+pub const TIMING_REQUEST: &str = "kv-indexer-timing";
+/// Microseconds from the handler's start to its answer.
+pub const TIMING_RESPONSE: &str = "kv-indexer-handler-us";
+
 pub struct KvIndexerService {
     indexer: Arc<Indexer>,
     tokenizers: Arc<Registry>,
@@ -140,6 +149,8 @@ impl KvIndexer for KvIndexerService {
         &self,
         request: Request<pb::ScoreRequest>,
     ) -> Result<Response<pb::ScoreResponse>, Status> {
+        let started = std::time::Instant::now();
+        let timed = request.metadata().contains_key(TIMING_REQUEST);
         let admitted = self.admit(request.metadata());
         let req = request.into_inner();
         let kind = input_kind(&req.input);
@@ -156,7 +167,14 @@ impl KvIndexer for KvIndexerService {
             self.score_inner(req, permit, deadline).await
         };
         let result = self.observed(kind, span, work).await;
-        result.map(Response::new).map_err(Status::from)
+        let mut response = result.map(Response::new).map_err(Status::from)?;
+        if timed {
+            let us = started.elapsed().as_micros().to_string();
+            if let Ok(value) = us.parse() {
+                response.metadata_mut().insert(TIMING_RESPONSE, value);
+            }
+        }
+        Ok(response)
     }
 
     async fn record_routing(

@@ -242,6 +242,43 @@ async fn malformed_messages_are_skipped_and_valid_ones_all_land() {
     assert!(pods.iter().all(|p| p.pod != "only-pod"));
 }
 
+/// A `Score` that asks (`kv-indexer-timing`) gets its handler's time back
+/// in microseconds, no more than the call took; one that does not gets
+/// nothing extra.
+#[tokio::test]
+async fn score_tells_its_handlers_time_when_asked() {
+    let service = Service::start(&[]).await;
+    let mut client = service.client().await;
+    let score = || pb::ScoreRequest {
+        model: "m".into(),
+        input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+            ids: (0..4096).collect(),
+        })),
+        ..Default::default()
+    };
+    let mut asked = tonic::Request::new(score());
+    asked
+        .metadata_mut()
+        .insert(kv_indexer::grpc::TIMING_REQUEST, "1".parse().unwrap());
+    let started = std::time::Instant::now();
+    let answer = client.score(asked).await.expect("Score");
+    let took = started.elapsed();
+    let handler: u128 = answer
+        .metadata()
+        .get(kv_indexer::grpc::TIMING_RESPONSE)
+        .expect("the handler's time")
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(handler <= took.as_micros(), "{handler} us of {took:?}");
+    let plain = client.score(score()).await.expect("Score");
+    assert!(plain
+        .metadata()
+        .get(kv_indexer::grpc::TIMING_RESPONSE)
+        .is_none());
+}
+
 #[tokio::test]
 async fn bad_requests_get_clear_status_codes() {
     let service = Service::start(&[]).await;

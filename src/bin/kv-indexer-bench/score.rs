@@ -18,22 +18,54 @@ use super::{
 };
 
 /// Runs `requests` at `rate`/s (open loop: each request leaves on schedule
-/// on its own task, whatever the others are doing) and returns the sorted
-/// latencies and the achieved rate.
+/// on its own task, whatever the others are doing) and returns what
+/// `open_loop` does.
 pub(crate) async fn score_at_rate(
     client: &ScoreClient,
     message: bytes::Bytes,
     rate: f64,
     seconds: f64,
-) -> (Vec<Duration>, f64) {
+) -> Looped {
     open_loop(rate, seconds, |i| {
         let client = client.clone();
         let message = message.clone();
-        async move {
-            client.score(i, message).await.expect("Score");
-        }
+        async move { client.score(i, message).await.expect("Score").1 }
     })
     .await
+}
+
+/// An open loop's requests.
+pub(crate) struct Looped {
+    /// Every request's time, sorted.
+    pub(crate) lat: Vec<Duration>,
+    pub(crate) achieved: f64,
+    /// (its time, the handler's as the service reported it), for each
+    /// request whose answer said.
+    pub(crate) with_handler: Vec<(Duration, Duration)>,
+}
+
+impl Looped {
+    /// Of the requests at or past the p99: the median time and the median
+    /// handler time the service reported (us).
+    fn slowest(&self) -> Option<(f64, f64)> {
+        let p99 = Duration::from_secs_f64(percentile(&self.lat, 0.99) / 1e6);
+        let mut slow: Vec<(Duration, Duration)> = self
+            .with_handler
+            .iter()
+            .copied()
+            .filter(|(t, _)| *t >= p99)
+            .collect();
+        if slow.is_empty() {
+            return None;
+        }
+        let median = |v: &mut Vec<Duration>| {
+            v.sort_unstable();
+            v[v.len() / 2].as_secs_f64() * 1e6
+        };
+        let mut total: Vec<Duration> = slow.iter().map(|s| s.0).collect();
+        let handler = median(&mut slow.drain(..).map(|s| s.1).collect());
+        Some((median(&mut total), handler))
+    }
 }
 
 /// Open loop: `rate * seconds` requests, each sent on schedule on its own
@@ -51,9 +83,9 @@ pub(crate) async fn open_loop<F>(
     rate: f64,
     seconds: f64,
     mut send: impl FnMut(usize) -> F,
-) -> (Vec<Duration>, f64)
+) -> Looped
 where
-    F: std::future::Future<Output = ()> + Send + 'static,
+    F: std::future::Future<Output = Option<Duration>> + Send + 'static,
 {
     let n = (rate * seconds).ceil() as usize;
     let start = Instant::now();
@@ -67,17 +99,24 @@ where
         let request = send(i);
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
-            request.await;
-            t.elapsed()
+            let handler = request.await;
+            (t.elapsed(), handler)
         }));
     }
     let mut lat = Vec::with_capacity(n);
+    let mut with_handler = Vec::new();
     for t in tasks {
-        lat.push(t.await.expect("request"));
+        let (took, handler) = t.await.expect("request");
+        lat.push(took);
+        with_handler.extend(handler.map(|h| (took, h)));
     }
     let achieved = n as f64 / start.elapsed().as_secs_f64();
     lat.sort_unstable();
-    (lat, achieved)
+    Looped {
+        lat,
+        achieved,
+        with_handler,
+    }
 }
 
 /// One Score step at one rate.
@@ -91,6 +130,9 @@ pub(crate) struct Step {
     /// The handler's p99 and p99.9 over the step, as the bound of the
     /// service's histogram bucket they fall in (us).
     pub(crate) service_tail_us: Option<(f64, f64)>,
+    /// Of the requests at or past the p99, request by request: the median
+    /// time and the median handler time the service reported (us).
+    pub(crate) slowest_us: Option<(f64, f64)>,
 }
 
 impl Step {
@@ -113,7 +155,8 @@ pub(crate) async fn score_step(
 ) -> Step {
     let before = server_score_time(metrics);
     let buckets_before = server_score_buckets(metrics);
-    let (lat, achieved) = score_at_rate(client, message.clone(), rate, seconds).await;
+    let looped = score_at_rate(client, message.clone(), rate, seconds).await;
+    let (lat, achieved) = (&looped.lat, looped.achieved);
     let service_us = match (before, server_score_time(metrics)) {
         (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) / (n1 - n0) * 1e6),
         _ => None,
@@ -128,11 +171,12 @@ pub(crate) async fn score_step(
         });
     Step {
         achieved,
-        p50: percentile(&lat, 0.5),
-        p99: percentile(&lat, 0.99),
-        p999: percentile(&lat, 0.999),
+        p50: percentile(lat, 0.5),
+        p99: percentile(lat, 0.99),
+        p999: percentile(lat, 0.999),
         service_us,
         service_tail_us,
+        slowest_us: looped.slowest(),
     }
 }
 
@@ -241,7 +285,7 @@ pub(crate) async fn score_tokens(
         );
         rows.push(json!({"offered_per_s": rate, "achieved_per_s": achieved,
             "p50_us": p50, "p99_us": p99, "p999_us": p999, "service_mean_us": step.service_us,
-            "service_tail_us": step.service_tail_us, "p99_us_runs": p99_runs}));
+            "service_tail_us": step.service_tail_us, "slowest_us": step.slowest_us, "p99_us_runs": p99_runs}));
         if p99 <= 1000.0 && achieved >= 0.95 * rate {
             best_within_1ms = Some(rate);
         }

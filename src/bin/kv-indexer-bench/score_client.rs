@@ -56,9 +56,13 @@ impl ScoreClient {
     }
 
     /// One Score call on connection `i % n` with `message`, a request as
-    /// `grpc_message` frames it; returns the answer's pods, or what went
-    /// wrong.
-    pub async fn score(&self, i: usize, message: Bytes) -> Result<usize, String> {
+    /// `grpc_message` frames it; returns the answer's pods and the time
+    /// the service says its handler took, or what went wrong.
+    pub async fn score(
+        &self,
+        i: usize,
+        message: Bytes,
+    ) -> Result<(usize, Option<std::time::Duration>), String> {
         let connection = &self.connections[i % self.connections.len()];
         let mut send = connection
             .clone()
@@ -68,6 +72,7 @@ impl ScoreClient {
         let request = http::Request::post(self.uri.clone())
             .header("content-type", "application/grpc")
             .header("te", "trailers")
+            .header(kv_indexer::grpc::TIMING_REQUEST, "1")
             .body(())
             .map_err(|e| e.to_string())?;
         let (response, mut stream) = send
@@ -84,6 +89,11 @@ impl ScoreClient {
         if let Some(status) = response.headers().get("grpc-status") {
             return Err(format!("grpc-status {status:?} without a message"));
         }
+        let handler = response
+            .headers()
+            .get(kv_indexer::grpc::TIMING_RESPONSE)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .map(std::time::Duration::from_micros);
         let mut body = response.into_body();
         let mut received = BytesMut::new();
         while let Some(chunk) = body.data().await {
@@ -103,7 +113,7 @@ impl ScoreClient {
         let answer = grpc_unframe(received.freeze())?;
         let answer: pb::ScoreResponse =
             prost::Message::decode(answer).map_err(|e| format!("ScoreResponse: {e}"))?;
-        Ok(answer.pods.len())
+        Ok((answer.pods.len(), handler))
     }
 }
 

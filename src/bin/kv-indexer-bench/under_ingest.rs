@@ -572,7 +572,7 @@ pub async fn run(
             rows.push(json!({
                 "offered_per_s": rate, "ingest": c == 1, "achieved_per_s": s.achieved,
                 "p50_us": s.p50, "p99_us": s.p99, "p999_us": s.p999,
-                "service_mean_us": s.service_us, "service_tail_us": s.service_tail_us, "p99_us_runs": p99_runs,
+                "service_mean_us": s.service_us, "service_tail_us": s.service_tail_us, "slowest_us": s.slowest_us, "p99_us_runs": p99_runs,
                 "p999_us_runs": p999_runs, "lost_block_ops_all_runs": lost,
                 "block_ops_sent_all_runs": sent, "ingest_of_shown_run": shown.ingest,
                 "ingest_of_each_run": ingest_runs,
