@@ -339,9 +339,9 @@ async fn routings_to_eagle_pods_record_bigram_pages() {
         })
         .await;
     let mut client = service.client().await;
-    // Prompts no pod holds: 12 pages of bigrams (and the token that ends
-    // the last bigram).
-    let prompt = |seed: u32| -> Vec<u32> { (0..12 * page + 1).map(|i| seed + i).collect() };
+    // Prompts no pod holds, of 12 pages of tokens: 11 pages of bigrams
+    // (n tokens make n - 1), against 12 plain pages.
+    let prompt = |seed: u32| -> Vec<u32> { (0..12 * page).map(|i| seed + i).collect() };
     let score = async |client: &mut pb::kv_indexer_client::KvIndexerClient<_>, ids: &[u32]| {
         client
             .score(pb::ScoreRequest {
@@ -382,12 +382,42 @@ async fn routings_to_eagle_pods_record_bigram_pages() {
             .into_inner();
         assert_eq!(
             (rec.total_blocks, rec.speculative_blocks),
-            (12, 12),
+            (11, 11),
             "{rec:?}"
         );
         let next = score(&mut client, &tokens).await;
-        assert_eq!(speculative(&next, pod), (0, 12), "{pod}: {next:?}");
+        assert_eq!(speculative(&next, pod), (0, 11), "{pod}: {next:?}");
     }
+    // A handle from a Score that had no EAGLE pod among its candidates has
+    // no bigram pages: routing it to one is refused, not recorded wrong.
+    let elsewhere = client
+        .score(pb::ScoreRequest {
+            model: model.into(),
+            input: Some(pb::score_request::Input::TokenIds(pb::TokenIds {
+                ids: prompt(900_000),
+            })),
+            pods: vec!["not-an-eagle-pod".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("Score")
+        .into_inner();
+    let refused = client
+        .record_routing(pb::RecordRoutingRequest {
+            model: model.into(),
+            pod: "pod-0".into(),
+            input: Some(pb::record_routing_request::Input::PromptHandle(
+                elsewhere.prompt_handle,
+            )),
+            ..Default::default()
+        })
+        .await
+        .expect_err("no bigram pages in the handle");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
     drop(pods);
 }
 

@@ -45,11 +45,15 @@ pub(crate) struct Looped {
 }
 
 impl Looped {
-    /// Of the requests at or past the p99: the median time and the median
-    /// handler time the service reported (us).
-    fn slowest(&self) -> Option<(f64, f64)> {
-        let p99 = Duration::from_secs_f64(percentile(&self.lat, 0.99) / 1e6);
-        let mut slow: Vec<(Duration, Duration)> = self
+    /// Of the requests at or past the p99, each on its own: the median
+    /// time (us), the median handler time the service reported (us), and
+    /// the median of each request's handler share of its time.
+    fn slowest(&self) -> Option<Slowest> {
+        // The p99 request itself, as `percentile` picks it.
+        let at =
+            ((self.lat.len() as f64 * 0.99).ceil() as usize).clamp(1, self.lat.len().max(1)) - 1;
+        let p99 = *self.lat.get(at)?;
+        let slow: Vec<(Duration, Duration)> = self
             .with_handler
             .iter()
             .copied()
@@ -58,19 +62,37 @@ impl Looped {
         if slow.is_empty() {
             return None;
         }
-        let median = |v: &mut Vec<Duration>| {
-            v.sort_unstable();
-            v[v.len() / 2].as_secs_f64() * 1e6
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
         };
-        let mut total: Vec<Duration> = slow.iter().map(|s| s.0).collect();
-        let handler = median(&mut slow.drain(..).map(|s| s.1).collect());
-        Some((median(&mut total), handler))
+        Some(Slowest {
+            requests: slow.len(),
+            total_us: median(slow.iter().map(|s| s.0.as_secs_f64() * 1e6).collect()),
+            handler_us: median(slow.iter().map(|s| s.1.as_secs_f64() * 1e6).collect()),
+            handler_share: median(
+                slow.iter()
+                    .map(|s| s.1.as_secs_f64() / s.0.as_secs_f64())
+                    .collect(),
+            ),
+        })
     }
 }
 
+/// The requests at or past a step's p99, request by request (medians).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub(crate) struct Slowest {
+    pub(crate) requests: usize,
+    pub(crate) total_us: f64,
+    pub(crate) handler_us: f64,
+    /// Each request's handler time over its own, the median of them.
+    pub(crate) handler_share: f64,
+}
+
 /// Open loop: `rate * seconds` requests, each sent on schedule on its own
-/// task (`send(i)` makes request i), however late the earlier ones are.
-/// Returns the latencies, sorted, and the rate achieved.
+/// task (`send(i)` makes request i, and says the service's own time for
+/// it if the service told). Returns the latencies, sorted, the rate
+/// achieved and each told time beside its request's.
 ///
 /// Paced with `std::thread::sleep`, which blocks the calling thread: call
 /// it from the runtime's `block_on` thread (as `main` does), never from a
@@ -130,9 +152,8 @@ pub(crate) struct Step {
     /// The handler's p99 and p99.9 over the step, as the bound of the
     /// service's histogram bucket they fall in (us).
     pub(crate) service_tail_us: Option<(f64, f64)>,
-    /// Of the requests at or past the p99, request by request: the median
-    /// time and the median handler time the service reported (us).
-    pub(crate) slowest_us: Option<(f64, f64)>,
+    /// Of the requests at or past the p99, request by request.
+    pub(crate) slowest_us: Option<Slowest>,
 }
 
 impl Step {

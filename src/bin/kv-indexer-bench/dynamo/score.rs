@@ -358,15 +358,19 @@ pub(super) async fn score(
         row.insert("p99_ours_over_dynamo".into(), json!(ratio));
         row.insert("goal_met".into(), json!(met));
         rows.push(Value::Object(row));
-        if let Some((total, handler)) = picked[0].as_ref().and_then(|s| s.slowest_us) {
+        if let Some(s) = picked[0].as_ref().and_then(|s| s.slowest_us) {
             slowest.push(format!(
-                "{rate:.0}/s: {total:.0} us, of which the handler {handler:.0} us"
+                "{rate:.0}/s ({} requests): {:.0} us, the handler {:.0} us, its share {:.1}%",
+                s.requests,
+                s.total_us,
+                s.handler_us,
+                100.0 * s.handler_share
             ));
         }
     }
     if !slowest.is_empty() {
         println!(
-            "ours, requests at or past the p99, request by request (medians; the handler's time as each answer reported it): {}",
+            "ours, the requests at or past the p99, each on its own (medians of their times, of their handler's as each answer told it, and of each one's handler share): {}",
             slowest.join("; ")
         );
     }
