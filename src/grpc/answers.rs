@@ -237,11 +237,11 @@ impl KvIndexerService {
         if !approximate && !self.indexer.has_model(&req.model) {
             return Err(ApiError::UnknownModel(shorten(&req.model).to_owned()));
         }
-        let block_size = self.indexer.block_size_of(&req.model, &req.pod);
+        let (block_size, bigram) = self.indexer.pod_paging(&req.model, &req.pod);
         // A pod paging the prompt's bigrams (EAGLE) is routed their keys.
         // The diagnosis of a routing that ends unconfirmed reads plain
         // tokens only: it gets none for such a pod.
-        let bigram = !approximate && self.indexer.pages_bigrams(&req.model, &req.pod);
+        let bigram = bigram && !approximate;
         let (keys, tokens, block_size) = match req.input {
             Some(pb::record_routing_request::Input::PromptHandle(id)) => {
                 let handle = feedback

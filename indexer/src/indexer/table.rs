@@ -263,18 +263,16 @@ impl Indexer {
         }
     }
 
-    /// Whether pod `name` of `model` pages EAGLE's bigrams (its keys are
+    /// How pod `name` of `model` pages a prompt, from one lookup of it:
+    /// the block size it chunks prompts with (one not seen yet: the
+    /// model's), and whether its pages are EAGLE's bigrams (keyed by
     /// `bigram_request_keys`).
-    pub fn pages_bigrams(&self, model: &str, name: &str) -> bool {
-        self.find_pod(model, name)
-            .is_some_and(|p| p.bigram.load(Ordering::Relaxed))
-    }
-
-    /// The block size a pod (by model and id; one not seen yet: the
-    /// model's) chunks prompts with.
-    pub fn block_size_of(&self, model: &str, name: &str) -> u32 {
+    pub fn pod_paging(&self, model: &str, name: &str) -> (u32, bool) {
         let pod = self.find_pod(model, name);
-        self.pod_block_size(pod.as_deref(), model)
+        let bigram = pod
+            .as_ref()
+            .is_some_and(|p| p.bigram.load(Ordering::Relaxed));
+        (self.pod_block_size(pod.as_deref(), model), bigram)
     }
 
     pub(super) fn pod_block_size(&self, pod: Option<&Pod>, model: &str) -> u32 {

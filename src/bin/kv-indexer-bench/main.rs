@@ -321,11 +321,12 @@ async fn applied(client: &mut KvIndexerClient<Channel>, prefix: &str) -> (u64, u
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[i].as_secs_f64() * 1e6
+    percentile_at(sorted.len(), p).map_or(f64::NAN, |i| sorted[i].as_secs_f64() * 1e6)
+}
+
+/// Where the `p` quantile of `len` sorted values is (nearest rank).
+fn percentile_at(len: usize, p: f64) -> Option<usize> {
+    (len > 0).then(|| ((len as f64 * p).ceil() as usize).clamp(1, len) - 1)
 }
 
 fn lcg(x: &mut u64) -> u64 {

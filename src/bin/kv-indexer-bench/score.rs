@@ -13,8 +13,8 @@ use tonic::transport::Channel;
 
 use super::score_client::{grpc_message, ScoreClient};
 use super::{
-    bucket_quantile, pb, percentile, pods_named, random_tokens, server_score_buckets,
-    server_score_time, BLOCK, MODEL,
+    bucket_quantile, pb, percentile, percentile_at, pods_named, random_tokens,
+    server_score_buckets, server_score_time, BLOCK, MODEL,
 };
 
 /// Runs `requests` at `rate`/s (open loop: each request leaves on schedule
@@ -50,9 +50,7 @@ impl Looped {
     /// the median of each request's handler share of its time.
     fn slowest(&self) -> Option<Slowest> {
         // The p99 request itself, as `percentile` picks it.
-        let at =
-            ((self.lat.len() as f64 * 0.99).ceil() as usize).clamp(1, self.lat.len().max(1)) - 1;
-        let p99 = *self.lat.get(at)?;
+        let p99 = self.lat[percentile_at(self.lat.len(), 0.99)?];
         let slow: Vec<(Duration, Duration)> = self
             .with_handler
             .iter()
