@@ -21,6 +21,11 @@ fn read(name: &str) -> String {
     std::fs::read_to_string(fixtures_dir().join("sglang-events").join(name)).unwrap()
 }
 
+/// A stream's recorded answers (`<stream>.expected.json`).
+fn expected(stream: &str) -> Value {
+    serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap()
+}
+
 /// A stream's batches by pod key (`pod-0`, or `pod-0/dp1` for a rank),
 /// each as its publisher sent it: `(topic, seq, payload)`.
 fn batches(stream: &str) -> BTreeMap<String, Vec<Batch>> {
@@ -211,7 +216,7 @@ async fn check_with_topic(stream: &str, topic: Option<&str>) {
 
 /// `check_with_topic`, the service started with `args`.
 async fn check_with(stream: &str, topic: Option<&str>, args: &[&str]) {
-    let expected: Value = serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap();
+    let expected = expected(stream);
     let model = expected["meta"]["model"].as_str().unwrap();
     let mut frames = batches(stream);
     if let Some(topic) = topic {
@@ -327,7 +332,7 @@ async fn eagle_bigram_pages() {
 #[tokio::test]
 async fn routings_to_eagle_pods_record_bigram_pages() {
     let stream = "sglang-eagle";
-    let expected: Value = serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap();
+    let expected = expected(stream);
     let model = expected["meta"]["model"].as_str().unwrap();
     let page = expected["meta"]["page_size"].as_u64().unwrap() as u32;
     let frames = batches(stream);
@@ -440,7 +445,7 @@ async fn attention_dp_ranks_are_caches_of_one_pod() {
 #[tokio::test]
 async fn a_pod_restart_and_a_flush() {
     let stream = "sglang-restart";
-    let expected: Value = serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap();
+    let expected = expected(stream);
     let model = expected["meta"]["model"].as_str().unwrap();
     let mut frames = batches(stream);
     // pod-0's runs: up to the seq going back to 0, and after.
@@ -500,7 +505,7 @@ async fn a_fleet_of_vllm_and_sglang_pods_is_scored_in_one_answer() {
     use crate::common::vllm_pod::Fleet;
 
     let stream = "sglang-page1";
-    let expected: Value = serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap();
+    let expected = expected(stream);
     let model = expected["meta"]["model"].as_str().unwrap();
     let vllm = Fleet::start("qwen3-sha256-int", |_| PodOptions::default());
     assert_eq!(vllm.expected.model, model, "one model");
@@ -557,7 +562,7 @@ async fn a_fleet_of_vllm_and_sglang_pods_is_scored_in_one_answer() {
 #[tokio::test]
 async fn bound_pods_without_a_topic_are_named_by_their_address() {
     let stream = "sglang-page16";
-    let expected: Value = serde_json::from_str(&read(&format!("{stream}.expected.json"))).unwrap();
+    let expected = expected(stream);
     let model = expected["meta"]["model"].as_str().unwrap();
     let service = Service::start(&["--topicless-model", model]).await;
     let mut publisher = Publisher::connect(service.zmq_bind.as_deref().unwrap()).await;
