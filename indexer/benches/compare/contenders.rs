@@ -62,6 +62,8 @@ pub trait Contender: Sync + Sized {
     /// Waits until everything applied so far is visible to readers.
     fn flush(&self) {}
     fn find(&self, query: &Self::Query) -> Self::Out;
+    /// A token-id query's prompt (`None` for pre-hashed keys).
+    fn prompt(query: &Self::Query) -> Option<&[u32]>;
     /// (pod, leading blocks) for pods with at least one, sorted by pod.
     fn normalize(&self, out: &Self::Out) -> Vec<(u32, u32)>;
 }
@@ -184,6 +186,13 @@ impl Contender for Ours {
             s
         };
         self.ix.apply(&self.pods[pod as usize], seq, &batch);
+    }
+
+    fn prompt(query: &Self::Query) -> Option<&[u32]> {
+        match query {
+            OursQuery::Tokens(tokens) => Some(tokens),
+            _ => None,
+        }
     }
 
     fn find(&self, query: &Self::Query) -> Self::Out {
@@ -344,6 +353,13 @@ impl Contender for Runs {
         }
     }
 
+    fn prompt(query: &Self::Query) -> Option<&[u32]> {
+        match query {
+            RunsQuery::Tokens(tokens) => Some(tokens),
+            _ => None,
+        }
+    }
+
     fn find(&self, query: &Self::Query) -> Self::Out {
         match query {
             RunsQuery::Keys(keys) => self.ix.prefix_matches(keys),
@@ -409,6 +425,13 @@ impl Contender for Feed {
         self.feeds[pod as usize]
             .lock()
             .apply(&self.runs, &batch, &self.mode);
+    }
+
+    fn prompt(query: &Self::Query) -> Option<&[u32]> {
+        match query {
+            RunsQuery::Tokens(tokens) => Some(tokens),
+            _ => None,
+        }
     }
 
     fn find(&self, query: &Self::Query) -> Self::Out {
@@ -621,6 +644,13 @@ impl<T: DynamoBackend> Contender for Dynamo<T> {
         self.rt.block_on(self.ix.flush_and_wait()).expect("flush");
     }
 
+    fn prompt(query: &Self::Query) -> Option<&[u32]> {
+        match query {
+            DynamoQuery::Tokens(tokens) => Some(tokens),
+            _ => None,
+        }
+    }
+
     fn find(&self, query: &Self::Query) -> Self::Out {
         match query {
             DynamoQuery::Hashes(h) => self.ix.backend().find_matches(h, false),
@@ -799,6 +829,13 @@ impl Contender for Smg {
                     }
                 }
             }
+        }
+    }
+
+    fn prompt(query: &Self::Query) -> Option<&[u32]> {
+        match query {
+            SmgQuery::Tokens(tokens) => Some(tokens),
+            _ => None,
         }
     }
 
