@@ -51,6 +51,18 @@ impl Table {
             .insert_unique(hash(h), Slot { hash: h, loc }, |s| hash(s.hash));
     }
 
+    /// Inserts `h` at `loc` unless the table has it: one probe. Whether
+    /// it did.
+    fn insert_new(&mut self, h: u64, loc: Loc) -> bool {
+        match self.0.entry(hash(h), |s| s.hash == h, |s| hash(s.hash)) {
+            hashbrown::hash_table::Entry::Occupied(_) => false,
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(Slot { hash: h, loc });
+                true
+            }
+        }
+    }
+
     fn remove(&mut self, h: u64) {
         if let Ok(e) = self.0.find_entry(hash(h), |s| s.hash == h) {
             e.remove();

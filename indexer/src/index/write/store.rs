@@ -142,7 +142,11 @@ impl Writer {
             // prefix).
             if let (Some(l), Some((run, i))) = (at, holding) {
                 if l.run == run {
-                    let n = self.stretch(run, i, l.off + 1, &mut blocks);
+                    let n = if l.off + 1 == self.runs[run as usize].len() {
+                        self.fresh(run, i, &mut blocks)
+                    } else {
+                        self.stretch(run, i, l.off + 1, &mut blocks)
+                    };
                     if n > 0 {
                         done += n as usize;
                         at = Some(Loc {
@@ -229,6 +233,56 @@ impl Writer {
             done += 1;
         }
         (0, repeated)
+    }
+
+    /// Appends to `run`, whose last block `holder`'s holding `i` ends
+    /// with, the leading blocks of `blocks` the index does not have: the
+    /// rest of a new chain, most of a long store at SGLang's page size 1.
+    /// What the block-by-block rules do for each (a table probe for its
+    /// name and one for its key among run heads, then `push` and the
+    /// holding extended), in one probe for the name and with the holding's
+    /// span and the run's change noted once. Stops at a block the index
+    /// has (or whose key starts a run) and at the run's cap; returns how
+    /// many it appended.
+    fn fresh(
+        &mut self,
+        run: u32,
+        i: usize,
+        blocks: &mut std::iter::Peekable<impl Iterator<Item = (u64, u64)>>,
+    ) -> u32 {
+        let r = &self.runs[run as usize];
+        let start = r.len();
+        match r.holdings[i].spans.last() {
+            Some(last) if last.end == start => {}
+            _ => return 0,
+        }
+        let mut end = start;
+        while end < RUN_CAP {
+            let Some(&(e, k)) = blocks.peek() else {
+                break;
+            };
+            if self.token_keys && self.find_head(k).is_some() {
+                break;
+            }
+            let loc = Loc { run, off: end };
+            if !self.table.insert_new(e, loc) {
+                break;
+            }
+            blocks.next();
+            let r = &mut self.runs[run as usize];
+            r.push_hash(k);
+            push_growing(&mut r.holders_of, 1);
+            if self.token_keys {
+                push_growing(&mut r.names.get_or_insert_default().engines, e);
+            }
+            end += 1;
+        }
+        if end > start {
+            let r = &mut self.runs[run as usize];
+            r.holdings[i].spans.last_mut().expect("a span").end = end;
+            self.touch(run);
+        }
+        end - start
     }
 
     /// Stores the blocks of `blocks` that are the next ones of `run` from
