@@ -169,10 +169,8 @@ impl KvIndexer for KvIndexerService {
         let result = self.observed(kind, span, work).await;
         let mut response = result.map(Response::new).map_err(Status::from)?;
         if timed {
-            let us = started.elapsed().as_micros().to_string();
-            if let Ok(value) = us.parse() {
-                response.metadata_mut().insert(TIMING_RESPONSE, value);
-            }
+            let us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+            response.metadata_mut().insert(TIMING_RESPONSE, us.into());
         }
         Ok(response)
     }

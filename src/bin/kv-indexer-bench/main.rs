@@ -201,33 +201,27 @@ fn spawn_service_on(o: &Opts, grpc: u16, extra: &[&str]) -> (Spawned, String, St
     )
 }
 
-/// The service's own Score time for token-id requests so far (seconds,
-/// requests), from its `/metrics`: what the handler spent, without the
-/// client, the transport or message decoding.
-fn server_score_time(metrics: Option<&str>) -> Option<(f64, f64)> {
-    let body = metrics_text(metrics)?;
-    let value = |name: &str| -> Option<f64> {
-        body.lines()
-            .find(|l| l.starts_with(name) && l.contains("input=\"token_ids\""))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-    };
-    Some((
-        value("kv_indexer_score_seconds_sum")?,
-        value("kv_indexer_score_seconds_count")?,
-    ))
+/// The service's own Score time for token-id requests so far, from one
+/// read of its `/metrics`: what the handler spent, without the client, the
+/// transport or message decoding.
+struct ServerScore {
+    /// Seconds, over `count` requests.
+    sum: f64,
+    count: f64,
+    /// (bucket bound in seconds, requests at or under it), cumulative.
+    buckets: Vec<(f64, f64)>,
 }
 
-/// The service's Score-time histogram for token-id requests so far:
-/// (bucket bound in seconds, requests at or under it), cumulative, as
-/// `/metrics` gives it.
-fn server_score_buckets(metrics: Option<&str>) -> Option<Vec<(f64, f64)>> {
+fn server_score(metrics: Option<&str>) -> Option<ServerScore> {
     let body = metrics_text(metrics)?;
-    let buckets: Vec<(f64, f64)> = body
-        .lines()
-        .filter(|l| {
-            l.starts_with("kv_indexer_score_seconds_bucket") && l.contains("input=\"token_ids\"")
-        })
+    let token_ids = |name: &'static str| {
+        body.lines()
+            .filter(move |l| l.starts_with(name) && l.contains("input=\"token_ids\""))
+    };
+    let value = |name: &'static str| -> Option<f64> {
+        token_ids(name).next()?.rsplit(' ').next()?.parse().ok()
+    };
+    let buckets = token_ids("kv_indexer_score_seconds_bucket")
         .filter_map(|l| {
             let le = l.split("le=\"").nth(1)?.split('"').next()?;
             let le = if le == "+Inf" {
@@ -238,11 +232,24 @@ fn server_score_buckets(metrics: Option<&str>) -> Option<Vec<(f64, f64)>> {
             Some((le, l.rsplit(' ').next()?.parse().ok()?))
         })
         .collect();
-    (!buckets.is_empty()).then_some(buckets)
+    Some(ServerScore {
+        sum: value("kv_indexer_score_seconds_sum")?,
+        count: value("kv_indexer_score_seconds_count")?,
+        buckets,
+    })
+}
+
+impl ServerScore {
+    /// The handler's mean time (us) between two readings, if it answered
+    /// any request meanwhile.
+    fn mean_us_since(&self, before: &ServerScore) -> Option<f64> {
+        (self.count > before.count)
+            .then(|| (self.sum - before.sum) / (self.count - before.count) * 1e6)
+    }
 }
 
 /// The bucket bound (us) at or under which a `q` share of the requests
-/// between two readings of `server_score_buckets` fell: the handler's
+/// between two readings' buckets (`ServerScore`) fell: the handler's
 /// quantile, to the histogram's resolution (bounds 2.5x apart).
 fn bucket_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
     let diff: Vec<(f64, f64)> = after

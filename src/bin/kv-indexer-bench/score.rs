@@ -13,8 +13,8 @@ use tonic::transport::Channel;
 
 use super::score_client::{grpc_message, ScoreClient};
 use super::{
-    bucket_quantile, pb, percentile, percentile_at, pods_named, random_tokens,
-    server_score_buckets, server_score_time, BLOCK, MODEL,
+    bucket_quantile, pb, percentile, percentile_at, pods_named, random_tokens, server_score, BLOCK,
+    MODEL,
 };
 
 /// Runs `requests` at `rate`/s (open loop: each request leaves on schedule
@@ -172,22 +172,18 @@ pub(crate) async fn score_step(
     rate: f64,
     seconds: f64,
 ) -> Step {
-    let before = server_score_time(metrics);
-    let buckets_before = server_score_buckets(metrics);
+    let before = server_score(metrics);
     let looped = score_at_rate(client, message.clone(), rate, seconds).await;
     let (lat, achieved) = (&looped.lat, looped.achieved);
-    let service_us = match (before, server_score_time(metrics)) {
-        (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) / (n1 - n0) * 1e6),
-        _ => None,
+    let after = server_score(metrics);
+    let (service_us, service_tail_us) = match (&before, &after) {
+        (Some(b), Some(a)) => (
+            a.mean_us_since(b),
+            bucket_quantile(&b.buckets, &a.buckets, 0.99)
+                .zip(bucket_quantile(&b.buckets, &a.buckets, 0.999)),
+        ),
+        _ => (None, None),
     };
-    let service_tail_us = buckets_before
-        .zip(server_score_buckets(metrics))
-        .and_then(|(b, a)| {
-            Some((
-                bucket_quantile(&b, &a, 0.99)?,
-                bucket_quantile(&b, &a, 0.999)?,
-            ))
-        });
     Step {
         achieved,
         p50: percentile(lat, 0.5),
