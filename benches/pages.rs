@@ -12,7 +12,9 @@
 //!   dropped: the most ingest could reach at that page size with an index
 //!   that cost nothing), the wire bytes per token, and what applying costs
 //!   a page (ingest's time less decoding's, per page: keying its tokens and
-//!   indexing it).
+//!   indexing it). The summary also gives decoding and keying alone
+//!   (decoding, plus the prompt's keys' time a token): an index that cost
+//!   nothing would still pay both.
 //! - Score: the same 8 pods also hold the first 24,576 tokens of one
 //!   32,768-token prompt; `Score` of that prompt (keys from its tokens and
 //!   the lookup), p50 / p99 / p99.9 over the rounds' calls, beside the keys
